@@ -1,0 +1,462 @@
+// The collectives of ProcessGroupTDX: validate on the caller's thread, then queue a body
+// that stages tensors into contiguous host images and runs an algorithm on them.
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "algorithms/collectives.h"
+#include "c10d/ProcessGroupTDX.hpp"
+#include "c10d/Validation.hpp"
+
+namespace tdx {
+
+using algorithms::Block;
+using c10d::OpType;
+
+namespace {
+
+Block blockOf(const HostImage& img) {
+  return Block{img.data(), img.bytes()};
+}
+
+// A private copy of `img` scaled by the PREMUL_SUM factor (inputs are never modified).
+at::Tensor premultiplied(const HostImage& img, const Reduction& red) {
+  at::Tensor c = img.host().clone();
+  kernels::cpuScale(c.data_ptr(), c.numel(), red.dtype, red.factor());
+  return c;
+}
+
+void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
+  if (red.average) kernels::cpuDivide(data, numel, red.dtype, size);
+}
+
+void runAllreduce(GroupChannel& ch, const at::Tensor& t, const Reduction& red) {
+  HostImage img(t, /*copyIn=*/true);
+  if (red.premul) kernels::cpuScale(img.data(), img.numel(), red.dtype, red.factor());
+  algorithms::ringAllreduce(ch, img.data(), img.numel(), t.element_size(), red.fn);
+  finishAverage(img.data(), img.numel(), red, ch.size());
+  img.copyOut();
+}
+
+void runAllgatherInto(GroupChannel& ch, const at::Tensor& output, const at::Tensor& input) {
+  HostImage in(input, true);
+  HostImage out(output, false);
+  const size_t block = in.bytes();
+  std::vector<Block> blocks;
+  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{out.data() + r * block, block});
+  if (block > 0 && blocks[ch.rank()].data != in.data()) {
+    std::memmove(blocks[ch.rank()].data, in.data(), block);
+  }
+  algorithms::ringAllgather(ch, blocks);
+  out.copyOut();
+}
+
+void runReduceScatterInto(GroupChannel& ch, const at::Tensor& output, const at::Tensor& input,
+                          const Reduction& red) {
+  HostImage in(input, true);
+  at::Tensor src = red.premul ? premultiplied(in, red) : in.host();
+  HostImage out(output, false);
+  const size_t block = out.bytes();
+  char* base = static_cast<char*>(src.data_ptr());
+  std::vector<Block> blocks;
+  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
+  algorithms::ringReduceScatter(ch, blocks, out.data(), output.element_size(), red.fn);
+  finishAverage(out.data(), out.numel(), red, ch.size());
+  out.copyOut();
+}
+
+} // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  const std::string ctx = prefix() + " broadcast";
+  checkSingle(ctx, tensors);
+  checkRank(ctx, opts.rootRank, size_, "root rank");
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, ctx, ": rootTensor must be 0 (one tensor per rank)");
+  at::Tensor t = tensors[0];
+  const int root = static_cast<int>(opts.rootRank);
+  const bool isRoot = root == rank_;
+  return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, [t, root, isRoot](GroupChannel& ch) {
+    HostImage img(t, isRoot);
+    algorithms::treeBroadcast(ch, img.data(), img.bytes(), root);
+    if (!isRoot) img.copyOut();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  const std::string ctx = prefix() + " all_reduce";
+  checkSingle(ctx, tensors);
+  at::Tensor t = tensors[0];
+  Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
+  return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t},
+                 [t, red](GroupChannel& ch) { runAllreduce(ch, t, red); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const std::string ctx = prefix() + " all_reduce_coalesced";
+  std::vector<Reduction> reds;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    checkTensor(ctx, tensors[i], "tensor " + std::to_string(i));
+    reds.push_back(makeReduction(ctx, opts.reduceOp, tensors[i].scalar_type()));
+  }
+  std::vector<at::Tensor> ts = tensors;
+  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ts,
+                 [ts, reds](GroupChannel& ch) {
+                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(ch, ts[i], reds[i]);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  const std::string ctx = prefix() + " reduce";
+  checkSingle(ctx, tensors);
+  checkRank(ctx, opts.rootRank, size_, "root rank");
+  at::Tensor t = tensors[0];
+  Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
+  const int root = static_cast<int>(opts.rootRank);
+  const bool isRoot = root == rank_;
+  return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [t, red, root, isRoot](GroupChannel& ch) {
+    HostImage img(t, true);
+    at::Tensor src = red.premul ? premultiplied(img, red) : img.host();
+    // The root reduces into its own tensor; other ranks leave theirs untouched.
+    algorithms::treeReduce(ch, src.data_ptr(), img.data(), img.numel(), t.element_size(),
+                           red.fn, root);
+    if (isRoot) {
+      finishAverage(img.data(), img.numel(), red, ch.size());
+      img.copyOut();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  const std::string ctx = prefix() + " all_gather";
+  checkSingle(ctx, inputs);
+  checkListSize(ctx, outputs.size(), 1, "the output list of lists");
+  checkListSize(ctx, outputs[0].size(), size_, "the output list");
+  at::Tensor input = inputs[0];
+  for (int r = 0; r < size_; ++r) {
+    checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r), true);
+  }
+  std::vector<at::Tensor> outs = outputs[0];
+  return enqueue(OpType::ALLGATHER, "all_gather", outs, {input}, [input, outs](GroupChannel& ch) {
+    HostImage in(input, true);
+    std::vector<HostImage> images;
+    std::vector<Block> blocks;
+    for (const auto& o : outs) images.emplace_back(o, false);
+    for (const auto& img : images) blocks.push_back(blockOf(img));
+    Block& mine = blocks[ch.rank()];
+    if (mine.bytes > 0 && mine.data != in.data()) std::memmove(mine.data, in.data(), mine.bytes);
+    algorithms::ringAllgather(ch, blocks);
+    for (auto& img : images) img.copyOut();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& /*opts*/) {
+  const std::string ctx = prefix() + " all_gather_into_tensor";
+  checkTensor(ctx, input, "input");
+  checkSameLayout(ctx, input, output, "output", false);
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, ctx, ": output has ",
+                    output.numel(), " elements but must have input.numel() * world_size = ",
+                    input.numel() * size_, "; allocate the output as world_size inputs");
+  at::Tensor in = input, out = output;
+  return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in},
+                 [out, in](GroupChannel& ch) { runAllgatherInto(ch, out, in); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  const std::string ctx = prefix() + " all_gather_into_tensor_coalesced";
+  checkListSize(ctx, outputs.size(), inputs.size(), "the output list (one per input)");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkTensor(ctx, inputs[i], "input " + std::to_string(i));
+    checkSameLayout(ctx, inputs[i], outputs[i], "output " + std::to_string(i), false);
+    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, ctx, ": output ", i,
+                      " has ", outputs[i].numel(), " elements but must have ",
+                      inputs[i].numel() * size_);
+  }
+  std::vector<at::Tensor> outs = outputs, ins = inputs;
+  return enqueue(OpType::COALESCED, "all_gather_into_tensor_coalesced", outs, ins,
+                 [outs, ins](GroupChannel& ch) {
+                   for (size_t i = 0; i < ins.size(); ++i) runAllgatherInto(ch, outs[i], ins[i]);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  const std::string ctx = prefix() + " all_gather_coalesced";
+  checkListSize(ctx, outputLists.size(), inputs.size(), "the list of output lists");
+  std::vector<at::Tensor> flatOuts;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkTensor(ctx, inputs[i], "input " + std::to_string(i));
+    checkListSize(ctx, outputLists[i].size(), size_, "an output list");
+    for (auto& o : outputLists[i]) {
+      checkSameLayout(ctx, inputs[i], o, "output of input " + std::to_string(i), true);
+      flatOuts.push_back(o);
+    }
+  }
+  auto lists = outputLists;
+  std::vector<at::Tensor> ins = inputs;
+  return enqueue(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", flatOuts, ins,
+                 [lists, ins](GroupChannel& ch) {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     HostImage in(ins[i], true);
+                     std::vector<HostImage> images;
+                     std::vector<Block> blocks;
+                     for (const auto& o : lists[i]) images.emplace_back(o, false);
+                     for (const auto& img : images) blocks.push_back(blockOf(img));
+                     if (in.bytes() > 0) std::memmove(blocks[ch.rank()].data, in.data(), in.bytes());
+                     algorithms::ringAllgather(ch, blocks);
+                     for (auto& img : images) img.copyOut();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const std::string ctx = prefix() + " gather";
+  checkSingle(ctx, inputs);
+  checkRank(ctx, opts.rootRank, size_, "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  at::Tensor input = inputs[0];
+  std::vector<at::Tensor> outs;
+  if (rank_ == root) {
+    checkListSize(ctx, outputs.size(), 1, "the root's output list of lists");
+    checkListSize(ctx, outputs[0].size(), size_, "the root's gather list");
+    for (int r = 0; r < size_; ++r) {
+      checkSameLayout(ctx, input, outputs[0][r], "gather_list[" + std::to_string(r) + "]", true);
+    }
+    outs = outputs[0];
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), ctx,
+                      ": only the root (rank ", root,
+                      ") passes a gather list; pass gather_list=None on other ranks");
+  }
+  return enqueue(OpType::GATHER, "gather", outs, {input}, [input, outs, root](GroupChannel& ch) {
+    HostImage in(input, true);
+    std::vector<HostImage> images;
+    std::vector<Block> blocks;
+    for (const auto& o : outs) images.emplace_back(o, false);
+    for (const auto& img : images) blocks.push_back(blockOf(img));
+    algorithms::directGather(ch, blockOf(in), blocks, root);
+    for (auto& img : images) img.copyOut();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const std::string ctx = prefix() + " scatter";
+  checkSingle(ctx, outputs);
+  checkRank(ctx, opts.rootRank, size_, "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  at::Tensor output = outputs[0];
+  std::vector<at::Tensor> ins;
+  if (rank_ == root) {
+    checkListSize(ctx, inputs.size(), 1, "the root's input list of lists");
+    checkListSize(ctx, inputs[0].size(), size_, "the root's scatter list");
+    for (int r = 0; r < size_; ++r) {
+      checkSameLayout(ctx, output, inputs[0][r], "scatter_list[" + std::to_string(r) + "]", true);
+    }
+    ins = inputs[0];
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), ctx,
+                      ": only the root (rank ", root,
+                      ") passes a scatter list; pass scatter_list=None on other ranks");
+  }
+  return enqueue(OpType::SCATTER, "scatter", {output}, ins, [output, ins, root](GroupChannel& ch) {
+    HostImage out(output, false);
+    std::vector<HostImage> images;
+    std::vector<Block> blocks;
+    for (const auto& i : ins) images.emplace_back(i, true);
+    for (const auto& img : images) blocks.push_back(blockOf(img));
+    algorithms::directScatter(ch, blocks, blockOf(out), root);
+    out.copyOut();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const std::string ctx = prefix() + " reduce_scatter";
+  checkSingle(ctx, outputs);
+  checkListSize(ctx, inputs.size(), 1, "the input list of lists");
+  checkListSize(ctx, inputs[0].size(), size_, "the input list");
+  at::Tensor output = outputs[0];
+  for (int r = 0; r < size_; ++r) {
+    checkSameLayout(ctx, output, inputs[0][r], "input_list[" + std::to_string(r) + "]", true);
+  }
+  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
+  std::vector<at::Tensor> ins = inputs[0];
+  return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
+                 [output, ins, red](GroupChannel& ch) {
+                   std::vector<HostImage> images;
+                   std::vector<at::Tensor> keep;
+                   std::vector<Block> blocks;
+                   for (const auto& i : ins) images.emplace_back(i, true);
+                   for (const auto& img : images) {
+                     keep.push_back(red.premul ? premultiplied(img, red) : img.host());
+                     blocks.push_back(Block{static_cast<char*>(keep.back().data_ptr()), img.bytes()});
+                   }
+                   HostImage out(output, false);
+                   algorithms::ringReduceScatter(ch, blocks, out.data(), output.element_size(),
+                                                 red.fn);
+                   finishAverage(out.data(), out.numel(), red, ch.size());
+                   out.copyOut();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const std::string ctx = prefix() + " reduce_scatter_tensor";
+  checkTensor(ctx, output, "output");
+  checkSameLayout(ctx, output, input, "input", false);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, ctx, ": input has ", input.numel(),
+                    " elements but must have output.numel() * world_size = ",
+                    output.numel() * size_);
+  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
+  at::Tensor in = input, out = output;
+  return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in},
+                 [out, in, red](GroupChannel& ch) { runReduceScatterInto(ch, out, in, red); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const std::string ctx = prefix() + " reduce_scatter_tensor_coalesced";
+  checkListSize(ctx, outputs.size(), inputs.size(), "the output list (one per input)");
+  std::vector<Reduction> reds;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkTensor(ctx, outputs[i], "output " + std::to_string(i));
+    checkSameLayout(ctx, outputs[i], inputs[i], "input " + std::to_string(i), false);
+    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, ctx, ": input ", i,
+                      " has ", inputs[i].numel(), " elements but must have ",
+                      outputs[i].numel() * size_);
+    reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type()));
+  }
+  std::vector<at::Tensor> outs = outputs, ins = inputs;
+  return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outs, ins,
+                 [outs, ins, reds](GroupChannel& ch) {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     runReduceScatterInto(ch, outs[i], ins[i], reds[i]);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
+    at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+    std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& /*opts*/) {
+  const std::string ctx = prefix() + " all_to_all_single";
+  checkTensor(ctx, input, "input");
+  checkSameLayout(ctx, input, output, "output", false);
+  TORCH_CHECK_VALUE(input.dim() >= 1 && output.dim() >= 1, ctx,
+                    ": input and output need at least one dimension to split along dim 0");
+  auto resolve = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* name) {
+    std::vector<int64_t> rows;
+    if (splits.empty()) {
+      TORCH_CHECK_VALUE(t.size(0) % size_ == 0, ctx, ": ", name, " has ", t.size(0),
+                        " rows, which world_size ", size_,
+                        " does not divide; pass explicit split sizes");
+      rows.assign(size_, t.size(0) / size_);
+    } else {
+      checkListSize(ctx, splits.size(), size_, name);
+      int64_t sum = 0;
+      for (int64_t s : splits) {
+        TORCH_CHECK_VALUE(s >= 0, ctx, ": ", name, " has a negative split size ", s);
+        sum += s;
+      }
+      TORCH_CHECK_VALUE(sum == t.size(0), ctx, ": ", name, " sum to ", sum, " but the tensor has ",
+                        t.size(0), " rows along dim 0");
+      rows = splits;
+    }
+    return rows;
+  };
+  std::vector<int64_t> inRows = resolve(input, inputSplits, "input split sizes");
+  std::vector<int64_t> outRows = resolve(output, outputSplits, "output split sizes");
+  const int64_t inRow = input.size(0) ? input.numel() / input.size(0) : 0;
+  const int64_t outRow = output.size(0) ? output.numel() / output.size(0) : 0;
+  TORCH_CHECK_VALUE(input.size(0) == 0 || output.size(0) == 0 || inRow == outRow, ctx,
+                    ": input rows have ", inRow, " elements but output rows have ", outRow,
+                    "; all dims but the first must match");
+  const int64_t row = std::max(inRow, outRow);
+  at::Tensor in = input, out = output;
+  return enqueue(OpType::ALLTOALL_BASE, "all_to_all_single", {out}, {in},
+                 [in, out, inRows, outRows, row](GroupChannel& ch) {
+                   HostImage inImg(in, true);
+                   HostImage outImg(out, false);
+                   at::Tensor src = inImg.host();
+                   // In place (output aliases input): send from a private copy.
+                   if (inImg.bytes() > 0 && outImg.data() < inImg.data() + inImg.bytes() &&
+                       inImg.data() < outImg.data() + outImg.bytes()) {
+                     src = src.clone();
+                   }
+                   const size_t rowBytes = row * in.element_size();
+                   std::vector<Block> sends, recvs;
+                   size_t inOff = 0, outOff = 0;
+                   for (int r = 0; r < ch.size(); ++r) {
+                     sends.push_back(Block{static_cast<char*>(src.data_ptr()) + inOff, inRows[r] * rowBytes});
+                     recvs.push_back(Block{outImg.data() + outOff, outRows[r] * rowBytes});
+                     inOff += inRows[r] * rowBytes;
+                     outOff += outRows[r] * rowBytes;
+                   }
+                   algorithms::pairwiseAlltoall(ch, sends, recvs);
+                   outImg.copyOut();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& /*opts*/) {
+  const std::string ctx = prefix() + " all_to_all";
+  checkListSize(ctx, inputs.size(), size_, "the input list");
+  checkListSize(ctx, outputs.size(), size_, "the output list");
+  checkTensor(ctx, inputs[0], "input 0");
+  for (int r = 0; r < size_; ++r) {
+    checkSameLayout(ctx, inputs[0], inputs[r], "input " + std::to_string(r), false);
+    checkSameLayout(ctx, inputs[0], outputs[r], "output " + std::to_string(r), false);
+  }
+  std::vector<at::Tensor> outs = outputs, ins = inputs;
+  return enqueue(OpType::ALLTOALL, "all_to_all", outs, ins, [outs, ins](GroupChannel& ch) {
+    std::vector<HostImage> inImgs, outImgs;
+    std::vector<at::Tensor> srcs;
+    std::vector<Block> sends, recvs;
+    for (const auto& t : ins) inImgs.emplace_back(t, true);
+    for (const auto& t : outs) outImgs.emplace_back(t, false);
+    for (int r = 0; r < ch.size(); ++r) {
+      // Outputs may alias inputs; send from private copies when they do.
+      at::Tensor src = inImgs[r].host();
+      for (const auto& o : outImgs) {
+        if (src.numel() > 0 && o.data() < inImgs[r].data() + inImgs[r].bytes() &&
+            inImgs[r].data() < o.data() + o.bytes()) {
+          src = src.clone();
+          break;
+        }
+      }
+      srcs.push_back(src);
+      sends.push_back(Block{static_cast<char*>(src.data_ptr()), inImgs[r].bytes()});
+      recvs.push_back(blockOf(outImgs[r]));
+    }
+    algorithms::pairwiseAlltoall(ch, sends, recvs);
+    for (auto& img : outImgs) img.copyOut();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::barrier(const c10d::BarrierOptions& opts) {
+  std::vector<at::Tensor> none;
+  if (opts.device.has_value() && opts.device->type() != c10::DeviceType::CPU) {
+    // A device barrier also orders the caller's stream (as NCCL's does): a one-byte
+    // tensor on that device makes the worker wait for the stream before the barrier.
+    none.push_back(at::empty({1}, at::TensorOptions().dtype(at::kByte).device(*opts.device)));
+  }
+  return enqueue(OpType::BARRIER, "barrier", {}, none,
+                 [](GroupChannel& ch) { algorithms::disseminationBarrier(ch); });
+}
+
+} // namespace tdx

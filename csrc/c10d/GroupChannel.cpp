@@ -1,0 +1,96 @@
+#include "c10d/GroupChannel.hpp"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "transport/tag.h"
+
+namespace tdx {
+
+using transport::Clock;
+using transport::RequestPtr;
+
+GroupChannel::GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints,
+                           int rank, uint32_t groupId, uint64_t seq,
+                           Clock::time_point deadline, const std::atomic<bool>& aborted)
+    : transport_(transport),
+      endpoints_(endpoints),
+      rank_(rank),
+      groupId_(groupId),
+      seq_(seq),
+      deadline_(deadline),
+      aborted_(aborted) {}
+
+GroupChannel::~GroupChannel() {
+  quiesce();
+}
+
+bool GroupChannel::quiesce() {
+  bool all = true;
+  for (auto& p : posted_) {
+    if (!p.request->done()) transport_.cancel(*p.request, "op abandoned after an error");
+  }
+  auto until = Clock::now() + std::chrono::seconds(1);
+  for (auto& p : posted_) {
+    if (!p.request->done()) all = transport_.wait(*p.request, until) && all;
+  }
+  return all;
+}
+
+RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
+  uint64_t t = tag::collective(groupId_, rank_, seq_, step);
+  auto r = transport_.isend(endpoints_.at(peer), t, data, bytes, transport::MemType::Host);
+  posted_.push_back({r, peer, step});
+  return r;
+}
+
+RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes) {
+  uint64_t t = tag::collective(groupId_, peer, seq_, step);
+  auto r = transport_.irecv(endpoints_.at(peer), t, tag::kFullMask, data, bytes,
+                            transport::MemType::Host);
+  posted_.push_back({r, peer, step});
+  return r;
+}
+
+void GroupChannel::wait(const RequestPtr& r) {
+  auto it = std::find_if(posted_.begin(), posted_.end(),
+                         [&](const Posted& p) { return p.request == r; });
+  if (it == posted_.end()) throw std::logic_error("request does not belong to this op");
+  const Posted p = *it;
+  // Wake up now and then to notice an abort of the group.
+  while (!transport_.wait(*r, std::min(deadline_, Clock::now() + std::chrono::milliseconds(100)))) {
+    if (aborted_.load()) {
+      throw std::runtime_error("the process group was aborted while waiting for rank " +
+                               std::to_string(p.peer));
+    }
+    if (Clock::now() >= deadline_) {
+      throw std::runtime_error(
+          std::string("timed out waiting to ") + (r->isSend ? "send to" : "receive from") +
+          " rank " + std::to_string(p.peer) + " (step " + std::to_string(p.step) +
+          "); that rank has not reached this op, is behind, or is gone. Every rank must "
+          "call the same collectives in the same order");
+    }
+  }
+  if (!r->ok()) {
+    throw std::runtime_error(std::string(r->isSend ? "send to" : "receive from") + " rank " +
+                             std::to_string(p.peer) + " failed (step " +
+                             std::to_string(p.step) + "): " + r->error);
+  }
+  if (!r->isSend && r->receivedBytes != r->postedBytes) {
+    throw std::runtime_error(
+        "rank " + std::to_string(p.peer) + " sent " + std::to_string(r->receivedBytes) +
+        " bytes where " + std::to_string(r->postedBytes) +
+        " were expected (step " + std::to_string(p.step) +
+        "): the ranks passed tensors of different sizes or dtypes to this op");
+  }
+  // Finished requests leave the list so it only holds what is still in flight.
+  *it = posted_.back();
+  posted_.pop_back();
+}
+
+char* GroupChannel::scratch(size_t bytes) {
+  if (scratch_.size() < bytes) scratch_.resize(bytes);
+  return scratch_.data();
+}
+
+} // namespace tdx

@@ -1,0 +1,55 @@
+// The Channel an algorithm runs on: one op of one group, over the process's transport.
+// Translates group ranks to endpoints, builds tags (group, sender, sequence, step),
+// enforces the op's deadline and turns failures into errors that name the peer.
+#pragma once
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "algorithms/channel.h"
+#include "transport/transport.h"
+
+namespace tdx {
+
+class GroupChannel final : public algorithms::Channel {
+ public:
+  GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints, int rank,
+               uint32_t groupId, uint64_t seq, transport::Clock::time_point deadline,
+               const std::atomic<bool>& aborted);
+  // Cancels whatever is still in flight (an op that threw part way).
+  ~GroupChannel() override;
+
+  int rank() const override {
+    return rank_;
+  }
+  int size() const override {
+    return static_cast<int>(endpoints_.size());
+  }
+  transport::RequestPtr isend(int peer, uint32_t step, const void* data, size_t bytes) override;
+  transport::RequestPtr irecv(int peer, uint32_t step, void* data, size_t bytes) override;
+  void wait(const transport::RequestPtr& request) override;
+  char* scratch(size_t bytes) override;
+
+  // True when every request of this op has finished (so its buffers may be reused).
+  bool quiesce();
+
+ private:
+  struct Posted {
+    transport::RequestPtr request;
+    int peer;
+    uint32_t step;
+  };
+
+  transport::Transport& transport_;
+  const std::vector<int>& endpoints_;
+  int rank_;
+  uint32_t groupId_;
+  uint64_t seq_;
+  transport::Clock::time_point deadline_;
+  const std::atomic<bool>& aborted_;
+  std::vector<Posted> posted_;
+  std::vector<char> scratch_;
+};
+
+} // namespace tdx

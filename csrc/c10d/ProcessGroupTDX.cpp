@@ -1,0 +1,408 @@
+// Construction, the worker thread, point-to-point, coalescing, splitting and teardown.
+// The collectives themselves are in Collectives.cpp.
+#include "c10d/ProcessGroupTDX.hpp"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "c10d/Validation.hpp"
+#include "common/logging.h"
+#include "transport/tag.h"
+
+namespace tdx {
+
+using transport::Clock;
+
+namespace {
+
+uint32_t hashGroupName(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<uint32_t>((h ^ (h >> 20) ^ (h >> 40)) & tag::kGroupMask);
+}
+
+std::string errorText(const std::exception& e) {
+  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
+  return e.what();
+}
+
+// Makes later work on `device` wait for everything queued so far on the calling
+// thread's current stream (host-blocking).
+void syncCurrentStream(const c10::Device& device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  c10::Event ev(device.type());
+  ev.record(impl.getStream(device));
+  ev.synchronize();
+}
+
+std::optional<c10::Device> firstDeviceTensor(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.defined() && !t.is_cpu()) return t.device();
+  }
+  return std::nullopt;
+}
+
+} // namespace
+
+ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                 int size, c10::intrusive_ptr<c10d::Backend::Options> options,
+                                 std::vector<int64_t> globalRanks)
+    : Backend(rank, size),
+      store_(store),
+      options_(std::move(options)),
+      globalRanks_(std::move(globalRanks)) {
+  groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
+  TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
+                    ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
+  if (globalRanks_.empty()) {
+    for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
+  }
+  groupId_ = hashGroupName(groupName_);
+
+  try {
+    transport_ = transport::UcxTransport::acquire();
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, prefix() + " could not start UCX: " + e.what());
+  }
+  // Worker addresses go through the group's own (prefixed) store; endpoints are shared
+  // per peer process across groups by the transport.
+  const std::string addr = transport_->address();
+  store_->set("tdx/addr/" + std::to_string(rank),
+              std::vector<uint8_t>(addr.begin(), addr.end()));
+  endpoints_.resize(size);
+  for (int r = 0; r < size; ++r) {
+    std::vector<uint8_t> peer;
+    try {
+      peer = store_->get("tdx/addr/" + std::to_string(r));
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError, prefix() + " rank " + std::to_string(r) +
+                                            " did not publish its address: " + errorText(e) +
+                                            ". Did every rank of the group call init?");
+    }
+    endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
+  }
+  worker_ = std::thread([this] { runLoop(); });
+  init();
+  TDX_LOG(Info, prefix()) << "group ready (id " << groupId_ << ", timeout "
+                          << options_->timeout.count() << " ms)";
+}
+
+ProcessGroupTDX::~ProcessGroupTDX() {
+  shutdown();
+}
+
+std::string ProcessGroupTDX::prefix() const {
+  std::ostringstream os;
+  os << "[tdx r" << rank_ << "/" << size_ << " pg=" << groupName_ << "]";
+  return os.str();
+}
+
+std::chrono::milliseconds ProcessGroupTDX::timeout() const {
+  return options_->timeout;
+}
+
+void ProcessGroupTDX::setTimeout(std::chrono::milliseconds timeout) {
+  options_->timeout = timeout;
+}
+
+std::string ProcessGroupTDX::describe(const char* op, uint64_t seq,
+                                      const std::vector<at::Tensor>& ts) const {
+  std::ostringstream os;
+  os << prefix() << " " << op;
+  if (seq > 0) os << " #" << seq;
+  if (!ts.empty() && ts[0].defined()) {
+    os << " (" << c10::toString(ts[0].scalar_type()) << ts[0].sizes() << " on "
+       << ts[0].device();
+    if (ts.size() > 1) os << ", +" << ts.size() - 1 << " more";
+    os << ")";
+  }
+  return os.str();
+}
+
+std::exception_ptr ProcessGroupTDX::wrapError(const std::string& what,
+                                              const std::string& message) {
+  try {
+    C10_THROW_ERROR(DistBackendError, what + " failed: " + message);
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
+    c10d::OpType type, const std::string& what, std::vector<at::Tensor> outputs,
+    std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body) {
+  const uint64_t seq = ++seq_;
+  auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
+                                           outputs, timeout(), what.c_str(), inputs);
+  Task task;
+  task.work = work;
+  task.body = std::move(body);
+  task.seq = seq;
+  task.keepAlive = std::move(inputs);
+  task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
+  if (auto dev = firstDeviceTensor(task.keepAlive)) {
+    // The op must see what the caller's stream produced: record an event now, wait for
+    // it on the worker thread.
+    c10::impl::VirtualGuardImpl impl(dev->type());
+    auto ev = std::make_shared<c10::Event>(dev->type());
+    ev->record(impl.getStream(*dev));
+    task.readyEvent = ev;
+  }
+  TDX_LOG(Detail, prefix()) << "enqueue " << work->description();
+  {
+    std::lock_guard<std::mutex> lock(queueMu_);
+    if (stopping_) {
+      C10_THROW_ERROR(DistBackendError,
+                      work->description() + ": the process group has been shut down; "
+                                            "create a new one");
+    }
+    queue_.push_back(std::move(task));
+  }
+  queueCv_.notify_one();
+  registerWork(work);
+  return work;
+}
+
+void ProcessGroupTDX::runLoop() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(queueMu_);
+      queueCv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    runTask(task);
+  }
+}
+
+void ProcessGroupTDX::runTask(Task& task) {
+  const std::string& what = task.work->description();
+  std::exception_ptr error;
+  if (broken_.load()) {
+    error = wrapError(what, "the group is unusable after an earlier failure (" +
+                                brokenReason_ + "); destroy it and create a new one");
+  } else {
+    try {
+      if (task.readyEvent) static_cast<c10::Event*>(task.readyEvent.get())->synchronize();
+      GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
+                      Clock::now() + timeout(), aborted_);
+      try {
+        task.body(ch);
+      } catch (...) {
+        if (!ch.quiesce()) {
+          // A transfer could not be cancelled: its buffers may still be written, so they
+          // are never returned to the allocator.
+          static std::vector<std::vector<at::Tensor>> graveyard;
+          graveyard.push_back(task.keepAlive);
+        }
+        throw;
+      }
+      if (auto dev = firstDeviceTensor(task.keepAlive)) syncCurrentStream(*dev);
+    } catch (const std::exception& e) {
+      brokenReason_ = what + ": " + errorText(e);
+      broken_ = true;
+      error = wrapError(what, errorText(e));
+      TDX_LOG(Error, prefix()) << what << " failed: " << errorText(e);
+    }
+  }
+  task.work->finishPart(error);
+}
+
+void ProcessGroupTDX::registerWork(const c10::intrusive_ptr<WorkTDX>& work) {
+  std::lock_guard<std::mutex> lock(coalesceMu_);
+  if (coalesced_) coalesced_->attachChild(work);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Tensor t,
+                                                             int peer, int userTag) {
+  const char* op = isSend ? "send" : (peer < 0 ? "recv (any source)" : "recv");
+  const std::string ctx = prefix() + " " + op;
+  checkTensor(ctx, t, "tensor");
+  if (peer >= 0) checkRank(ctx, peer, size_, isSend ? "destination rank" : "source rank");
+  TORCH_CHECK_VALUE(userTag >= 0 && static_cast<uint64_t>(userTag) <= tag::kMaxUserTag, ctx,
+                    ": tag ", userTag, " is out of range; use 0..", tag::kMaxUserTag);
+  {
+    std::lock_guard<std::mutex> lock(queueMu_);
+    TORCH_CHECK(!stopping_, ctx, ": the process group has been shut down; create a new one");
+  }
+
+  const bool staged = !(t.is_cpu() && t.is_contiguous());
+  at::Tensor host;
+  if (!staged) {
+    host = t;
+  } else if (isSend) {
+    host = t.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous();
+  } else {
+    host = at::empty(t.sizes(), t.options().device(at::kCPU));
+  }
+  std::ostringstream desc;
+  desc << describe(op, 0, {t}) << " " << (isSend ? "to" : "from") << " rank "
+       << (peer < 0 ? std::string("any") : std::to_string(peer)) << " tag " << userTag;
+  const std::string what = desc.str();
+  auto work = c10::make_intrusive<WorkTDX>(
+      isSend ? c10d::OpType::SEND : (peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+      what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
+      std::vector<at::Tensor>{t});
+
+  auto onComplete = [work, t, host, staged, isSend, peer, what](transport::Request& r) {
+    std::exception_ptr error;
+    if (!r.ok()) {
+      error = wrapError(what, r.error);
+    } else if (!isSend && r.receivedBytes != r.postedBytes) {
+      error = wrapError(what, "received " + std::to_string(r.receivedBytes) + " bytes where " +
+                                  std::to_string(r.postedBytes) +
+                                  " were expected: sender and receiver tensors differ in size");
+    } else {
+      if (!isSend && peer < 0) work->setSourceRank(static_cast<int>(tag::senderOf(r.senderTag)));
+      if (!isSend && staged) {
+        try {
+          t.copy_(host);
+          if (!t.is_cpu()) syncCurrentStream(t.device());
+        } catch (const std::exception& e) {
+          error = wrapError(what, errorText(e));
+        }
+      }
+    }
+    work->finishPart(error);
+  };
+
+  const size_t bytes = host.numel() * host.element_size();
+  transport::RequestPtr req;
+  if (isSend) {
+    req = transport_->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
+                            host.data_ptr(), bytes, transport::MemType::Host, onComplete);
+  } else {
+    uint64_t tagValue = tag::pointToPoint(groupId_, peer < 0 ? 0 : peer, userTag);
+    req = transport_->irecv(peer < 0 ? -1 : endpoints_[peer], tagValue,
+                            peer < 0 ? tag::kAnySourceMask : tag::kFullMask, host.data_ptr(),
+                            bytes, transport::MemType::Host, onComplete);
+  }
+  std::weak_ptr<transport::Request> weak = req;
+  auto transport = transport_;
+  work->setOnTimeout([transport, weak] {
+    if (auto r = weak.lock()) transport->cancel(*r, "timed out: the peer never posted the matching op");
+  });
+  registerWork(work);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::send(std::vector<at::Tensor>& tensors,
+                                                     int dstRank, int tag) {
+  checkSingle(prefix() + " send", tensors);
+  return pointToPoint(true, tensors[0], dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::recv(std::vector<at::Tensor>& tensors,
+                                                     int srcRank, int tag) {
+  checkSingle(prefix() + " recv", tensors);
+  return pointToPoint(false, tensors[0], srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                              int tag) {
+  checkSingle(prefix() + " recv", tensors);
+  return pointToPoint(false, tensors[0], -1, tag);
+}
+
+void ProcessGroupTDX::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalesceMu_);
+  TORCH_CHECK(!coalesced_, prefix(),
+              " startCoalescing: already coalescing; end the previous block first");
+  coalesced_ = c10::make_intrusive<WorkTDX>(c10d::OpType::COALESCED,
+                                            prefix() + " coalesced ops", seq_.load(),
+                                            std::vector<at::Tensor>{}, timeout());
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::endCoalescing() {
+  c10::intrusive_ptr<WorkTDX> work;
+  {
+    std::lock_guard<std::mutex> lock(coalesceMu_);
+    TORCH_CHECK(coalesced_, prefix(), " endCoalescing: startCoalescing was not called");
+    work = std::move(coalesced_);
+    coalesced_.reset();
+  }
+  work->finishPart(nullptr);  // the block is closed: only its ops remain
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTDX::split(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  auto it = std::find(ranks.begin(), ranks.end(), rank_);
+  if (it == ranks.end()) return nullptr;
+  const int newRank = static_cast<int>(it - ranks.begin());
+  std::vector<int64_t> globals;
+  for (int r : ranks) {
+    checkRank(prefix() + " split", r, size_, "rank");
+    globals.push_back(globalRanks_[r]);
+  }
+  auto newOpts = opts ? opts : c10::make_intrusive<c10d::Backend::Options>("tdx", timeout());
+  if (newOpts->group_name.empty()) {
+    std::ostringstream name;
+    name << groupName_ << ":split";
+    for (int r : ranks) name << "_" << r;
+    newOpts->group_name = name.str();
+  }
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("tdx-split/" + newOpts->group_name, store);
+  return c10::make_intrusive<ProcessGroupTDX>(prefixed, newRank, static_cast<int>(ranks.size()),
+                                              newOpts, globals);
+}
+
+void ProcessGroupTDX::stopWorker(const std::string& reason) {
+  std::deque<Task> pending;
+  {
+    std::lock_guard<std::mutex> lock(queueMu_);
+    stopping_ = true;
+    pending.swap(queue_);
+  }
+  queueCv_.notify_all();
+  for (auto& t : pending) t.work->finishPart(wrapError(t.work->description(), reason));
+  if (worker_.joinable()) {
+    if (worker_.get_id() == std::this_thread::get_id()) {
+      worker_.detach();  // shut down from a completion callback on the worker itself
+    } else {
+      worker_.join();
+    }
+  }
+}
+
+void ProcessGroupTDX::shutdown() {
+  // Completion callbacks may run Python (comm hooks) on the worker thread; joining it
+  // while holding the GIL would deadlock, so let go of the GIL first.
+  if (Py_IsInitialized() && PyGILState_Check()) {
+    pybind11::gil_scoped_release noGil;
+    shutdownLocked();
+  } else {
+    shutdownLocked();
+  }
+}
+
+void ProcessGroupTDX::shutdownLocked() {
+  std::lock_guard<std::mutex> lock(shutdownMu_);
+  if (shutDown_) return;
+  shutDown_ = true;
+  // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
+  // not hang on a peer that is gone.
+  aborted_ = true;
+  stopWorker("the process group was shut down before the op ran");
+  transport_.reset();
+  TDX_LOG(Info, prefix()) << "shut down";
+}
+
+void ProcessGroupTDX::abort() {
+  shutdown();
+}
+
+} // namespace tdx

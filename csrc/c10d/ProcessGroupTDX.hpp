@@ -1,0 +1,180 @@
+// ProcessGroupTDX: the c10d::Backend behind torch.distributed's "tdx".
+//
+// Every collective is validated on the caller's thread (errors raise at the call, before
+// anything is sent), then queued to the group's own worker thread, which runs it to
+// completion over the process-wide transport with the group's timeout as its deadline.
+// Point-to-point ops are posted directly and complete from the transport's callbacks,
+// so a send never blocks a later receive.
+//
+// Tensors that are not contiguous CPU tensors (strided views, CUDA tensors) are staged
+// through a contiguous host copy; CUDA tensors are first ordered after the caller's
+// current stream with an event.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "c10d/GroupChannel.hpp"
+#include "c10d/WorkTDX.hpp"
+#include "transport/ucx/ucx_transport.h"
+
+namespace tdx {
+
+class ProcessGroupTDX : public c10d::Backend {
+ public:
+  ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  c10::intrusive_ptr<c10d::Backend::Options> options,
+                  std::vector<int64_t> globalRanks);
+  ~ProcessGroupTDX() override;
+
+  const std::string getBackendName() const override {
+    return "tdx";
+  }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
+    return options_;
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  // Collectives.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Point-to-point.
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+
+  // Coalescing: ops between start and end complete as one Work.
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  // Splitting (split_group, DeviceMesh with device_id).
+  bool supportsSplitting() const override {
+    return true;
+  }
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override;
+
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override {
+    return seq_.load();
+  }
+
+  void shutdown() override;
+  void abort() override;
+
+  // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
+  std::string prefix() const;
+  const std::string& groupName() const {
+    return groupName_;
+  }
+
+ private:
+  struct Task {
+    c10::intrusive_ptr<WorkTDX> work;
+    std::function<void(GroupChannel&)> body;
+    uint64_t seq = 0;
+    std::vector<at::Tensor> keepAlive;
+    std::shared_ptr<void> readyEvent;  // c10::Event for CUDA inputs, else null
+  };
+
+  // Queues a collective; `body` runs on the worker thread with the op's channel.
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const std::string& what,
+                                         std::vector<at::Tensor> outputs,
+                                         std::vector<at::Tensor> inputs,
+                                         std::function<void(GroupChannel&)> body);
+  c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, at::Tensor tensor, int peer,
+                                              int tag);
+  void registerWork(const c10::intrusive_ptr<WorkTDX>& work);
+  void runLoop();
+  void runTask(Task& task);
+  void stopWorker(const std::string& reason);
+  void shutdownLocked();
+  std::chrono::milliseconds timeout() const;
+  std::string describe(const char* op, uint64_t seq, const std::vector<at::Tensor>& ts) const;
+  static std::exception_ptr wrapError(const std::string& what, const std::string& message);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend::Options> options_;
+  std::string groupName_;
+  std::vector<int64_t> globalRanks_;
+  uint32_t groupId_;
+  std::shared_ptr<transport::UcxTransport> transport_;
+  std::vector<int> endpoints_;  // group rank -> transport endpoint
+
+  std::atomic<uint64_t> seq_{0};
+  std::atomic<bool> aborted_{false};
+  std::atomic<bool> broken_{false};
+  std::string brokenReason_;
+
+  std::mutex queueMu_;
+  std::condition_variable queueCv_;
+  std::deque<Task> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+  std::mutex shutdownMu_;
+  bool shutDown_ = false;
+
+  std::mutex coalesceMu_;
+  c10::intrusive_ptr<WorkTDX> coalesced_;
+
+  friend class CollectiveBuilder;
+};
+
+} // namespace tdx

@@ -1,0 +1,149 @@
+#include "c10d/Validation.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace tdx {
+
+std::optional<DType> toDType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kChar: return DType::Int8;
+    case at::kByte: return DType::UInt8;
+    case at::kShort: return DType::Int16;
+    case at::kInt: return DType::Int32;
+    case at::kLong: return DType::Int64;
+    case at::kBool: return DType::Bool;
+    default: return std::nullopt;
+  }
+}
+
+static std::string shapeOf(const at::Tensor& t) {
+  std::ostringstream os;
+  os << c10::toString(t.scalar_type()) << t.sizes() << " on " << t.device();
+  return os.str();
+}
+
+void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string& name) {
+  TORCH_CHECK_VALUE(t.defined(), ctx, ": ", name, " is an undefined tensor; pass a real tensor");
+  TORCH_CHECK_TYPE(t.layout() == at::kStrided, ctx, ": ", name, " has layout ", t.layout(),
+                   "; tdx supports dense (strided) tensors only. Convert with .to_dense()");
+  TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), ctx, ": ", name, " is on ", t.device(),
+                    "; tdx handles cpu and cuda tensors. Move it with .cpu() or .cuda()");
+}
+
+void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
+                     const std::string& name, bool sameNumel) {
+  checkTensor(ctx, t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), ctx, ": ", name, " is ", shapeOf(t),
+                   " but the input is ", shapeOf(ref),
+                   "; every tensor of one op must have the same dtype");
+  TORCH_CHECK_VALUE(t.device() == ref.device(), ctx, ": ", name, " is ", shapeOf(t),
+                    " but the input is ", shapeOf(ref),
+                    "; every tensor of one op must be on the same device");
+  if (sameNumel) {
+    TORCH_CHECK_VALUE(t.numel() == ref.numel(), ctx, ": ", name, " is ", shapeOf(t), " with ",
+                      t.numel(), " elements but the input has ", ref.numel(),
+                      "; give every tensor in the list the input's size");
+  }
+}
+
+void checkRank(const std::string& ctx, int64_t rank, int size, const char* what) {
+  TORCH_CHECK_VALUE(rank >= 0 && rank < size, ctx, ": ", what, " ", rank,
+                    " is not a rank of this group (valid: 0..", size - 1, ")");
+}
+
+void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what) {
+  TORCH_CHECK_VALUE(got == want, ctx, ": ", what, " has ", got, " entries but must have ",
+                    want, " (one per rank of the group)");
+}
+
+void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, ctx, ": expected exactly one tensor, got ",
+                    tensors.size(), "; tdx runs one tensor per process (one device per rank)");
+  checkTensor(ctx, tensors[0], "tensor");
+}
+
+double Reduction::factor() const {
+  if (premulTensor.defined()) return premulTensor.item<double>();
+  return premulFactor;
+}
+
+Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
+                        at::ScalarType scalar) {
+  Reduction r;
+  auto dt = toDType(scalar);
+  TORCH_CHECK_TYPE(dt.has_value(), ctx, ": cannot reduce tensors of dtype ", scalar,
+                   "; tdx reduces float32/64, float16, bfloat16, int8/16/32/64, uint8 and bool");
+  r.dtype = *dt;
+  const bool floating = isFloating(r.dtype);
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: r.kind = ReduceKind::Sum; r.name = "SUM"; break;
+    case c10d::ReduceOp::PRODUCT: r.kind = ReduceKind::Product; r.name = "PRODUCT"; break;
+    case c10d::ReduceOp::MIN: r.kind = ReduceKind::Min; r.name = "MIN"; break;
+    case c10d::ReduceOp::MAX: r.kind = ReduceKind::Max; r.name = "MAX"; break;
+    case c10d::ReduceOp::BAND: r.kind = ReduceKind::BitAnd; r.name = "BAND"; break;
+    case c10d::ReduceOp::BOR: r.kind = ReduceKind::BitOr; r.name = "BOR"; break;
+    case c10d::ReduceOp::BXOR: r.kind = ReduceKind::BitXor; r.name = "BXOR"; break;
+    case c10d::ReduceOp::AVG:
+      TORCH_CHECK_TYPE(r.dtype != DType::Bool, ctx,
+                       ": AVG is not defined for bool tensors; use SUM (logical or) or MIN");
+      r.kind = ReduceKind::Sum;
+      r.average = true;
+      r.name = "AVG";
+      break;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      TORCH_CHECK_TYPE(r.dtype != DType::Bool, ctx,
+                       ": PREMUL_SUM is not defined for bool tensors; use SUM");
+      r.kind = ReduceKind::Sum;
+      r.premul = true;
+      r.name = "PREMUL_SUM";
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK_VALUE(sup != nullptr, ctx,
+                        ": PREMUL_SUM needs a factor; build the op with "
+                        "torch.distributed._make_nccl_premul_sum(factor)");
+      if (sup->tensor_factor.defined()) {
+        TORCH_CHECK_VALUE(sup->tensor_factor.numel() == 1, ctx,
+                          ": the PREMUL_SUM factor tensor must have one element, got ",
+                          sup->tensor_factor.numel());
+        r.premulTensor = sup->tensor_factor;
+      } else {
+        r.premulFactor = sup->double_factor;
+      }
+      break;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, ctx, ": unsupported reduce op ", static_cast<int>(op.op_),
+                        "; use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR or PREMUL_SUM");
+  }
+  if (floating) {
+    TORCH_CHECK_TYPE(r.kind != ReduceKind::BitAnd && r.kind != ReduceKind::BitOr &&
+                         r.kind != ReduceKind::BitXor,
+                     ctx, ": bitwise reduce op ", r.name, " is not defined for floating dtype ",
+                     scalar, "; use an integer or bool tensor, or SUM/MIN/MAX");
+  }
+  r.fn = kernels::cpuReduceFn(r.dtype, r.kind);
+  TORCH_CHECK_TYPE(r.fn != nullptr, ctx, ": reduce op ", r.name, " is not supported for ",
+                   scalar);
+  return r;
+}
+
+HostImage::HostImage(const at::Tensor& t, bool copyIn) : user_(t) {
+  if (t.is_cpu() && t.is_contiguous()) {
+    host_ = t;
+    return;
+  }
+  staged_ = true;
+  host_ = at::empty(t.sizes(), t.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
+  if (copyIn) host_.copy_(t);
+}
+
+void HostImage::copyOut() {
+  if (staged_) user_.copy_(host_);
+}
+
+} // namespace tdx

@@ -1,0 +1,69 @@
+// Argument checks done on the caller's thread before anything is queued or sent. Every
+// message names the rank, group and op, the offending value, and what to do instead.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/types.h"
+#include "kernels/reduce.h"
+
+namespace tdx {
+
+// The element types tdx can reduce; data-movement ops accept any dtype.
+std::optional<DType> toDType(at::ScalarType t);
+
+// `ctx` is the message prefix, e.g. "[tdx r0/4 pg=0] all_reduce".
+void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string& name);
+void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
+                     const std::string& name, bool sameNumel);
+void checkRank(const std::string& ctx, int64_t rank, int size, const char* what);
+void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what);
+void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors);
+
+// How one ReduceOp is carried out on one dtype.
+struct Reduction {
+  ReduceKind kind = ReduceKind::Sum;
+  DType dtype = DType::Float32;
+  kernels::ReduceFn fn = nullptr;
+  bool average = false;                // divide the SUM by the group size afterwards
+  bool premul = false;                 // scale inputs before the SUM
+  double premulFactor = 1.0;
+  at::Tensor premulTensor;             // a one-element factor read when the op runs
+  std::string name;                    // "SUM", "AVG", ...
+
+  double factor() const;               // the PREMUL_SUM factor
+};
+Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op, at::ScalarType dtype);
+
+// A contiguous host image of a tensor for the duration of one op: the tensor itself when
+// it is a contiguous CPU tensor, otherwise a staged copy that copyOut() writes back.
+class HostImage {
+ public:
+  HostImage() = default;
+  HostImage(const at::Tensor& t, bool copyIn);
+  char* data() const {
+    return static_cast<char*>(host_.data_ptr());
+  }
+  size_t bytes() const {
+    return host_.numel() * host_.element_size();
+  }
+  int64_t numel() const {
+    return host_.numel();
+  }
+  const at::Tensor& host() const {
+    return host_;
+  }
+  void copyOut();
+
+ private:
+  at::Tensor user_;
+  at::Tensor host_;
+  bool staged_ = false;
+};
+
+} // namespace tdx

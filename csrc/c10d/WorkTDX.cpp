@@ -1,0 +1,151 @@
+#include "c10d/WorkTDX.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace tdx {
+
+namespace {
+
+std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : tensors) {
+    if (t.defined() && !t.is_cpu()) {
+      bool seen = false;
+      for (const auto& d : devices) seen = seen || d == t.device();
+      if (!seen) devices.push_back(t.device());
+    }
+  }
+  return devices;
+}
+
+} // namespace
+
+WorkTDX::WorkTDX(c10d::OpType opType, std::string description, uint64_t seq,
+                 std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
+                 const char* profilingTitle,
+                 const std::optional<std::vector<at::Tensor>>& inputs)
+    : Work(-1, opType, profilingTitle, inputs),
+      description_(std::move(description)),
+      seq_(seq),
+      outputs_(std::move(outputs)),
+      timeout_(timeout),
+      future_(c10::make_intrusive<c10::ivalue::Future>(
+          c10::ListType::create(c10::TensorType::get()), devicesOf(outputs_))) {}
+
+WorkTDX::~WorkTDX() = default;
+
+bool WorkTDX::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
+}
+
+bool WorkTDX::isSuccess() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && !exception_;
+}
+
+bool WorkTDX::wait(std::chrono::milliseconds timeout) {
+  // kNoTimeout means "the group's timeout": ops never wait forever.
+  const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!cv_.wait_for(lock, limit, [&] { return completed_; })) {
+    lock.unlock();
+    std::function<void()> onTimeout;
+    {
+      std::lock_guard<std::mutex> g(timeoutMu_);
+      onTimeout = onTimeout_;
+    }
+    if (onTimeout) onTimeout();
+    lock.lock();
+    // Cancellation completes the parts quickly; if it does not, report the timeout.
+    cv_.wait_for(lock, std::chrono::seconds(1), [&] { return completed_; });
+    if (!completed_) {
+      C10_THROW_ERROR(DistBackendError,
+                      description_ + " did not complete within " +
+                          std::to_string(limit.count()) +
+                          " ms. A peer may not have posted the matching op; check that "
+                          "every rank calls the same ops in the same order.");
+    }
+  }
+  if (exception_) std::rethrow_exception(exception_);
+  return true;
+}
+
+std::vector<at::Tensor> WorkTDX::result() {
+  return outputs_;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> WorkTDX::getFuture() {
+  return future_;
+}
+
+int WorkTDX::sourceRank() const {
+  int r = sourceRank_.load();
+  TORCH_CHECK(r >= 0, "sourceRank() is only available for a completed recv from any source");
+  return r;
+}
+
+uint64_t WorkTDX::getSequencenumber() const {
+  return seq_;
+}
+
+std::chrono::milliseconds WorkTDX::getTimeout() const {
+  return timeout_;
+}
+
+void WorkTDX::addPart() {
+  parts_.fetch_add(1);
+}
+
+void WorkTDX::finishPart(std::exception_ptr error) {
+  if (error) {
+    std::lock_guard<std::mutex> lock(errorMu_);
+    if (!firstError_) firstError_ = error;
+  }
+  if (parts_.fetch_sub(1) == 1) {
+    std::exception_ptr e;
+    {
+      std::lock_guard<std::mutex> lock(errorMu_);
+      e = firstError_;
+    }
+    complete(e);
+  }
+}
+
+void WorkTDX::setOnTimeout(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(timeoutMu_);
+  onTimeout_ = std::move(fn);
+}
+
+void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
+  addPart();
+  auto self = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
+  child->future_->addCallback([self](c10::ivalue::Future& f) {
+    self->finishPart(f.hasError() ? f.exception_ptr() : nullptr);
+  });
+  {
+    std::lock_guard<std::mutex> lock(timeoutMu_);
+    auto previous = onTimeout_;
+    onTimeout_ = [previous, child] {
+      if (previous) previous();
+      std::function<void()> fn;
+      {
+        std::lock_guard<std::mutex> g(child->timeoutMu_);
+        fn = child->onTimeout_;
+      }
+      if (fn) fn();
+    };
+  }
+}
+
+void WorkTDX::complete(std::exception_ptr error) {
+  // Never called with backend locks held: the future runs user callbacks inline.
+  if (error) {
+    if (!future_->completed()) future_->setErrorIfNeeded(error);
+  } else if (!future_->completed()) {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+  finish(error);
+}
+
+} // namespace tdx

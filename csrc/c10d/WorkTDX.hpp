@@ -1,0 +1,67 @@
+// The Work returned by every tdx op: a completion flag (Work's own), a Future whose
+// value is the op's output tensors (DDP comm hooks read it), and, for point-to-point
+// ops and coalesced groups, a count of parts still in flight.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace tdx {
+
+class WorkTDX : public c10d::Work {
+ public:
+  WorkTDX(c10d::OpType opType, std::string description, uint64_t seq,
+          std::vector<at::Tensor> outputs, std::chrono::milliseconds timeout,
+          const char* profilingTitle = nullptr,
+          const std::optional<std::vector<at::Tensor>>& inputs = std::nullopt);
+  ~WorkTDX() override;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  std::vector<at::Tensor> result() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  int sourceRank() const override;
+  uint64_t getSequencenumber() const override;
+  std::chrono::milliseconds getTimeout() const override;
+
+  // Another part must finish before the work completes (p2p requests, coalesced ops).
+  void addPart();
+  // One part finished; the first error wins. The last part completes the work.
+  void finishPart(std::exception_ptr error);
+
+  // Called when wait() gives up; should make the outstanding parts finish (cancel).
+  void setOnTimeout(std::function<void()> fn);
+
+  void setSourceRank(int rank) {
+    sourceRank_.store(rank);
+  }
+  // A work that completes when `child` does (coalescing).
+  void attachChild(const c10::intrusive_ptr<WorkTDX>& child);
+
+  const std::string& description() const {
+    return description_;
+  }
+
+ private:
+  void complete(std::exception_ptr error);
+
+  std::string description_;
+  uint64_t seq_;
+  std::vector<at::Tensor> outputs_;
+  std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<int> parts_{1};
+  std::mutex errorMu_;
+  std::exception_ptr firstError_;
+  std::atomic<int> sourceRank_{-1};
+  std::mutex timeoutMu_;
+  std::function<void()> onTimeout_;
+};
+
+} // namespace tdx

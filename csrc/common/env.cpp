@@ -1,0 +1,62 @@
+#include "common/env.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+namespace tdx {
+namespace env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> kKnobs = {
+      {"TDX_DEBUG", "WARN",
+       "log level: ERROR, WARN, INFO (init, algorithm choices), DETAIL (every op)"},
+      {"TDX_SPIN_US", "50",
+       "microseconds a waiting thread polls UCX before sleeping; lower it when ranks "
+       "outnumber cores"},
+      {"TDX_SEGMENT_BYTES", "1048576",
+       "pipelining segment for large ring steps (bytes)"},
+  };
+  return kKnobs;
+}
+
+static const Knob& find(const char* name) {
+  for (const auto& k : knobs()) {
+    if (std::strcmp(k.name, name) == 0) {
+      return k;
+    }
+  }
+  throw std::logic_error(std::string("unregistered TDX knob ") + name);
+}
+
+std::string get(const char* name) {
+  const Knob& k = find(name);
+  const char* v = std::getenv(k.name);
+  return (v != nullptr && *v != '\0') ? std::string(v) : std::string(k.defaultValue);
+}
+
+int64_t getInt(const char* name) {
+  std::string v = get(name);
+  try {
+    return std::stoll(v);
+  } catch (const std::exception&) {
+    throw std::invalid_argument(
+        std::string(name) + "=" + v + " is not an integer; unset it or give a number");
+  }
+}
+
+std::string describe() {
+  std::ostringstream os;
+  bool first = true;
+  for (const auto& k : knobs()) {
+    const char* v = std::getenv(k.name);
+    os << (first ? "" : ", ") << k.name << "=" << get(k.name)
+       << ((v == nullptr || *v == '\0') ? " (default)" : "");
+    first = false;
+  }
+  return os.str();
+}
+
+} // namespace env
+} // namespace tdx

@@ -1,0 +1,239 @@
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/half.h"
+#include "kernels/reduce.h"
+
+namespace tdx {
+
+size_t elementSize(DType t) {
+  switch (t) {
+    case DType::Float64:
+    case DType::Int64:
+      return 8;
+    case DType::Float32:
+    case DType::Int32:
+      return 4;
+    case DType::Float16:
+    case DType::BFloat16:
+    case DType::Int16:
+      return 2;
+    case DType::Int8:
+    case DType::UInt8:
+    case DType::Bool:
+      return 1;
+  }
+  return 0;
+}
+
+const char* dtypeName(DType t) {
+  switch (t) {
+    case DType::Float32: return "float32";
+    case DType::Float64: return "float64";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Int8: return "int8";
+    case DType::UInt8: return "uint8";
+    case DType::Int16: return "int16";
+    case DType::Int32: return "int32";
+    case DType::Int64: return "int64";
+    case DType::Bool: return "bool";
+  }
+  return "?";
+}
+
+const char* reduceKindName(ReduceKind k) {
+  switch (k) {
+    case ReduceKind::Sum: return "SUM";
+    case ReduceKind::Product: return "PRODUCT";
+    case ReduceKind::Min: return "MIN";
+    case ReduceKind::Max: return "MAX";
+    case ReduceKind::BitAnd: return "BAND";
+    case ReduceKind::BitOr: return "BOR";
+    case ReduceKind::BitXor: return "BXOR";
+  }
+  return "?";
+}
+
+bool isFloating(DType t) {
+  return t == DType::Float32 || t == DType::Float64 || t == DType::Float16 ||
+         t == DType::BFloat16;
+}
+
+namespace kernels {
+namespace {
+
+struct Sum { template <class T> static T apply(T a, T b) { return a + b; } };
+struct Prod { template <class T> static T apply(T a, T b) { return a * b; } };
+struct Min { template <class T> static T apply(T a, T b) { return b < a ? b : a; } };
+struct Max { template <class T> static T apply(T a, T b) { return b > a ? b : a; } };
+struct BitAnd { template <class T> static T apply(T a, T b) { return a & b; } };
+struct BitOr { template <class T> static T apply(T a, T b) { return a | b; } };
+struct BitXor { template <class T> static T apply(T a, T b) { return a ^ b; } };
+
+// Plain loops over restrict pointers: the compiler vectorises these at -O3.
+template <class T, class Op>
+void reduceLoop(void* dstv, const void* srcv, size_t n) {
+  T* __restrict__ dst = static_cast<T*>(dstv);
+  const T* __restrict__ src = static_cast<const T*>(srcv);
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<T>(Op::apply(dst[i], src[i]));
+  }
+}
+
+// Narrow floats are widened to float per element, reduced, and rounded back, matching
+// what torch does for a single fp16/bf16 add.
+template <class Op, float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void reduceNarrow(void* dstv, const void* srcv, size_t n) {
+  uint16_t* __restrict__ dst = static_cast<uint16_t*>(dstv);
+  const uint16_t* __restrict__ src = static_cast<const uint16_t*>(srcv);
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = FromF(Op::apply(ToF(dst[i]), ToF(src[i])));
+  }
+}
+
+// bool is stored as one byte 0/1. SUM behaves as logical OR and PRODUCT as AND (NCCL's
+// mapping), so results stay valid booleans.
+template <class Op>
+void reduceBool(void* dstv, const void* srcv, size_t n) {
+  uint8_t* __restrict__ dst = static_cast<uint8_t*>(dstv);
+  const uint8_t* __restrict__ src = static_cast<const uint8_t*>(srcv);
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<uint8_t>(Op::apply(dst[i] != 0, src[i] != 0));
+  }
+}
+
+template <class T>
+ReduceFn integerFn(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::Sum: return &reduceLoop<T, Sum>;
+    case ReduceKind::Product: return &reduceLoop<T, Prod>;
+    case ReduceKind::Min: return &reduceLoop<T, Min>;
+    case ReduceKind::Max: return &reduceLoop<T, Max>;
+    case ReduceKind::BitAnd: return &reduceLoop<T, BitAnd>;
+    case ReduceKind::BitOr: return &reduceLoop<T, BitOr>;
+    case ReduceKind::BitXor: return &reduceLoop<T, BitXor>;
+  }
+  return nullptr;
+}
+
+template <class T>
+ReduceFn floatFn(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::Sum: return &reduceLoop<T, Sum>;
+    case ReduceKind::Product: return &reduceLoop<T, Prod>;
+    case ReduceKind::Min: return &reduceLoop<T, Min>;
+    case ReduceKind::Max: return &reduceLoop<T, Max>;
+    default: return nullptr;
+  }
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+ReduceFn narrowFn(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::Sum: return &reduceNarrow<Sum, ToF, FromF>;
+    case ReduceKind::Product: return &reduceNarrow<Prod, ToF, FromF>;
+    case ReduceKind::Min: return &reduceNarrow<Min, ToF, FromF>;
+    case ReduceKind::Max: return &reduceNarrow<Max, ToF, FromF>;
+    default: return nullptr;
+  }
+}
+
+ReduceFn boolFn(ReduceKind op) {
+  switch (op) {
+    case ReduceKind::Sum:
+    case ReduceKind::Max:
+    case ReduceKind::BitOr:
+      return &reduceBool<BitOr>;
+    case ReduceKind::Product:
+    case ReduceKind::Min:
+    case ReduceKind::BitAnd:
+      return &reduceBool<BitAnd>;
+    case ReduceKind::BitXor:
+      return &reduceBool<BitXor>;
+  }
+  return nullptr;
+}
+
+template <class T>
+void scaleLoop(void* bufv, size_t n, double f) {
+  T* buf = static_cast<T*>(bufv);
+  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] * f);
+}
+
+template <class T>
+void divideLoop(void* bufv, size_t n, int64_t d) {
+  T* buf = static_cast<T*>(bufv);
+  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] / static_cast<T>(d));
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void scaleNarrow(void* bufv, size_t n, double f) {
+  uint16_t* buf = static_cast<uint16_t*>(bufv);
+  for (size_t i = 0; i < n; ++i) {
+    buf[i] = FromF(static_cast<float>(static_cast<double>(ToF(buf[i])) * f));
+  }
+}
+
+template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
+void divideNarrow(void* bufv, size_t n, int64_t d) {
+  uint16_t* buf = static_cast<uint16_t*>(bufv);
+  for (size_t i = 0; i < n; ++i) {
+    buf[i] = FromF(static_cast<float>(static_cast<double>(ToF(buf[i])) / static_cast<double>(d)));
+  }
+}
+
+} // namespace
+
+ReduceFn cpuReduceFn(DType dtype, ReduceKind op) {
+  switch (dtype) {
+    case DType::Float32: return floatFn<float>(op);
+    case DType::Float64: return floatFn<double>(op);
+    case DType::Float16: return narrowFn<halfToFloat, floatToHalf>(op);
+    case DType::BFloat16: return narrowFn<bf16ToFloat, floatToBf16>(op);
+    case DType::Int8: return integerFn<int8_t>(op);
+    case DType::UInt8: return integerFn<uint8_t>(op);
+    case DType::Int16: return integerFn<int16_t>(op);
+    case DType::Int32: return integerFn<int32_t>(op);
+    case DType::Int64: return integerFn<int64_t>(op);
+    case DType::Bool: return boolFn(op);
+  }
+  return nullptr;
+}
+
+void cpuScale(void* buf, size_t count, DType dtype, double factor) {
+  switch (dtype) {
+    case DType::Float32: return scaleLoop<float>(buf, count, factor);
+    case DType::Float64: return scaleLoop<double>(buf, count, factor);
+    case DType::Float16: return scaleNarrow<halfToFloat, floatToHalf>(buf, count, factor);
+    case DType::BFloat16: return scaleNarrow<bf16ToFloat, floatToBf16>(buf, count, factor);
+    case DType::Int8: return scaleLoop<int8_t>(buf, count, factor);
+    case DType::UInt8: return scaleLoop<uint8_t>(buf, count, factor);
+    case DType::Int16: return scaleLoop<int16_t>(buf, count, factor);
+    case DType::Int32: return scaleLoop<int32_t>(buf, count, factor);
+    case DType::Int64: return scaleLoop<int64_t>(buf, count, factor);
+    case DType::Bool:
+      throw std::invalid_argument("cannot scale a bool tensor");
+  }
+}
+
+void cpuDivide(void* buf, size_t count, DType dtype, int64_t divisor) {
+  switch (dtype) {
+    case DType::Float32: return divideLoop<float>(buf, count, divisor);
+    case DType::Float64: return divideLoop<double>(buf, count, divisor);
+    case DType::Float16: return divideNarrow<halfToFloat, floatToHalf>(buf, count, divisor);
+    case DType::BFloat16: return divideNarrow<bf16ToFloat, floatToBf16>(buf, count, divisor);
+    case DType::Int8: return divideLoop<int8_t>(buf, count, divisor);
+    case DType::UInt8: return divideLoop<uint8_t>(buf, count, divisor);
+    case DType::Int16: return divideLoop<int16_t>(buf, count, divisor);
+    case DType::Int32: return divideLoop<int32_t>(buf, count, divisor);
+    case DType::Int64: return divideLoop<int64_t>(buf, count, divisor);
+    case DType::Bool:
+      throw std::invalid_argument("AVG is not defined for bool");
+  }
+}
+
+} // namespace kernels
+} // namespace tdx

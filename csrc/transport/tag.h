@@ -1,0 +1,67 @@
+// The 64-bit tag layout. Every message carries its sender's group rank so that a
+// worker-wide receive can only match the intended peer, and collectives carry the
+// group's sequence number so a rank that skipped or reordered an op can never have
+// its bytes consumed by a different op (it times out instead).
+//
+//   bit  63      kind: 0 collective, 1 point-to-point
+//   bits 43..62  group id (20 bits, a hash of the group name)
+//   bits 23..42  sender's rank in the group (20 bits)
+//   bits  0..22  collective: sequence number mod 2^15 (bits 8..22) and step mod 2^8
+//                point-to-point: the user's tag (0 .. 2^23-1)
+//
+// Messages with equal (sender, tag) match in posting order (UCX tag matching is
+// non-overtaking), so wrapping step or sequence numbers is safe while ops on one group
+// run in order.
+#pragma once
+
+#include <cstdint>
+
+namespace tdx {
+namespace tag {
+
+constexpr int kKindShift = 63;
+constexpr int kGroupShift = 43;
+constexpr int kGroupBits = 20;
+constexpr int kRankShift = 23;
+constexpr int kRankBits = 20;
+constexpr int kSeqShift = 8;
+constexpr int kSeqBits = 15;
+constexpr int kStepBits = 8;
+constexpr int kUserBits = 23;
+
+static_assert(kGroupShift + kGroupBits == kKindShift, "group field must end below kind bit");
+static_assert(kRankShift + kRankBits == kGroupShift, "rank field must end below group");
+static_assert(kSeqShift + kSeqBits == kRankShift, "sequence field must end below rank");
+static_assert(kStepBits == kSeqShift, "step field fills the low bits");
+static_assert(kUserBits == kRankShift, "user tag fills the low bits of a p2p tag");
+
+constexpr uint64_t kMaxRanks = uint64_t{1} << kRankBits;
+constexpr uint64_t kMaxUserTag = (uint64_t{1} << kUserBits) - 1;
+constexpr uint64_t kGroupMask = (uint64_t{1} << kGroupBits) - 1;
+
+constexpr uint64_t kRankFieldMask = ((uint64_t{1} << kRankBits) - 1) << kRankShift;
+constexpr uint64_t kFullMask = ~uint64_t{0};
+// Receives from any source ignore the sender field.
+constexpr uint64_t kAnySourceMask = ~kRankFieldMask;
+
+constexpr uint64_t collective(uint32_t group, uint32_t sender, uint64_t seq, uint32_t step) {
+  return (uint64_t{0} << kKindShift) | ((group & kGroupMask) << kGroupShift) |
+         (uint64_t{sender} << kRankShift) |
+         ((seq & ((uint64_t{1} << kSeqBits) - 1)) << kSeqShift) |
+         (step & ((uint64_t{1} << kStepBits) - 1));
+}
+
+constexpr uint64_t pointToPoint(uint32_t group, uint32_t sender, uint64_t userTag) {
+  return (uint64_t{1} << kKindShift) | ((group & kGroupMask) << kGroupShift) |
+         (uint64_t{sender} << kRankShift) | (userTag & kMaxUserTag);
+}
+
+constexpr uint32_t senderOf(uint64_t t) {
+  return static_cast<uint32_t>((t >> kRankShift) & ((uint64_t{1} << kRankBits) - 1));
+}
+
+static_assert(senderOf(collective(5, 77, 3, 2)) == 77, "sender round trip");
+static_assert(senderOf(pointToPoint(5, 1234, kMaxUserTag)) == 1234, "p2p sender round trip");
+
+} // namespace tag
+} // namespace tdx

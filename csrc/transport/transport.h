@@ -1,0 +1,99 @@
+// Bytes between peers. Knows nothing of collectives or torch: a Transport moves a
+// contiguous buffer to an endpoint under a 64-bit tag and reports completion.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace tdx {
+namespace transport {
+
+enum class MemType { Host, Cuda };
+
+using Clock = std::chrono::steady_clock;
+
+// A failure that involves one peer (lost connection, truncated message, cancelled
+// receive). `peer` is the transport endpoint id, translated to a rank by the caller.
+class PeerError : public std::runtime_error {
+ public:
+  PeerError(int endpoint, const std::string& what)
+      : std::runtime_error(what), endpoint_(endpoint) {}
+  int endpoint() const {
+    return endpoint_;
+  }
+
+ private:
+  int endpoint_;
+};
+
+// One in-flight send or receive. Completed exactly once, by the transport.
+struct Request {
+  enum class State : int { Pending = 0, Ok = 1, Failed = 2 };
+
+  std::atomic<State> state{State::Pending};
+  std::string error;        // set before state becomes Failed
+  size_t postedBytes = 0;   // the buffer length given at post time
+  size_t receivedBytes = 0; // receives: the length that arrived
+  uint64_t senderTag = 0;   // receives: the full tag that matched (any-source senders)
+  int endpoint = -1;        // -1 for a receive from any source
+  bool isSend = false;
+
+  // Called once from the thread that observed completion, outside transport locks.
+  std::function<void(Request&)> onComplete;
+
+  bool done() const {
+    return state.load(std::memory_order_acquire) != State::Pending;
+  }
+  bool ok() const {
+    return state.load(std::memory_order_acquire) == State::Ok;
+  }
+
+  // Internal to transports.
+  std::atomic<void*> handle{nullptr};
+  void* owner = nullptr;
+  bool retired = false;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+using RequestPtr = std::shared_ptr<Request>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // Opaque bytes a peer passes to connect() to reach this process.
+  virtual std::string address() const = 0;
+
+  // Returns an endpoint id for the peer at `address`; the same address gives the same id.
+  virtual int connect(const std::string& address) = 0;
+
+  virtual RequestPtr isend(int endpoint, uint64_t tag, const void* data, size_t bytes,
+                           MemType mem, std::function<void(Request&)> onComplete = nullptr) = 0;
+
+  // `endpoint` is used only to cancel the receive if that peer fails (-1: any source).
+  // A message matches when (messageTag & tagMask) == (tag & tagMask).
+  virtual RequestPtr irecv(int endpoint, uint64_t tag, uint64_t tagMask, void* data,
+                           size_t bytes, MemType mem,
+                           std::function<void(Request&)> onComplete = nullptr) = 0;
+
+  // Blocks until the request completes or the deadline passes (returns false then; the
+  // request is still pending and must be cancelled).
+  virtual bool wait(Request& request, Clock::time_point deadline) = 0;
+
+  // Asks the transport to end a pending request with `reason`; completion (as Failed)
+  // is still reported through the request.
+  virtual void cancel(Request& request, const std::string& reason) = 0;
+
+  // True once the endpoint's peer has been reported lost.
+  virtual bool endpointFailed(int endpoint) const = 0;
+};
+
+} // namespace transport
+} // namespace tdx

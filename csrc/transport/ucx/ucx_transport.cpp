@@ -1,0 +1,489 @@
+#include "transport/ucx/ucx_transport.h"
+
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "common/env.h"
+#include "common/logging.h"
+
+namespace tdx {
+namespace transport {
+
+namespace {
+
+const char* kPrefix = "[tdx transport]";
+
+void check(ucs_status_t status, const char* what) {
+  if (status != UCS_OK) {
+    throw std::runtime_error(std::string("UCX ") + what + " failed: " +
+                             ucs_status_string(status) +
+                             ". Check UCX_TLS / UCX_NET_DEVICES, or run with UCX_LOG_LEVEL=info");
+  }
+}
+
+void sendCallback(void* ucxRequest, ucs_status_t status, void* user) {
+  auto* r = static_cast<Request*>(user);
+  static_cast<UcxTransport*>(r->owner)->onRequestDone(r, ucxRequest, status, nullptr);
+}
+
+void recvCallback(void* ucxRequest, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                  void* user) {
+  auto* r = static_cast<Request*>(user);
+  static_cast<UcxTransport*>(r->owner)->onRequestDone(r, ucxRequest, status, info);
+}
+
+struct ErrArg {
+  UcxTransport* owner;
+  int id;
+};
+
+void endpointErrorCallback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* a = static_cast<ErrArg*>(arg);
+  a->owner->onEndpointError(a->id, status);
+}
+
+std::mutex gInstanceMu;
+std::weak_ptr<UcxTransport> gInstance;
+
+} // namespace
+
+std::shared_ptr<UcxTransport> UcxTransport::acquire() {
+  std::lock_guard<std::mutex> lock(gInstanceMu);
+  auto t = gInstance.lock();
+  if (!t) {
+    t = std::make_shared<UcxTransport>();
+    gInstance = t;
+  }
+  return t;
+}
+
+UcxTransport::UcxTransport() : spin_(env::getInt("TDX_SPIN_US")) {
+  ucp_config_t* config = nullptr;
+  check(ucp_config_read(nullptr, nullptr, &config), "config read");
+  ucp_params_t params;
+  std::memset(&params, 0, sizeof(params));
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_TAG_SENDER_MASK |
+                      UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.tag_sender_mask = ((uint64_t{1} << 20) - 1) << 23;
+  params.mt_workers_shared = 1;
+  ucs_status_t st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  check(st, "context init");
+
+  ucp_worker_params_t wp;
+  std::memset(&wp, 0, sizeof(wp));
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = UCS_THREAD_MODE_MULTI;
+  st = ucp_worker_create(context_, &wp, &worker_);
+  if (st != UCS_OK) {
+    ucp_cleanup(context_);
+    check(st, "worker create");
+  }
+
+  ucp_worker_attr_t attr;
+  std::memset(&attr, 0, sizeof(attr));
+  attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS | UCP_WORKER_ATTR_FIELD_THREAD_MODE;
+  check(ucp_worker_query(worker_, &attr), "worker query");
+  if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
+    TDX_LOG(Warn, kPrefix) << "UCX worker is not multi-threaded (thread mode "
+                           << attr.thread_mode << "); this UCX build lacks --enable-mt";
+  }
+  address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+  ucp_worker_release_address(worker_, attr.address);
+
+  check(ucp_worker_get_efd(worker_, &eventFd_), "worker event fd");
+  epollFd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (epollFd_ < 0) {
+    throw std::runtime_error(std::string("epoll_create1 failed: ") + std::strerror(errno));
+  }
+  epoll_event ev;
+  std::memset(&ev, 0, sizeof(ev));
+  ev.events = EPOLLIN;
+  ev.data.fd = eventFd_;
+  if (epoll_ctl(epollFd_, EPOLL_CTL_ADD, eventFd_, &ev) != 0) {
+    throw std::runtime_error(std::string("epoll_ctl failed: ") + std::strerror(errno));
+  }
+
+  progressThread_ = std::thread([this] { progressLoop(); });
+  TDX_LOG(Info, kPrefix) << "UCX " << ucp_get_version_string() << " worker up, "
+                         << env::describe();
+}
+
+UcxTransport::~UcxTransport() {
+  // Cancel whatever is still in flight and give UCX a bounded time to report it, then
+  // close endpoints. No store traffic and no unbounded waits here.
+  std::vector<RequestPtr> live;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    for (auto& kv : inflight_) live.push_back(kv.second);
+  }
+  for (auto& r : live) cancel(*r, "transport shut down");
+  auto until = Clock::now() + std::chrono::seconds(2);
+  while (Clock::now() < until) {
+    progressOnce();
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    if (inflight_.empty()) break;
+  }
+  closeEndpoints();
+  stop_ = true;
+  wake();
+  if (progressThread_.joinable()) progressThread_.join();
+  drain();
+  if (epollFd_ >= 0) ::close(epollFd_);
+  ucp_worker_destroy(worker_);
+  ucp_cleanup(context_);
+}
+
+void UcxTransport::closeEndpoints() {
+  std::vector<void*> closing;
+  {
+    std::lock_guard<std::mutex> lock(endpointsMu_);
+    for (auto& e : endpoints_) {
+      if (e.ep == nullptr) continue;
+      ucp_request_param_t p;
+      std::memset(&p, 0, sizeof(p));
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      // A flushing close lets in-flight eager data drain to a live peer; a peer already
+      // reported lost gets a forced close.
+      p.flags = e.failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+      void* req = ucp_ep_close_nbx(e.ep, &p);
+      if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+      e.ep = nullptr;
+    }
+  }
+  auto until = Clock::now() + std::chrono::seconds(2);
+  for (void* req : closing) {
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) {
+      ucp_worker_progress(worker_);
+    }
+    ucp_request_free(req);
+  }
+}
+
+std::string UcxTransport::address() const {
+  return address_;
+}
+
+int UcxTransport::connect(const std::string& address) {
+  std::lock_guard<std::mutex> lock(endpointsMu_);
+  auto it = endpointByAddress_.find(address);
+  if (it != endpointByAddress_.end() && !endpoints_[it->second].failed) {
+    return it->second;
+  }
+  int id = static_cast<int>(endpoints_.size());
+  endpoints_.emplace_back();
+  Endpoint& e = endpoints_.back();
+  e.owner = this;
+  e.id = id;
+  // Leaked on purpose: UCX may call the error handler until the worker is destroyed.
+  auto* arg = new ErrArg{this, id};
+
+  ucp_ep_params_t ep;
+  std::memset(&ep, 0, sizeof(ep));
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  ep.err_handler.cb = endpointErrorCallback;
+  ep.err_handler.arg = arg;
+  check(ucp_ep_create(worker_, &ep, &e.ep), "endpoint create");
+  endpointByAddress_[address] = id;
+  return id;
+}
+
+bool UcxTransport::endpointFailed(int endpoint) const {
+  if (endpoint < 0) return false;
+  std::lock_guard<std::mutex> lock(endpointsMu_);
+  return endpoints_[endpoint].failed.load();
+}
+
+RequestPtr UcxTransport::track(int endpoint, bool isSend,
+                               std::function<void(Request&)> onComplete) {
+  auto r = std::make_shared<Request>();
+  r->owner = this;
+  r->endpoint = endpoint;
+  r->isSend = isSend;
+  r->onComplete = std::move(onComplete);
+  std::lock_guard<std::mutex> lock(inflightMu_);
+  inflight_[r.get()] = r;
+  return r;
+}
+
+void UcxTransport::finishRequest(Request& r, bool ok, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (r.done()) return;
+    if (!ok && r.error.empty()) r.error = error;
+    r.state.store(ok ? Request::State::Ok : Request::State::Failed, std::memory_order_release);
+  }
+  r.cv.notify_all();
+}
+
+void UcxTransport::finishImmediately(const RequestPtr& r, ucs_status_t status, size_t length,
+                                     uint64_t senderTag) {
+  r->receivedBytes = length;
+  r->senderTag = senderTag;
+  r->retired = true;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    inflight_.erase(r.get());
+  }
+  finishRequest(*r, status == UCS_OK, ucs_status_string(status));
+  if (r->onComplete) {
+    auto cb = std::move(r->onComplete);
+    cb(*r);
+  }
+}
+
+void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t status,
+                                 const ucp_tag_recv_info_t* info) {
+  r->handle.store(ucxRequest);
+  if (info != nullptr) {
+    r->receivedBytes = info->length;
+    r->senderTag = info->sender_tag;
+  }
+  std::string error;
+  if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+    error = "message longer than the receive buffer (the peer sent more bytes than this "
+            "rank expected: the ranks disagree on tensor sizes)";
+  } else if (status != UCS_OK) {
+    error = ucs_status_string(status);
+  }
+  finishRequest(*r, status == UCS_OK, error);
+  // Freeing and user hooks happen outside UCX's callback context.
+  defer([this, r] {
+    RequestPtr keep;
+    {
+      std::lock_guard<std::mutex> lock(inflightMu_);
+      auto it = inflight_.find(r);
+      if (it == inflight_.end()) return;
+      keep = std::move(it->second);
+      inflight_.erase(it);
+    }
+    if (void* h = keep->handle.load()) ucp_request_free(h);
+    keep->retired = true;
+    if (keep->onComplete) {
+      auto cb = std::move(keep->onComplete);
+      cb(*keep);
+    }
+  });
+}
+
+void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(endpointsMu_);
+    Endpoint& e = endpoints_[endpoint];
+    if (e.failed.exchange(true)) return;
+    e.failure = ucs_status_string(status);
+    why = e.failure;
+  }
+  TDX_LOG(Warn, kPrefix) << "lost connection to endpoint " << endpoint << ": " << why;
+  // Sends on the endpoint complete with an error by themselves (peer error mode);
+  // receives are posted on the worker, so cancel the ones waiting on this peer.
+  defer([this, endpoint, why] {
+    std::vector<RequestPtr> victims;
+    {
+      std::lock_guard<std::mutex> lock(inflightMu_);
+      for (auto& kv : inflight_) {
+        if (kv.second->endpoint == endpoint && !kv.second->isSend) victims.push_back(kv.second);
+      }
+    }
+    for (auto& r : victims) {
+      {
+        std::lock_guard<std::mutex> lock(r->mu);
+        if (r->error.empty()) r->error = "connection to peer lost (" + why + ")";
+      }
+      if (!r->done() && !r->retired) {
+        if (void* h = r->handle.load()) ucp_request_cancel(worker_, h);
+      }
+    }
+  });
+  wake();
+}
+
+RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, size_t bytes,
+                               MemType mem, std::function<void(Request&)> onComplete) {
+  RequestPtr r = track(endpoint, true, std::move(onComplete));
+  r->postedBytes = bytes;
+  ucp_ep_h ep;
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(endpointsMu_);
+    Endpoint& e = endpoints_.at(endpoint);
+    ep = e.ep;
+    if (e.failed || ep == nullptr) failure = e.failure.empty() ? "endpoint closed" : e.failure;
+  }
+  if (!failure.empty()) {
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->error = "connection to peer lost (" + failure + ")";
+    }
+    finishImmediately(r, UCS_ERR_CONNECTION_RESET, 0, 0);
+    return r;
+  }
+  ucp_request_param_t p;
+  std::memset(&p, 0, sizeof(p));
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  p.cb.send = sendCallback;
+  p.user_data = r.get();
+  p.datatype = ucp_dt_make_contig(1);
+  p.memory_type = mem == MemType::Cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+  ucs_status_ptr_t s = ucp_tag_send_nbx(ep, data, bytes, tag, &p);
+  if (s == nullptr) {
+    finishImmediately(r, UCS_OK, bytes, tag);
+  } else if (UCS_PTR_IS_ERR(s)) {
+    finishImmediately(r, UCS_PTR_STATUS(s), 0, 0);
+  } else {
+    r->handle.store(s);
+    wake();
+  }
+  return r;
+}
+
+RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, void* data,
+                               size_t bytes, MemType mem,
+                               std::function<void(Request&)> onComplete) {
+  RequestPtr r = track(endpoint, false, std::move(onComplete));
+  r->postedBytes = bytes;
+  if (endpoint >= 0 && endpointFailed(endpoint)) {
+    {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->error = "connection to peer lost";
+    }
+    finishImmediately(r, UCS_ERR_CONNECTION_RESET, 0, 0);
+    return r;
+  }
+  ucp_tag_recv_info_t info;
+  std::memset(&info, 0, sizeof(info));
+  ucp_request_param_t p;
+  std::memset(&p, 0, sizeof(p));
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                   UCP_OP_ATTR_FIELD_DATATYPE | UCP_OP_ATTR_FIELD_MEMORY_TYPE |
+                   UCP_OP_ATTR_FIELD_RECV_INFO;
+  p.cb.recv = recvCallback;
+  p.user_data = r.get();
+  p.datatype = ucp_dt_make_contig(1);
+  p.memory_type = mem == MemType::Cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+  p.recv_info.tag_info = &info;
+  ucs_status_ptr_t s = ucp_tag_recv_nbx(worker_, data, bytes, tag, tagMask, &p);
+  if (s == nullptr) {
+    finishImmediately(r, UCS_OK, info.length, info.sender_tag);
+  } else if (UCS_PTR_IS_ERR(s)) {
+    ucs_status_t st = UCS_PTR_STATUS(s);
+    if (st == UCS_ERR_MESSAGE_TRUNCATED) {
+      std::lock_guard<std::mutex> lock(r->mu);
+      r->error = "message longer than the receive buffer (the ranks disagree on tensor sizes)";
+    }
+    finishImmediately(r, st, 0, 0);
+  } else {
+    r->handle.store(s);
+    wake();
+  }
+  return r;
+}
+
+bool UcxTransport::wait(Request& r, Clock::time_point deadline) {
+  auto spinEnd = Clock::now() + spin_;
+  while (!r.done()) {
+    auto now = Clock::now();
+    if (now >= deadline) return r.done();
+    if (now < spinEnd) {
+      progressOnce();
+      continue;
+    }
+    std::unique_lock<std::mutex> lock(r.mu);
+    r.cv.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(5)),
+                    [&] { return r.done(); });
+  }
+  return true;
+}
+
+void UcxTransport::cancel(Request& r, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (r.done()) return;
+    if (r.error.empty()) r.error = reason;
+  }
+  Request* raw = &r;
+  defer([this, raw] {
+    // Queued actions run in order, so a request freed by an earlier action is marked
+    // retired before this one looks at it.
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    auto it = inflight_.find(raw);
+    if (it == inflight_.end() || raw->done()) return;
+    if (void* h = raw->handle.load()) ucp_request_cancel(worker_, h);
+  });
+  wake();
+}
+
+void UcxTransport::defer(std::function<void()> action) {
+  std::lock_guard<std::mutex> lock(queueMu_);
+  queue_.push_back(std::move(action));
+}
+
+void UcxTransport::drain() {
+  std::unique_lock<std::mutex> drainLock(drainMu_, std::try_to_lock);
+  if (!drainLock.owns_lock()) return;  // another thread is draining (or we are nested)
+  for (;;) {
+    std::vector<std::function<void()>> batch;
+    {
+      std::lock_guard<std::mutex> lock(queueMu_);
+      if (queue_.empty()) return;
+      batch.swap(queue_);
+    }
+    for (auto& action : batch) action();
+  }
+}
+
+unsigned UcxTransport::progressOnce() {
+  unsigned n = ucp_worker_progress(worker_);
+  drain();
+  return n;
+}
+
+void UcxTransport::wake() {
+  if (sleeping_.load(std::memory_order_acquire)) ucp_worker_signal(worker_);
+}
+
+void UcxTransport::progressLoop() {
+  auto lastActivity = Clock::now();
+  while (!stop_.load()) {
+    if (progressOnce() != 0) {
+      lastActivity = Clock::now();
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(queueMu_);
+      if (!queue_.empty()) continue;
+    }
+    if (Clock::now() - lastActivity < spin_) {
+      std::this_thread::yield();
+      continue;
+    }
+    sleeping_.store(true, std::memory_order_release);
+    ucs_status_t st = ucp_worker_arm(worker_);
+    if (st == UCS_OK && !stop_.load()) {
+      bool pending;
+      {
+        std::lock_guard<std::mutex> lock(inflightMu_);
+        pending = !inflight_.empty();
+      }
+      epoll_event ev;
+      // With requests in flight a short timeout bounds the cost of any transport that
+      // cannot raise events; idle workers sleep longer.
+      epoll_wait(epollFd_, &ev, 1, pending ? 1 : 100);
+    }
+    sleeping_.store(false, std::memory_order_release);
+    lastActivity = Clock::now();
+  }
+}
+
+} // namespace transport
+} // namespace tdx

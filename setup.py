@@ -1,0 +1,70 @@
+"""Build the torchdist_ext._C extension against the installed torch and UCX.
+
+UCX comes from the libucx-cu13 wheel unless TDX_UCX_HOME points at a UCX install
+(needed for InfiniBand/RoCE: the wheel is built without verbs). CUDA sources (*.cu) are
+compiled when nvcc and a CUDA build of torch are present and TDX_WITH_CUDA is not 0.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
+
+import torch
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def ucx_paths():
+    home = os.environ.get("TDX_UCX_HOME")
+    if home:
+        return os.path.join(home, "include"), os.path.join(home, "lib"), [os.path.join(home, "lib")]
+    import libucx  # the libucx-cu13 wheel
+
+    base = os.path.dirname(libucx.__file__)
+    lib = os.path.join(base, "lib")
+    # $ORIGIN/../libucx/lib finds the wheel next to an installed torchdist_ext; the
+    # absolute path covers in-place (editable) builds.
+    return os.path.join(base, "include"), lib, ["$ORIGIN/../libucx/lib", lib]
+
+
+def sources(pattern):
+    return sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "**", pattern), recursive=True)
+    )
+
+
+ucx_include, ucx_lib, rpaths = ucx_paths()
+cpp_sources = sources("*.cpp")
+cu_sources = sources("*.cu")
+with_cuda = (
+    os.environ.get("TDX_WITH_CUDA", "1") != "0"
+    and torch.version.cuda is not None
+    and CUDA_HOME is not None
+    and bool(cu_sources)
+)
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+
+common = dict(
+    include_dirs=[os.path.join(ROOT, "csrc"), ucx_include],
+    library_dirs=[ucx_lib],
+    libraries=["ucp", "ucs"],
+    extra_link_args=[f"-Wl,-rpath,{p}" for p in rpaths],
+)
+cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
+if with_cuda:
+    ext = CUDAExtension(
+        "torchdist_ext._C",
+        cpp_sources + cu_sources,
+        extra_compile_args={"cxx": cxx_flags + ["-DTDX_WITH_CUDA"], "nvcc": ["-O3", "-DTDX_WITH_CUDA"]},
+        **common,
+    )
+else:
+    ext = CppExtension("torchdist_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags}, **common)
+
+setup(
+    packages=find_packages(include=["torchdist_ext", "torchdist_ext.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
