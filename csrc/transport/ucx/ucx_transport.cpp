@@ -283,7 +283,18 @@ void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
     e.failure = ucs_status_string(status);
     why = e.failure;
   }
-  TDX_LOG(Warn, kPrefix) << "lost connection to endpoint " << endpoint << ": " << why;
+  // A peer that shut down cleanly closes its side too; that is only worth a warning
+  // when something was still waiting on it.
+  bool busy = false;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    for (auto& kv : inflight_) busy = busy || kv.second->endpoint == endpoint;
+  }
+  if (busy) {
+    TDX_LOG(Warn, kPrefix) << "lost connection to endpoint " << endpoint << ": " << why;
+  } else {
+    TDX_LOG(Info, kPrefix) << "endpoint " << endpoint << " closed by its peer: " << why;
+  }
   // Sends on the endpoint complete with an error by themselves (peer error mode);
   // receives are posted on the worker, so cancel the ones waiting on this peer.
   defer([this, endpoint, why] {
