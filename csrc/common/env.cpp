@@ -15,8 +15,6 @@ const std::vector<Knob>& knobs() {
       {"TDX_SPIN_US", "50",
        "microseconds a waiting thread polls UCX before sleeping; lower it when ranks "
        "outnumber cores"},
-      {"TDX_SEGMENT_BYTES", "1048576",
-       "pipelining segment for large ring steps (bytes)"},
   };
   return kKnobs;
 }

@@ -1,0 +1,332 @@
+"""Every collective x dtype x world size x count against a float64/int64 reference.
+
+Inputs are a deterministic function of (rank, index), so a wrong element identifies where
+it came from. One spawn per world size runs the whole sweep and returns its failures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchdist_ext.testing import run_ranks
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+COUNTS = [0, 1, 7, 1000, 12345]
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+DTYPES = FLOATS + INTS + [torch.bool]
+R = dist.ReduceOp
+
+
+def value(rank: int, count: int, dtype: torch.dtype, op: str = "SUM") -> torch.Tensor:
+    """Rank `rank`'s input: small values chosen so no dtype overflows at 8 ranks."""
+    i = torch.arange(count, dtype=torch.int64)
+    if dtype == torch.bool:
+        return ((i + rank) % 3 == 0)
+    if op == "PRODUCT":
+        v = torch.where((i + rank) % 7 == 0, 2, 1)
+    elif op in ("BAND", "BOR", "BXOR"):
+        v = (rank * 37 + i * 11) % 64
+    elif op in ("MIN", "MAX"):
+        v = (rank * 7 + i * 3) % 11
+    else:
+        v = (i + rank) % 5 + 1
+    if dtype.is_floating_point:
+        return (v.double() * 0.25).to(dtype) if op not in ("PRODUCT",) else v.to(dtype)
+    return v.to(dtype)
+
+
+def reference(inputs: list[torch.Tensor], op: str, n: int, dtype: torch.dtype,
+              factor: float = 0.5) -> torch.Tensor:
+    if dtype == torch.bool:
+        stack = torch.stack(inputs)
+        if op in ("SUM", "MAX", "BOR"):
+            return stack.any(0)
+        if op in ("PRODUCT", "MIN", "BAND"):
+            return stack.all(0)
+        return (stack.to(torch.int64).sum(0) % 2).bool()  # BXOR
+    wide = torch.float64 if dtype.is_floating_point else torch.int64
+    stack = torch.stack([t.to(wide) for t in inputs])
+    if op == "SUM":
+        out = stack.sum(0)
+    elif op == "AVG":
+        s = stack.sum(0)
+        out = s / n if dtype.is_floating_point else torch.div(s, n, rounding_mode="trunc")
+    elif op == "PREMUL_SUM":
+        out = (stack * factor).sum(0)
+    elif op == "PRODUCT":
+        out = stack.prod(0)
+    elif op == "MIN":
+        out = stack.min(0).values
+    elif op == "MAX":
+        out = stack.max(0).values
+    else:
+        out = stack[0].clone()
+        for t in stack[1:]:
+            out = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or,
+                   "BXOR": torch.bitwise_xor}[op](out, t)
+    return out.to(dtype)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if not got.dtype.is_floating_point:
+        return torch.equal(got, want)
+    tol = {torch.float16: 2e-2, torch.bfloat16: 6e-2}.get(got.dtype, 1e-6)
+    return torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+
+
+def ops_for(dtype: torch.dtype) -> list[str]:
+    if dtype == torch.bool:
+        return ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"]
+    ops = ["SUM", "AVG", "PRODUCT", "MIN", "MAX", "PREMUL_SUM"]
+    if not dtype.is_floating_point:
+        ops += ["BAND", "BOR", "BXOR"]
+    return ops
+
+
+def redop(op: str, factor: float = 0.5):
+    if op == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(factor)
+    return getattr(R, op)
+
+
+def _sweep(rank: int, n: int) -> list[str]:
+    fails: list[str] = []
+
+    def expect(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if not close(got, want):
+            bad = (got.double() - want.double()).abs().argmax().item() if got.numel() else 0
+            fails.append(f"r{rank}/{n} {what}: got {got.flatten()[bad:bad + 3].tolist()} "
+                         f"want {want.flatten()[bad:bad + 3].tolist()} at {bad}")
+
+    for dtype in DTYPES:
+        for count in COUNTS:
+            # all_reduce with every op that fits the dtype (PREMUL_SUM only on floats,
+            # where scaling is exact).
+            for op in ops_for(dtype):
+                if op == "PREMUL_SUM" and not dtype.is_floating_point:
+                    continue
+                if op == "AVG" and dtype in (torch.float16, torch.bfloat16) and count > 1000:
+                    pass
+                t = value(rank, count, dtype, op)
+                dist.all_reduce(t, op=redop(op))
+                want = reference([value(r, count, dtype, op) for r in range(n)], op, n, dtype)
+                expect(f"all_reduce {op} {dtype} n={count}", t, want)
+            # broadcast from every root
+            for root in range(n):
+                t = value(rank, count, dtype) if rank == root else torch.zeros(count, dtype=dtype)
+                dist.broadcast(t, src=root)
+                expect(f"broadcast root={root} {dtype} n={count}", t, value(root, count, dtype))
+            # reduce to every root (SUM and MAX)
+            for op in ("SUM", "MAX"):
+                for root in range(n):
+                    t = value(rank, count, dtype, op)
+                    before = t.clone()
+                    dist.reduce(t, dst=root, op=redop(op))
+                    if rank == root:
+                        want = reference([value(r, count, dtype, op) for r in range(n)], op, n, dtype)
+                        expect(f"reduce {op} root={root} {dtype} n={count}", t, want)
+                    else:
+                        expect(f"reduce leaves non-root input {dtype}", t, before)
+            # all_gather (list) and all_gather_into_tensor, out of place and in place
+            outs = [torch.empty(count, dtype=dtype) for _ in range(n)]
+            dist.all_gather(outs, value(rank, count, dtype))
+            for r in range(n):
+                expect(f"all_gather [{r}] {dtype} n={count}", outs[r], value(r, count, dtype))
+            flat = torch.empty(n * count, dtype=dtype)
+            dist.all_gather_into_tensor(flat, value(rank, count, dtype))
+            want = torch.cat([value(r, count, dtype) for r in range(n)])
+            expect(f"all_gather_into_tensor {dtype} n={count}", flat, want)
+            flat = torch.zeros(n * count, dtype=dtype)
+            flat[rank * count:(rank + 1) * count] = value(rank, count, dtype)
+            dist.all_gather_into_tensor(flat, flat[rank * count:(rank + 1) * count])
+            expect(f"all_gather_into_tensor in-place {dtype} n={count}", flat, want)
+            # reduce_scatter (list) and reduce_scatter_tensor (also in place)
+            for op in ("SUM", "MIN") if dtype != torch.bool else ("BOR",):
+                full = [torch.cat([value(r * n + j, count, dtype, op) for j in range(n)])
+                        for r in range(n)]
+                want = reference([f[rank * count:(rank + 1) * count] for f in full], op, n, dtype)
+                out = torch.empty(count, dtype=dtype)
+                dist.reduce_scatter_tensor(out, full[rank].clone(), op=redop(op))
+                expect(f"reduce_scatter_tensor {op} {dtype} n={count}", out, want)
+                inp = full[rank].clone()
+                dist.reduce_scatter_tensor(inp[rank * count:(rank + 1) * count], inp, op=redop(op))
+                expect(f"reduce_scatter_tensor in-place {op} {dtype} n={count}",
+                       inp[rank * count:(rank + 1) * count], want)
+                out = torch.empty(count, dtype=dtype)
+                dist.reduce_scatter(out, list(full[rank].clone().chunk(n)) if count else
+                                    [torch.empty(0, dtype=dtype) for _ in range(n)], op=redop(op))
+                expect(f"reduce_scatter {op} {dtype} n={count}", out, want)
+        # all_to_all_single even + uneven (zero-size splits included), all_to_all lists
+        for count in (0, 1, 7):
+            even_in = torch.cat([value(rank * n + j, count, dtype) for j in range(n)])
+            out = torch.empty(n * count, dtype=dtype)
+            dist.all_to_all_single(out, even_in)
+            want = torch.cat([value(j * n + rank, count, dtype) for j in range(n)])
+            expect(f"all_to_all_single even {dtype} n={count}", out, want)
+            send_sizes = [(rank + j + count) % 3 for j in range(n)]
+            recv_sizes = [(j + rank + count) % 3 for j in range(n)]
+            inp = torch.cat([value(rank * n + j, send_sizes[j], dtype) for j in range(n)])
+            out = torch.empty(sum(recv_sizes), dtype=dtype)
+            dist.all_to_all_single(out, inp, recv_sizes, send_sizes)
+            want = torch.cat([value(j * n + rank, recv_sizes[j], dtype) for j in range(n)])
+            expect(f"all_to_all_single uneven {dtype} n={count}", out, want)
+            outs = [torch.empty(count + j, dtype=dtype) for j in range(n)]
+            dist.all_to_all(outs, [value(rank * n + j, count + rank, dtype) for j in range(n)])
+            for j in range(n):
+                expect(f"all_to_all [{j}] {dtype}", outs[j], value(j * n + rank, count + j, dtype))
+        # gather / scatter from every root
+        for root in range(n):
+            glist = [torch.empty(5, dtype=dtype) for _ in range(n)] if rank == root else None
+            dist.gather(value(rank, 5, dtype), glist, dst=root)
+            if rank == root:
+                for r in range(n):
+                    expect(f"gather root={root} [{r}] {dtype}", glist[r], value(r, 5, dtype))
+            out = torch.empty(5, dtype=dtype)
+            slist = [value(root * n + j, 5, dtype) for j in range(n)] if rank == root else None
+            dist.scatter(out, slist, src=root)
+            expect(f"scatter root={root} {dtype}", out, value(root * n + rank, 5, dtype))
+    return fails
+
+
+def _layouts(rank: int, n: int) -> list[str]:
+    """Non-contiguous tensors and async works with futures."""
+    fails: list[str] = []
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    t = (base + rank).t()  # non-contiguous view
+    dist.all_reduce(t)
+    want = sum(base + r for r in range(n)).t()
+    if not torch.equal(t, want):
+        fails.append(f"r{rank} non-contiguous all_reduce")
+    strided = torch.zeros(10)[::2]
+    if rank == 0:
+        strided.copy_(torch.arange(5.0))
+    dist.broadcast(strided, src=0)
+    if not torch.equal(strided, torch.arange(5.0)):
+        fails.append(f"r{rank} strided broadcast")
+    outs = [torch.zeros(3, 4).t() for _ in range(n)]
+    dist.all_gather(outs, (torch.ones(4, 3) * rank))
+    if any(not torch.equal(outs[r], torch.ones(4, 3) * r) for r in range(n)):
+        fails.append(f"r{rank} non-contiguous all_gather outputs")
+    # async + futures: the value is the list of outputs
+    x = torch.full((7,), float(rank))
+    work = dist.all_reduce(x, async_op=True)
+    fut_value = work.get_future().wait()
+    work.wait()
+    if not (isinstance(fut_value, list) and torch.equal(fut_value[0], torch.full((7,), float(sum(range(n)))))):
+        fails.append(f"r{rank} future value {fut_value}")
+    if not work.is_completed() or not work.is_success():
+        fails.append(f"r{rank} work state after wait")
+    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    if not torch.equal(chained.wait(), torch.full((3,), 2.0 * n)):
+        fails.append(f"r{rank} future.then")
+    # many async ops in flight, waited in reverse
+    ts = [torch.full((100,), float(rank + i)) for i in range(8)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in reversed(works):
+        w.wait()
+    for i, t in enumerate(ts):
+        if not torch.equal(t, torch.full((100,), float(sum(range(n)) + n * i))):
+            fails.append(f"r{rank} async op {i}")
+    # coalescing manager: all_reduce, all_gather_into_tensor, reduce_scatter_tensor
+    for async_ops in (False, True):
+        ts = [torch.full((5 + i,), float(rank)) for i in range(3)]
+        with dist._coalescing_manager(async_ops=async_ops) as cm:
+            for t in ts:
+                dist.all_reduce(t)
+        if async_ops:
+            cm.wait()
+        if any(not torch.equal(t, torch.full_like(t, float(sum(range(n))))) for t in ts):
+            fails.append(f"r{rank} coalesced all_reduce async={async_ops}")
+    outs = [torch.empty(n * 2) for _ in range(2)]
+    with dist._coalescing_manager():
+        for o in outs:
+            dist.all_gather_into_tensor(o, torch.full((2,), float(rank)))
+    for o in outs:
+        if not torch.equal(o, torch.arange(n).float().repeat_interleave(2)):
+            fails.append(f"r{rank} coalesced all_gather_into_tensor")
+    outs = [torch.empty(2) for _ in range(2)]
+    with dist._coalescing_manager():
+        for o in outs:
+            dist.reduce_scatter_tensor(o, torch.arange(2.0 * n) + rank)
+    for o in outs:
+        want = (torch.arange(2.0 * n) * n + sum(range(n)))[rank * 2:(rank + 1) * 2]
+        if not torch.equal(o, want):
+            fails.append(f"r{rank} coalesced reduce_scatter_tensor")
+    # object collectives
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
+    if objs != [{"rank": r, "s": "x" * r} for r in range(n)]:
+        fails.append(f"r{rank} all_gather_object")
+    lst = [rank, "a"] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    if lst != [0, "a"]:
+        fails.append(f"r{rank} broadcast_object_list")
+    got = [None] * n if rank == 0 else None
+    dist.gather_object(rank * 10, got, dst=0)
+    if rank == 0 and got != [r * 10 for r in range(n)]:
+        fails.append(f"r{rank} gather_object {got}")
+    out = [None]
+    dist.scatter_object_list(out, [f"o{r}" for r in range(n)] if rank == 0 else None, src=0)
+    if out != [f"o{rank}"]:
+        fails.append(f"r{rank} scatter_object_list {out}")
+    dist.barrier()
+    return fails
+
+
+def _versus_gloo(rank: int, n: int) -> list[str]:
+    """The same calls on tdx and on gloo in the same processes give the same answers."""
+    fails: list[str] = []
+    gloo = dist.new_group(backend="gloo")
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8):
+        for count in (1, 13, 4099):
+            for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+                a = value(rank, count, dtype, op)
+                b = a.clone()
+                dist.all_reduce(a, op=redop(op))
+                dist.all_reduce(b, op=redop(op), group=gloo)
+                if not close(a, b):
+                    fails.append(f"r{rank} vs gloo all_reduce {op} {dtype} n={count}")
+            a = value(rank, count, dtype)
+            b = a.clone()
+            dist.broadcast(a, src=n - 1)
+            dist.broadcast(b, src=n - 1, group=gloo)
+            if not torch.equal(a, b):
+                fails.append(f"r{rank} vs gloo broadcast {dtype}")
+            oa = [torch.empty(count, dtype=dtype) for _ in range(n)]
+            ob = [torch.empty(count, dtype=dtype) for _ in range(n)]
+            dist.all_gather(oa, value(rank, count, dtype))
+            dist.all_gather(ob, value(rank, count, dtype), group=gloo)
+            if any(not torch.equal(x, y) for x, y in zip(oa, ob)):
+                fails.append(f"r{rank} vs gloo all_gather {dtype}")
+            inp = torch.cat([value(rank * n + j, count, dtype) for j in range(n)])
+            oa, ob = torch.empty_like(inp), torch.empty_like(inp)
+            dist.all_to_all_single(oa, inp)
+            dist.all_to_all_single(ob, inp, group=gloo)
+            if not torch.equal(oa, ob):
+                fails.append(f"r{rank} vs gloo all_to_all_single {dtype}")
+    dist.destroy_process_group(gloo)
+    return fails
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_every_op_dtype_count(world_size: int) -> None:
+    results = run_ranks(_sweep, world_size, timeout=300)
+    fails = [f for r in results for f in r]
+    assert not fails, "\n".join(fails[:40])
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_layouts_async_coalesced_objects(world_size: int) -> None:
+    fails = [f for r in run_ranks(_layouts, world_size) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+@pytest.mark.parametrize("world_size", [2, 5])
+def test_matches_gloo(world_size: int) -> None:
+    fails = [f for r in run_ranks(_versus_gloo, world_size) for f in r]
+    assert not fails, "\n".join(fails)

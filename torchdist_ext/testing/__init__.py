@@ -1,0 +1,145 @@
+"""Multi-process test harness: real ranks, a FileStore in a temp dir, no fixed ports.
+
+``run_ranks(fn, world_size)`` spawns ``world_size`` processes. Each one initialises the
+default process group on the requested backend, calls ``fn(rank, world_size, *args)``,
+destroys the group and sends the return value back. The parent enforces one deadline for
+the whole call: on timeout it kills every rank and says which ones never finished. If a
+rank raises, the parent kills the rest and re-raises with that rank's traceback. Spawning
+costs a few seconds, so a test should run a whole sweep inside one call and return the
+list of failures instead of spawning once per case.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "new_gloo_group", "RankFailure"]
+
+
+class RankFailure(AssertionError):
+    """A rank raised, died or timed out; the message holds the evidence."""
+
+
+def new_gloo_group() -> Any:
+    """A gloo group over every rank, for differential checks inside a tdx test."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    backend: str,
+    store_path: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    env: Mapping[str, str],
+    results: Any,
+) -> None:
+    try:
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+
+        import torchdist_ext  # noqa: F401  (registers "tdx")
+
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including KeyboardInterrupt in a child
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str = "tdx",
+    timeout: float = 120.0,
+    args: Sequence[Any] = (),
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
+
+    Returns the per-rank return values ordered by rank. ``timeout`` bounds the whole call
+    and is also the process group's timeout, so a hung collective fails rather than
+    blocking the suite.
+    """
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="tdx-test-")
+    child_env = {"OMP_NUM_THREADS": "1", "TDX_SPIN_US": os.environ.get("TDX_SPIN_US", "0")}
+    child_env.update(env or {})
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, backend, os.path.join(tmp, "store"), timeout, fn, args,
+                  child_env, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout + 30.0  # ranks time out first, with evidence
+    try:
+        while len(values) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(values))
+                raise RankFailure(
+                    f"ranks {missing} of {world_size} did not finish {fn.__name__} "
+                    f"within {timeout + 30:.0f} s (backend {backend})"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in values and p.exitcode not in (None, 0)]
+                if dead:
+                    # Give a dying rank a moment to deliver its traceback first.
+                    try:
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RankFailure(
+                            f"rank(s) {dead} exited with codes {codes} without reporting "
+                            f"(crash?) while running {fn.__name__}"
+                        ) from None
+                else:
+                    continue
+            if not ok:
+                raise RankFailure(f"rank {rank}/{world_size} raised in {fn.__name__}:\n{value}")
+            values[rank] = value
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=10.0 if len(values) == world_size else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
