@@ -79,12 +79,15 @@ def run_ranks(
     timeout: float = 120.0,
     args: Sequence[Any] = (),
     env: Mapping[str, str] | None = None,
+    may_exit: Sequence[int] = (),
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
     Returns the per-rank return values ordered by rank. ``timeout`` bounds the whole call
     and is also the process group's timeout, so a hung collective fails rather than
-    blocking the suite.
+    blocking the suite. Ranks in ``may_exit`` are allowed to vanish without reporting
+    (fault tests kill them on purpose); their value is None. Any other rank that exits
+    without reporting is a failure.
     """
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tdx-test-")
@@ -103,9 +106,10 @@ def run_ranks(
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
+    vanished = set()
     deadline = time.monotonic() + timeout + 30.0  # ranks time out first, with evidence
     try:
-        while len(values) < world_size:
+        while len(values) + len(vanished) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(values))
@@ -116,8 +120,10 @@ def run_ranks(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in values and p.exitcode not in (None, 0)]
+                gone = [r for r, p in enumerate(procs)
+                        if r not in values and r not in vanished and p.exitcode is not None]
+                vanished.update(r for r in gone if r in may_exit)
+                dead = [r for r in gone if r not in may_exit]
                 if dead:
                     # Give a dying rank a moment to deliver its traceback first.
                     try:
@@ -130,13 +136,15 @@ def run_ranks(
                         ) from None
                 else:
                     continue
+            if rank in vanished:  # reported after all, before it exited
+                vanished.discard(rank)
             if not ok:
                 raise RankFailure(f"rank {rank}/{world_size} raised in {fn.__name__}:\n{value}")
             values[rank] = value
-        return [values[r] for r in range(world_size)]
+        return [values.get(r) for r in range(world_size)]
     finally:
         for p in procs:
-            p.join(timeout=10.0 if len(values) == world_size else 0.5)
+            p.join(timeout=10.0 if len(values) + len(vanished) == world_size else 0.5)
         for p in procs:
             if p.is_alive():
                 p.kill()

@@ -1,0 +1,117 @@
+"""Bad arguments raise at the call, before anything is sent, and name the op; the group
+keeps working afterwards."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchdist_ext.testing import run_ranks
+
+
+def _expect_error(fails: list[str], what: str, fn, *needles: str) -> None:
+    try:
+        fn()
+    except (RuntimeError, ValueError, TypeError) as e:
+        msg = str(e)
+        for needle in needles:
+            if needle not in msg:
+                fails.append(f"{what}: message lacks {needle!r}: {msg[:300]}")
+        return
+    fails.append(f"{what}: no error raised")
+
+
+def _bad_calls(rank: int, n: int) -> list[str]:
+    fails: list[str] = []
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.BAND
+    _expect_error(fails, "BAND on float",
+                  lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BXOR),
+                  "all_reduce", "BXOR", f"r{rank}/{n}")
+    _expect_error(fails, "AVG on bool",
+                  lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG),
+                  "AVG", "bool")
+    _expect_error(fails, "all_gather wrong size",
+                  lambda: dist.all_gather([torch.empty(3)] * (n - 1) + [torch.empty(4)], torch.ones(3)),
+                  "all_gather", "4")
+    _expect_error(fails, "all_gather wrong count",
+                  lambda: pg.allgather([[torch.empty(3)] * (n + 1)], [torch.ones(3)]),
+                  "all_gather", str(n + 1))
+    _expect_error(fails, "all_gather wrong dtype",
+                  lambda: dist.all_gather([torch.empty(3, dtype=torch.int32)] * n, torch.ones(3)),
+                  "dtype")
+    _expect_error(fails, "all_to_all list length",
+                  lambda: dist.all_to_all([torch.empty(2)] * (n + 1), [torch.ones(2)] * (n + 1)),
+                  "all_to_all")
+    _expect_error(fails, "all_to_all_single bad splits",
+                  lambda: dist.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, [2] * n),
+                  "all_to_all_single", "sum")
+    _expect_error(fails, "all_gather_into_tensor bad size",
+                  lambda: dist.all_gather_into_tensor(torch.empty(n * 3 + 1), torch.ones(3)),
+                  "all_gather_into_tensor")
+    _expect_error(fails, "reduce_scatter_tensor bad size",
+                  lambda: dist.reduce_scatter_tensor(torch.empty(3), torch.ones(n * 3 + 1)),
+                  "reduce_scatter_tensor")
+    bopts = dist.BroadcastOptions()
+    bopts.rootRank = n + 3
+    _expect_error(fails, "broadcast bad root",
+                  lambda: pg.broadcast([torch.ones(2)], bopts), "broadcast", str(n + 3))
+    _expect_error(fails, "send bad dst",
+                  lambda: pg.send([torch.ones(2)], n + 1, 0), "send", str(n + 1))
+    _expect_error(fails, "p2p bad tag",
+                  lambda: pg.send([torch.ones(2)], 0, -5), "tag")
+    _expect_error(fails, "sparse tensor",
+                  lambda: dist.all_reduce(torch.ones(3).to_sparse()), "")
+    # The group still works after all of that.
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t)
+    if not torch.equal(t, torch.full((5,), float(sum(range(n))))):
+        fails.append("group broken after refused calls")
+    return fails
+
+
+def test_bad_arguments_raise_at_the_call() -> None:
+    fails = [f for r in run_ranks(_bad_calls, 3) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _size_mismatch(rank: int, n: int) -> str:
+    # Ranks disagree on the size: the receiver must get an error, never corrupt memory.
+    t = torch.ones(10 if rank == 0 else 20)
+    try:
+        dist.broadcast(t, src=0)
+    except Exception as e:  # noqa: BLE001 - the type is asserted by the caller
+        return type(e).__name__ + ": " + str(e)
+    return "ok"
+
+
+def test_mismatched_sizes_fail_cleanly() -> None:
+    results = run_ranks(_size_mismatch, 2, timeout=30)
+    # rank 0 sends 10 floats; rank 1 expected 20: it must raise, naming the peer.
+    assert results[1] != "ok" and "rank 0" in results[1], results
+
+
+def _peer_gone(rank: int, n: int) -> str:
+    import os
+
+    if rank == 1:
+        os._exit(0)  # vanish without a word, as a killed rank would
+    t = torch.ones(1 << 16)
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__ + ": " + str(e)
+    return "ok"
+
+
+def test_lost_peer_raises_dist_backend_error() -> None:
+    # Rank 1 vanishes without a word; rank 0's all_reduce must raise DistBackendError
+    # naming rank 1 well inside the group timeout, not hang.
+    import time
+
+    start = time.monotonic()
+    results = run_ranks(_peer_gone, 2, timeout=20, may_exit=[1])
+    assert results[0].startswith("DistBackendError"), results[0]
+    assert "rank 1" in results[0] and "all_reduce" in results[0], results[0]
+    assert time.monotonic() - start < 45, "the survivor waited past the group timeout"

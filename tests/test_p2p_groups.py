@@ -1,0 +1,187 @@
+"""Point-to-point ops, subgroups, splitting, re-initialisation and debug mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchdist_ext.testing import run_ranks
+
+
+def _p2p(rank: int, n: int) -> list[str]:
+    fails: list[str] = []
+    right, left = (rank + 1) % n, (rank - 1) % n
+    # blocking send/recv around a ring, several dtypes, tags keep messages apart
+    for dtype in (torch.float32, torch.int64, torch.bfloat16, torch.bool):
+        for tag in (0, 7):
+            def payload(r: int) -> torch.Tensor:
+                if dtype == torch.bool:
+                    return (torch.arange(11) + r) % 3 == 0
+                return (torch.arange(11) + r).to(dtype)
+
+            out = payload(rank)
+            inp = torch.empty(11, dtype=dtype)
+            if rank % 2 == 0:
+                dist.send(out, right, tag=tag)
+                dist.recv(inp, left, tag=tag)
+            else:
+                dist.recv(inp, left, tag=tag)
+                dist.send(out, right, tag=tag)
+            want = payload(left)
+            if not torch.equal(inp, want):
+                fails.append(f"r{rank} send/recv {dtype} tag={tag}")
+    # isend/irecv both directions at once; messages on one (peer, tag) arrive in order
+    sends = [dist.isend(torch.full((3,), float(rank * 10 + i)), right) for i in range(4)]
+    recvs = [torch.empty(3) for _ in range(4)]
+    rworks = [dist.irecv(b, left) for b in recvs]
+    for w in sends + rworks:
+        w.wait()
+    for i, b in enumerate(recvs):
+        if not torch.equal(b, torch.full((3,), float(left * 10 + i))):
+            fails.append(f"r{rank} isend/irecv order {i}: {b.tolist()}")
+    # a large message (rendezvous protocol)
+    big = torch.arange(1 << 20, dtype=torch.float32) + rank
+    got = torch.empty_like(big)
+    ws = [dist.isend(big, right), dist.irecv(got, left)]
+    for w in ws:
+        w.wait()
+    if not torch.equal(got, torch.arange(1 << 20, dtype=torch.float32) + left):
+        fails.append(f"r{rank} large isend/irecv")
+    # batch_isend_irecv ring (coalesced into one work)
+    s, r_ = torch.full((5,), float(rank)), torch.empty(5)
+    ops = [dist.P2POp(dist.isend, s, right), dist.P2POp(dist.irecv, r_, left)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    if not torch.equal(r_, torch.full((5,), float(left))):
+        fails.append(f"r{rank} batch_isend_irecv")
+    # recv from any source identifies the sender
+    if rank == 0:
+        seen = set()
+        for _ in range(n - 1):
+            t = torch.empty(1)
+            src = dist.recv(t)
+            seen.add(src)
+            if t.item() != src * 100:
+                fails.append(f"any-source payload {t.item()} from {src}")
+        if seen != set(range(1, n)):
+            fails.append(f"any-source senders {seen}")
+    else:
+        dist.send(torch.tensor([rank * 100.0]), 0)
+    # non-contiguous and strided p2p
+    if rank == 0:
+        dist.send(torch.arange(12.0).reshape(3, 4).t(), 1)
+    elif rank == 1:
+        t = torch.empty(4, 3)
+        dist.recv(t, 0)
+        if not torch.equal(t, torch.arange(12.0).reshape(3, 4).t()):
+            fails.append("non-contiguous send")
+    dist.barrier()
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_point_to_point(world_size: int) -> None:
+    fails = [f for r in run_ranks(_p2p, world_size) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _subgroups(rank: int, n: int) -> list[str]:
+    fails: list[str] = []
+    assert dist.get_backend() == "tdx"
+    # non-contiguous, reordered members; roots are global ranks in the public API
+    members = [3, 1] if n >= 4 else [n - 1, 0]
+    g = dist.new_group(members)
+    other = dist.new_group([r for r in range(n) if r not in members] or [0])
+    if rank in members:
+        t = torch.full((4,), float(rank))
+        dist.all_reduce(t, group=g)
+        if not torch.equal(t, torch.full((4,), float(sum(members)))):
+            fails.append(f"r{rank} subgroup all_reduce {t.tolist()}")
+        b = torch.full((2,), float(rank))
+        dist.broadcast(b, src=members[0], group=g)
+        if not torch.equal(b, torch.full((2,), float(members[0]))):
+            fails.append(f"r{rank} subgroup broadcast")
+        outs = [torch.empty(1) for _ in members]
+        dist.all_gather(outs, torch.tensor([float(rank)]), group=g)
+        # new_group orders members by global rank
+        if [o.item() for o in outs] != [float(m) for m in sorted(members)]:
+            fails.append(f"r{rank} subgroup all_gather order {outs}")
+        if dist.get_rank(g) != sorted(members).index(rank):
+            fails.append("group rank")
+    # two groups with async ops in flight at the same time
+    w1 = dist.all_reduce(torch.ones(1000), async_op=True)
+    if rank in members:
+        w2 = dist.all_reduce(torch.ones(1000), group=g, async_op=True)
+        w2.wait()
+    w1.wait()
+    # split_group over the default group
+    if hasattr(dist, "split_group"):
+        halves = [list(range(0, n // 2)), list(range(n // 2, n))]
+        halves = [h for h in halves if h]
+        try:
+            sg = dist.split_group(split_ranks=halves)
+        except RuntimeError as e:  # torch may insist on a bound device
+            sg = None
+            if "device" not in str(e):
+                fails.append(f"split_group: {e}")
+        if sg is not None:
+            mine = next(h for h in halves if rank in h)
+            t = torch.ones(3)
+            dist.all_reduce(t, group=sg)
+            if not torch.equal(t, torch.full((3,), float(len(mine)))):
+                fails.append(f"r{rank} split_group all_reduce {t.tolist()}")
+    seq = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    if not hasattr(seq, "_get_sequence_number_for_group"):
+        fails.append("no sequence number hook")
+    elif seq._get_sequence_number_for_group() <= 0:
+        fails.append("sequence number did not advance")
+    dist.destroy_process_group(g)
+    dist.destroy_process_group(other)
+    dist.barrier()
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_subgroups_and_split(world_size: int) -> None:
+    fails = [f for r in run_ranks(_subgroups, world_size) for f in r]
+    assert not fails, "\n".join(fails)
+
+
+def _debug_detail(rank: int, n: int) -> float:
+    t = torch.full((16,), float(rank))
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    dist.barrier()
+    return t[0].item()
+
+
+def test_torch_distributed_debug_detail() -> None:
+    vals = run_ranks(_debug_detail, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert vals == [1.0, 1.0]
+
+
+def _reinit(rank: int, n: int, store_dir: str) -> list[float]:
+    import os
+    from datetime import timedelta
+
+    # The harness's group is up; tear it down and build new ones three times.
+    out = []
+    dist.destroy_process_group()
+    for i in range(3):
+        store = dist.FileStore(os.path.join(store_dir, f"s{i}"), n)
+        dist.init_process_group("tdx", store=store, rank=rank, world_size=n,
+                                timeout=timedelta(seconds=60))
+        t = torch.full((4,), float(rank + i))
+        dist.all_reduce(t)
+        out.append(t[0].item())
+        dist.destroy_process_group()
+    store = dist.FileStore(os.path.join(store_dir, "final"), n)
+    dist.init_process_group("tdx", store=store, rank=rank, world_size=n)
+    return out
+
+
+def test_repeated_init_destroy(tmp_path) -> None:
+    results = run_ranks(_reinit, 3, args=(str(tmp_path),))
+    want = [float(sum(range(3)) + 3 * i) for i in range(3)]
+    assert results == [want] * 3
