@@ -7,11 +7,24 @@ compiled when nvcc and a CUDA build of torch are present and TDX_WITH_CUDA is no
 
 import glob
 import os
+import shutil
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
 
-import torch
+# torch guesses CUDA_HOME from the directory above `nvcc` on PATH; when `nvcc` is a
+# wrapper script or a symlink (/usr/local/bin/nvcc) that guess has no headers. Take the
+# first candidate that has them.
+if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
+    _nvcc = shutil.which("nvcc")
+    _candidates = [os.path.dirname(os.path.dirname(os.path.realpath(_nvcc)))] if _nvcc else []
+    _candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for _home in _candidates:
+        if os.path.exists(os.path.join(_home, "include", "cuda_runtime.h")):
+            os.environ["CUDA_HOME"] = _home
+            break
+
+import torch  # noqa: E402  (after CUDA_HOME: cpp_extension reads it at import)
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,9 +7,89 @@
 #include <ucp/api/ucp.h>
 
 #include "c10d/ProcessGroupTDX.hpp"
+#include "c10d/Validation.hpp"
 #include "common/env.h"
+#include "kernels/reduce.h"
+
+#ifdef TDX_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "kernels/reduce_cuda.h"
+#include "transport/peer_memory/cuda_ipc.h"
+#endif
 
 namespace {
+
+// The reduction kernels alone, for tests: outputs[j][i] = op over k of inputs[k][i].
+// `op` is a ReduceOp name; AVG divides the sum by len(inputs), PREMUL_SUM scales each
+// input by `factor`. CPU tensors use the CPU kernels, CUDA tensors the CUDA kernels on
+// the current stream.
+void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                 const std::string& op, double factor) {
+  TORCH_CHECK_VALUE(!inputs.empty(), "_multi_reduce: needs at least one input");
+  const at::Tensor& ref = inputs[0];
+  for (const auto& t : inputs) {
+    TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == ref.numel() &&
+                          t.scalar_type() == ref.scalar_type() && t.device() == ref.device(),
+                      "_multi_reduce: every tensor must be contiguous, of one dtype, numel "
+                      "and device");
+  }
+  for (const auto& t : outputs) {
+    TORCH_CHECK_VALUE(t.is_contiguous() && t.numel() == ref.numel() &&
+                          t.scalar_type() == ref.scalar_type() && t.device() == ref.device(),
+                      "_multi_reduce: every tensor must be contiguous, of one dtype, numel "
+                      "and device");
+  }
+  static const std::map<std::string, c10d::ReduceOp::RedOpType> kOps = {
+      {"SUM", c10d::ReduceOp::SUM},   {"PRODUCT", c10d::ReduceOp::PRODUCT},
+      {"MIN", c10d::ReduceOp::MIN},   {"MAX", c10d::ReduceOp::MAX},
+      {"BAND", c10d::ReduceOp::BAND}, {"BOR", c10d::ReduceOp::BOR},
+      {"BXOR", c10d::ReduceOp::BXOR}, {"AVG", c10d::ReduceOp::AVG},
+      {"PREMUL_SUM", c10d::ReduceOp::PREMUL_SUM}};
+  auto it = kOps.find(op);
+  TORCH_CHECK_VALUE(it != kOps.end(), "_multi_reduce: unknown op ", op);
+  c10d::ReduceOp rop(it->second);
+  if (op == "PREMUL_SUM") rop.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(factor);
+  const tdx::Reduction red = tdx::makeReduction("_multi_reduce", rop, ref.scalar_type());
+  const int n = static_cast<int>(inputs.size());
+  if (ref.is_cuda()) {
+#ifdef TDX_WITH_CUDA
+    TORCH_CHECK_VALUE(n <= tdx::kernels::kMaxMultiBuffers &&
+                          outputs.size() <= static_cast<size_t>(tdx::kernels::kMaxMultiBuffers),
+                      "_multi_reduce: at most ", tdx::kernels::kMaxMultiBuffers, " buffers");
+    c10::cuda::CUDAGuard guard(ref.device());
+    tdx::kernels::MultiReduceArgs a;
+    for (int k = 0; k < n; ++k) a.inputs[k] = inputs[k].data_ptr();
+    for (size_t j = 0; j < outputs.size(); ++j) a.outputs[j] = outputs[j].data_ptr();
+    a.numInputs = n;
+    a.numOutputs = static_cast<int>(outputs.size());
+    a.count = ref.numel();
+    a.dtype = red.dtype;
+    a.kind = red.kind;
+    a.premul = red.premul;
+    a.premulFactor = red.premul ? red.factor() : 1.0;
+    a.divisor = red.average ? n : 1;
+    tdx::kernels::cudaMultiReduce(a, c10::cuda::getCurrentCUDAStream().stream());
+    return;
+#else
+    TORCH_CHECK(false, "_multi_reduce: this build of torchdist_ext has no CUDA kernels");
+#endif
+  }
+  // CPU: the same arithmetic the host path of the collectives runs.
+  at::Tensor acc = inputs[0].clone();
+  if (red.premul) tdx::kernels::cpuScale(acc.data_ptr(), acc.numel(), red.dtype, red.factor());
+  for (int k = 1; k < n; ++k) {
+    at::Tensor x = inputs[k];
+    if (red.premul) {
+      x = x.clone();
+      tdx::kernels::cpuScale(x.data_ptr(), x.numel(), red.dtype, red.factor());
+    }
+    red.fn(acc.data_ptr(), x.data_ptr(), acc.numel());
+  }
+  if (red.average) tdx::kernels::cpuDivide(acc.data_ptr(), acc.numel(), red.dtype, n);
+  for (const auto& o : outputs) o.copy_(acc);
+}
 
 c10::intrusive_ptr<tdx::ProcessGroupTDX> createBackend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -27,10 +107,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tdx: a UCX-based torch.distributed backend";
   py::class_<tdx::ProcessGroupTDX, c10d::Backend, c10::intrusive_ptr<tdx::ProcessGroupTDX>>(
       m, "ProcessGroupTDX")
-      .def_property_readonly("group_name", &tdx::ProcessGroupTDX::groupName);
+      .def_property_readonly("group_name", &tdx::ProcessGroupTDX::groupName)
+      .def_property_readonly("peer_ops_run", &tdx::ProcessGroupTDX::peerOpsRun);
   m.def("_create_backend", &createBackend, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::arg("timeout"), py::arg("group_name"), py::arg("global_ranks"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("_multi_reduce", &multiReduce, py::arg("inputs"), py::arg("outputs"), py::arg("op"),
+        py::arg("factor") = 1.0);
+  m.def("cuda_enabled", [] {
+#ifdef TDX_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("stream_memops_available", [] {
+#ifdef TDX_WITH_CUDA
+    return tdx::transport::peer::streamMemOpsAvailable();
+#else
+    return false;
+#endif
+  });
   m.def("ucx_version", [] { return std::string(ucp_get_version_string()); });
   m.def("env_knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;

@@ -1,28 +1,58 @@
 #!/usr/bin/env bash
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host").
-# Writes logs and results under $OUT (default: ./device-out).
+# Writes logs and results under $OUT (default: ./device-out). Stages, each optional:
+#   TDX_STAGES="build cuda bench cpu"   (default: all four, in that order)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
+STAGES=${TDX_STAGES:-build cuda bench cpu}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 {
-  nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  date -u; nvidia-smi -L
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.txt"
 
 $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 
-start=$(date +%s)
-$PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
-rc=$?
-echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
-if [ $rc -ne 0 ]; then tail -80 "$OUT/build.log"; exit $rc; fi
+if has build; then
+  start=$(date +%s)
+  $PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1
+  rc=$?
+  echo "build rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/env.txt"
+  if [ $rc -ne 0 ]; then grep -B2 -A12 -m5 "error" "$OUT/build.log" | tail -80; exit $rc; fi
+fi
 
-$PY -c "import torchdist_ext; print('ucx', torchdist_ext.ucx_version())" 2>&1 | tee -a "$OUT/env.txt"
+$PY - <<'EOF' 2>&1 | tee -a "$OUT/env.txt"
+import torch, torchdist_ext
+from torchdist_ext import _C
+print("ucx", torchdist_ext.ucx_version(), "cuda kernels", _C.cuda_enabled())
+# Device-to-device copy bandwidth, counting bytes read and written (the busbw yardstick).
+x = torch.empty(1 << 28, dtype=torch.uint8, device="cuda"); y = torch.empty_like(x)
+for _ in range(3): y.copy_(x)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+s.record(); [y.copy_(x) for _ in range(20)]; e.record(); torch.cuda.synchronize()
+print(f"d2d copy {2 * x.numel() * 20 / (s.elapsed_time(e) * 1e-3) / 1e9:.0f} GB/s (read+write)")
+print("stream memops", _C.stream_memops_available())
+EOF
 
-# Tests: CUDA-marked ones plus the CPU suite (fast on 16 cores).
-timeout 420 $PY -m pytest -q -x ${TDX_PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -40
+if has cuda; then
+  timeout 300 $PY -m pytest -q -x -m cuda ${TDX_CUDA_TESTS:-tests} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+fi
+
+if has bench; then
+  for w in 2 4; do
+    timeout 150 $PY -m torchdist_ext.bench --device cuda --world $w --backends tdx,gloo \
+      -b 4K -e 256M -f 4 -n 20 -w 5 --json "$OUT/bench_cuda_w$w.json" 2>&1 \
+      | tee "$OUT/bench_cuda_w$w.txt" | tail -30
+  done
+fi
+
+if has cpu; then
+  timeout 300 $PY -m pytest -q -m "not cuda" tests 2>&1 | tee "$OUT/pytest_cpu.log" | tail -15
+fi

@@ -89,8 +89,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
   checkSingle(ctx, tensors);
   at::Tensor t = tensors[0];
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
-  return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t},
-                 [t, red](GroupChannel& ch) { runAllreduce(ch, t, red); });
+  auto host = [t, red](GroupChannel& ch) { runAllreduce(ch, t, red); };
+  if (!t.is_cuda()) return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host);
+  // CUDA: ranks of one host reduce through each other's memory when they all can;
+  // otherwise the op stages through host memory.
+  return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host,
+                 [this, t, red, host](GroupChannel& ch, DeviceContext& ctx) {
+                   if (peer_ && peer_->allreduce(ch, t, red, ctx)) return;
+                   ctx.syncReady();
+                   host(ch);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(

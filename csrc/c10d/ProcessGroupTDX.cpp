@@ -91,6 +91,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     }
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
   }
+  peer_ = PeerMemory::create(rank, size, prefix());
   worker_ = std::thread([this] { runLoop(); });
   init();
   TDX_LOG(Info, prefix()) << "group ready (id " << groupId_ << ", timeout "
@@ -140,13 +141,15 @@ std::exception_ptr ProcessGroupTDX::wrapError(const std::string& what,
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     c10d::OpType type, const std::string& what, std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body) {
+    std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body,
+    DeviceBody deviceBody) {
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
                                            outputs, timeout(), what.c_str(), inputs);
   Task task;
   task.work = work;
   task.body = std::move(body);
+  task.deviceBody = std::move(deviceBody);
   task.seq = seq;
   task.keepAlive = std::move(inputs);
   task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
@@ -195,11 +198,17 @@ void ProcessGroupTDX::runTask(Task& task) {
                                 brokenReason_ + "); destroy it and create a new one");
   } else {
     try {
-      if (task.readyEvent) static_cast<c10::Event*>(task.readyEvent.get())->synchronize();
+      DeviceContext ctx;
+      ctx.ready = task.readyEvent;
+      if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + timeout(), aborted_);
       try {
-        task.body(ch);
+        if (task.deviceBody) {
+          task.deviceBody(ch, ctx);
+        } else {
+          task.body(ch);
+        }
       } catch (...) {
         if (!ch.quiesce()) {
           // A transfer could not be cancelled: its buffers may still be written, so they
@@ -209,7 +218,13 @@ void ProcessGroupTDX::runTask(Task& task) {
         }
         throw;
       }
-      if (auto dev = firstDeviceTensor(task.keepAlive)) syncCurrentStream(*dev);
+      if (ctx.done) {
+        // The op's device work is queued on the backend stream: the work completes on
+        // the host now and its waiters order themselves after `done`.
+        task.work->setDeviceDone(ctx.done, *ctx.stream);
+      } else if (auto dev = firstDeviceTensor(task.keepAlive)) {
+        syncCurrentStream(*dev);
+      }
     } catch (const std::exception& e) {
       brokenReason_ = what + ": " + errorText(e);
       broken_ = true;

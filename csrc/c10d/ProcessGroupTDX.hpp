@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "c10d/DeviceOps.hpp"
 #include "c10d/GroupChannel.hpp"
 #include "c10d/WorkTDX.hpp"
 #include "transport/ucx/ucx_transport.h"
@@ -111,6 +112,11 @@ class ProcessGroupTDX : public c10d::Backend {
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
 
+  // Ops that ran through same-host peer memory (tests check the fast path is taken).
+  uint64_t peerOpsRun() const {
+    return peer_ ? peer_->opsRun() : 0;
+  }
+
   void setSequenceNumberForGroup() override {}
   uint64_t getSequenceNumberForGroup() override {
     return seq_.load();
@@ -126,19 +132,23 @@ class ProcessGroupTDX : public c10d::Backend {
   }
 
  private:
+  using DeviceBody = std::function<void(GroupChannel&, DeviceContext&)>;
+
   struct Task {
     c10::intrusive_ptr<WorkTDX> work;
-    std::function<void(GroupChannel&)> body;
+    std::function<void(GroupChannel&)> body;  // host path: staged, synchronous
+    DeviceBody deviceBody;                    // may leave work on the backend stream
     uint64_t seq = 0;
     std::vector<at::Tensor> keepAlive;
-    std::shared_ptr<void> readyEvent;  // c10::Event for CUDA inputs, else null
+    std::shared_ptr<c10::Event> readyEvent;  // recorded on the caller's stream (CUDA)
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const std::string& what,
                                          std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs,
-                                         std::function<void(GroupChannel&)> body);
+                                         std::function<void(GroupChannel&)> body,
+                                         DeviceBody deviceBody = nullptr);
   c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, at::Tensor tensor, int peer,
                                               int tag);
   void registerWork(const c10::intrusive_ptr<WorkTDX>& work);
@@ -157,6 +167,7 @@ class ProcessGroupTDX : public c10d::Backend {
   uint32_t groupId_;
   std::shared_ptr<transport::UcxTransport> transport_;
   std::vector<int> endpoints_;  // group rank -> transport endpoint
+  std::unique_ptr<PeerMemory> peer_;  // same-host CUDA path; null without CUDA
 
   std::atomic<uint64_t> seq_{0};
   std::atomic<bool> aborted_{false};

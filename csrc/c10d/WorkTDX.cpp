@@ -1,5 +1,7 @@
 #include "c10d/WorkTDX.hpp"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 namespace tdx {
@@ -36,7 +38,25 @@ WorkTDX::~WorkTDX() = default;
 
 bool WorkTDX::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return completed_;
+  if (!completed_) return false;
+  return !deviceDone_ || exception_ || deviceDone_->query();
+}
+
+void WorkTDX::setDeviceDone(std::shared_ptr<c10::Event> done, c10::Stream stream) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  deviceDone_ = std::move(done);
+  deviceStream_ = stream;
+}
+
+void WorkTDX::synchronize() {
+  std::shared_ptr<c10::Event> done;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done = deviceDone_;
+  }
+  if (!done) return;
+  c10::impl::VirtualGuardImpl impl(done->device_type());
+  done->block(impl.getStream(c10::Device(done->device_type(), done->device_index())));
 }
 
 bool WorkTDX::isSuccess() const {
@@ -68,6 +88,8 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
     }
   }
   if (exception_) std::rethrow_exception(exception_);
+  lock.unlock();
+  synchronize();
   return true;
 }
 
@@ -143,6 +165,9 @@ void WorkTDX::complete(std::exception_ptr error) {
   if (error) {
     if (!future_->completed()) future_->setErrorIfNeeded(error);
   } else if (!future_->completed()) {
+    // The future records its own events on the current streams of its devices: make
+    // that the backend stream, so the value is ready only after the device work.
+    c10::OptionalStreamGuard guard(deviceStream_);
     future_->markCompleted(c10::IValue(outputs_));
   }
   finish(error);

@@ -4,10 +4,14 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,7 +27,10 @@ class WorkTDX : public c10d::Work {
 
   bool isCompleted() override;
   bool isSuccess() const override;
+  // Host part done (errors rethrown), then, for device-resident ops, the caller's current
+  // stream waits on the op's end event: no host synchronisation with the GPU.
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override;
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   int sourceRank() const override;
@@ -41,6 +48,11 @@ class WorkTDX : public c10d::Work {
   void setSourceRank(int rank) {
     sourceRank_.store(rank);
   }
+  // The op left work on `stream` that ends with `done` (set before the last part
+  // finishes). is_completed() then also asks the event, and the future's value is
+  // ordered after it.
+  void setDeviceDone(std::shared_ptr<c10::Event> done, c10::Stream stream);
+
   // A work that completes when `child` does (coalescing).
   void attachChild(const c10::intrusive_ptr<WorkTDX>& child);
 
@@ -62,6 +74,8 @@ class WorkTDX : public c10d::Work {
   std::atomic<int> sourceRank_{-1};
   std::mutex timeoutMu_;
   std::function<void()> onTimeout_;
+  std::shared_ptr<c10::Event> deviceDone_;
+  std::optional<c10::Stream> deviceStream_;
 };
 
 } // namespace tdx

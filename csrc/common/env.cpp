@@ -15,6 +15,9 @@ const std::vector<Knob>& knobs() {
       {"TDX_SPIN_US", "50",
        "microseconds a waiting thread polls UCX before sleeping; lower it when ranks "
        "outnumber cores"},
+      {"TDX_CUDA_PEER", "1",
+       "1: CUDA collectives among ranks of one host read and write each other's buffers "
+       "through CUDA IPC; 0: stage them through host memory instead"},
   };
   return kKnobs;
 }

@@ -1,0 +1,61 @@
+// Device-resident collectives: ops on CUDA tensors that leave their work on the group's
+// own stream instead of staging through host memory.
+//
+// Stream discipline (PyTorch's contract for collectives):
+//  - the caller's current stream records `ready` at the call; the backend stream waits on
+//    it, so the op sees everything the caller queued before it, without a host sync;
+//  - the op's last step records `done` on the backend stream; Work::wait() makes the
+//    caller's current stream wait on `done`, again without a host sync;
+//  - tensors are recorded on the backend stream (the caching allocator's record_stream),
+//    so freeing them right after an async op cannot hand their memory to a new tensor
+//    while the op still reads or writes it.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "c10d/GroupChannel.hpp"
+#include "c10d/Validation.hpp"
+
+namespace tdx {
+
+struct DeviceContext {
+  std::shared_ptr<c10::Event> ready;  // recorded on the caller's stream at the call
+  std::shared_ptr<c10::Event> done;   // set by an op that left work on `stream`
+  std::optional<c10::Stream> stream;  // the backend stream `done` was recorded on
+  bool readySynced = false;
+
+  // Host path: block the worker until the caller's stream has produced the inputs.
+  void syncReady() {
+    if (ready && !readySynced) ready->synchronize();
+    readySynced = true;
+  }
+};
+
+// One group's same-host peer-memory state: its IPC mappings, its signal flags and its
+// stream. Every rank of a group makes the same choices in the same order, so a decision
+// to use (or not use) this path is always collective.
+class PeerMemory {
+ public:
+  virtual ~PeerMemory() = default;
+
+  // The group's state, or null when the build has no CUDA or TDX_CUDA_PEER=0.
+  static std::unique_ptr<PeerMemory> create(int rank, int size, std::string prefix);
+
+  // In-place allreduce of `t` through the peers' buffers. Returns false, having enqueued
+  // nothing, when some rank of the group cannot take this path (another host, no peer
+  // access, a non-contiguous tensor, ...); every rank then returns false and the caller
+  // stages through host memory. `ch` carries the small host messages that agree on this.
+  virtual bool allreduce(GroupChannel& ch, const at::Tensor& t, const Reduction& red,
+                         DeviceContext& ctx) = 0;
+
+  // How many ops took this path so far (tests and logs).
+  virtual uint64_t opsRun() const = 0;
+};
+
+} // namespace tdx
