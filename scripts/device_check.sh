@@ -2,18 +2,24 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host").
 # Writes logs and results under $OUT (default: ./device-out). Stages, each optional:
-#   TDX_STAGES="build cuda bench cpu"   (default: all four, in that order)
+#   TDX_STAGES="build smoke cuda bench cpu"   (default: all, in that order)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-STAGES=${TDX_STAGES:-build cuda bench cpu}
+STAGES=${TDX_STAGES:-build smoke cuda bench cpu}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+# The extension's inline libstdc++ code must match the libstdc++ the process loads (the
+# system's, through Python): a newer side-installed GCC builds code that crashes in
+# iostreams there. Prefer the system compiler unless CXX is given.
+if [ -z "${TDX_KEEP_CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 
 {
   date -u; nvidia-smi -L
+  echo "CC=${CC:-} CXX=${CXX:-}"; ${CXX:-g++} --version | head -1
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } 2>&1 | tee "$OUT/env.txt"
 
@@ -40,6 +46,16 @@ s.record(); [y.copy_(x) for _ in range(20)]; e.record(); torch.cuda.synchronize(
 print(f"d2d copy {2 * x.numel() * 20 / (s.elapsed_time(e) * 1e-3) / 1e9:.0f} GB/s (read+write)")
 print("stream memops", _C.stream_memops_available())
 EOF
+
+if has smoke; then
+  # A crash is re-run under cuda-gdb (it debugs host code too) for a native backtrace.
+  timeout 60 $PY -X faulthandler scripts/device_smoke.py 2>&1 | tee "$OUT/smoke.log"
+  if ! grep -q "cuda ok" "$OUT/smoke.log"; then
+    timeout 120 cuda-gdb -batch -ex run -ex bt -ex "info threads" \
+      --args $PY scripts/device_smoke.py 2>&1 | tail -60 | tee -a "$OUT/smoke.log"
+    exit 1
+  fi
+fi
 
 if has cuda; then
   timeout 300 $PY -m pytest -q -x -m cuda ${TDX_CUDA_TESTS:-tests} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40

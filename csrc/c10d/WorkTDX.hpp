@@ -35,7 +35,7 @@ class WorkTDX : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   int sourceRank() const override;
   uint64_t getSequencenumber() const override;
-  std::chrono::milliseconds getTimeout() const override;
+  std::chrono::milliseconds getTimeout() const;  // a Work virtual only in newer torch
 
   // Another part must finish before the work completes (p2p requests, coalesced ops).
   void addPart();
