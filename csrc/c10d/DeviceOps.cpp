@@ -129,14 +129,15 @@ class CudaPeerMemory final : public PeerMemory {
     all[me] = mine;
     exchange(ch, all.data(), sizeof(Advert));
 
+    // `fresh` must come out the same on every rank, since it decides whether a second
+    // exchange follows: it asks whether ANY rank's handle (this rank's included) is new
+    // to the group, from `seen_`, which every rank updates identically.
     bool use = true;
     bool fresh = false;
     for (int p = 0; p < n; ++p) {
       use = use && all[p].eligible && all[p].hostId == mine.hostId && all[p].bytes == mine.bytes;
-      if (p != me) {
-        fresh = fresh || !seen_.count(handleKey(p, all[p].buffer)) ||
-                !seen_.count(handleKey(p, all[p].signals));
-      }
+      fresh = fresh || !seen_.count(handleKey(p, all[p].buffer)) ||
+              !seen_.count(handleKey(p, all[p].signals));
     }
     if (!use) return false;
 
@@ -164,6 +165,11 @@ class CudaPeerMemory final : public PeerMemory {
                              << "); CUDA collectives of this group stage through the host";
       mapped = 0;
     }
+    if (!fresh && !mapped) {
+      // Cannot happen (every handle here was mapped before); failing the op is better than
+      // leaving the peers waiting on flags this rank will never write.
+      throw std::runtime_error("a peer mapping that was valid before could not be reopened");
+    }
     if (fresh) {
       std::vector<uint8_t> oks(n);
       oks[me] = mapped;
@@ -174,7 +180,6 @@ class CudaPeerMemory final : public PeerMemory {
         return false;
       }
       for (int p = 0; p < n; ++p) {
-        if (p == me) continue;
         seen_.insert(handleKey(p, all[p].buffer));
         seen_.insert(handleKey(p, all[p].signals));
       }

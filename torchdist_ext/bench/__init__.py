@@ -1,0 +1,86 @@
+"""nccl-tests-style benchmark of torch.distributed collectives, several backends at once.
+
+Every backend under test gets its own group (``dist.new_group(backend=...)``) inside the
+same processes, so one run puts, say, tdx and gloo side by side on the same machine. Each
+row is checked against the exact result of known inputs (``#wrong`` counts bad elements)
+and timed: a barrier, then ``iters`` back-to-back ops; the reported time is the maximum
+over ranks of the mean time per op, combined over a separate gloo CPU group so the
+bookkeeping never runs on the backend under test. ``algbw = size / time`` with the buffer
+size nccl-tests reports for the op; ``busbw = algbw * factor`` with nccl-tests' factors:
+all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1.
+
+Usage::
+
+    # all_reduce, tdx vs gloo, 2 spawned ranks on CPU, 1K .. 64M
+    python -m torchdist_ext.bench
+
+    # every collective, small sizes, quick
+    python -m torchdist_ext.bench --op all -b 1K -e 1M -n 5 -w 1
+
+    # 4 ranks on one GPU (nccl is skipped: it refuses two ranks on one GPU)
+    python -m torchdist_ext.bench --world 4 --device cuda --backends tdx,gloo,nccl
+
+    # machine-readable rows and a busbw plot (needs matplotlib)
+    python -m torchdist_ext.bench --op all_gather,reduce_scatter --json rows.json --plot busbw.png
+
+    # under torchrun the ranks come from the environment; rank 0 prints
+    torchrun --nproc-per-node 4 -m torchdist_ext.bench --op all --dtype bfloat16
+
+From Python::
+
+    from torchdist_ext.bench import Options, run
+    rows = run(Options(ops=("all_reduce", "all_gather"), maxbytes=1 << 20, iters=5))
+    print(rows[0]["backend"], rows[0]["oop_busbw_gb_s"])
+
+Out-of-place and in-place: torch's all_reduce, broadcast and reduce only work in place, so
+their out-of-place columns time a copy of the input into a separate output buffer plus the
+in-place call (as torch's functional collectives do); the in-place columns time the call
+alone. all_gather's in-place form passes this rank's chunk of the output as the input;
+reduce_scatter's passes this rank's chunk of the input as the output. all_to_all has no
+in-place form. Out-of-place ops also count elements of their input that changed as wrong.
+
+Each row (``run``'s result and ``--json``'s ``rows``) holds: op, backend, world, device,
+size (bytes), count (elements), dtype, redop, root, and for ``oop_`` (out-of-place) and
+``ip_`` (in-place, None where there is none): ``time_us``, ``algbw_gb_s``,
+``busbw_gb_s`` (GB/s = 1e9 bytes/s), ``wrong`` (None with --check 0) and ``error``
+(None, or why the op failed on that backend); then iters, warmup, host, torch_version,
+tdx_version, ucx_version, date.
+"""
+
+from __future__ import annotations
+
+from .cli import build_parser, main, options_from_args
+from .core import (
+    ALL_OPS,
+    OPS,
+    Options,
+    count_wrong,
+    expected_output,
+    make_input,
+    parse_dtype,
+    parse_size,
+    sizes_for,
+    sweep,
+)
+from .runner import rank_main, run
+
+bench = run  # ``torchdist_ext.bench.bench(options)`` reads naturally too
+
+__all__ = [
+    "ALL_OPS",
+    "OPS",
+    "Options",
+    "bench",
+    "build_parser",
+    "count_wrong",
+    "expected_output",
+    "main",
+    "make_input",
+    "options_from_args",
+    "parse_dtype",
+    "parse_size",
+    "rank_main",
+    "run",
+    "sizes_for",
+    "sweep",
+]

@@ -1,0 +1,92 @@
+"""Command line: ``python -m torchdist_ext.bench --help``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import report
+from .core import ALL_OPS, REDOPS, Options, parse_size
+from .runner import run
+
+__all__ = ["build_parser", "main", "options_from_args"]
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser behind ``python -m torchdist_ext.bench``."""
+    p = argparse.ArgumentParser(
+        prog="python -m torchdist_ext.bench",
+        description="nccl-tests-style tables for torch.distributed collectives, several "
+                    "backends side by side in one run.",
+        epilog="Under torchrun (RANK and WORLD_SIZE set) the ranks come from the environment "
+               "and --world is ignored.",
+    )
+    p.add_argument("--op", default="all_reduce",
+                   help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
+                        "default all_reduce")
+    p.add_argument("--backends", default="tdx,gloo",
+                   help="comma-separated backends under test (tdx, gloo, nccl); default tdx,gloo")
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="tensor device; with cuda rank r uses cuda:(r %% device_count)")
+    p.add_argument("-b", "--minbytes", type=_size, default=1 << 10,
+                   help="smallest size, K/M/G suffixes allowed (default 1K)")
+    p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20,
+                   help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2,
+                   help="multiply the size by this between rows (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
+    p.add_argument("-w", "--warmup", type=int, default=5,
+                   help="untimed iterations before timing (default 5)")
+    p.add_argument("-d", "--dtype", default="float32",
+                   help="any torch dtype name (default float32)")
+    p.add_argument("-o", "--redop", default="sum", help=f"{', '.join(REDOPS)} (default sum)")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                   help="count wrong result elements (default 1)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write every row as JSON")
+    p.add_argument("--plot", dest="plot_path", metavar="PNG",
+                   help="plot busbw vs size, one line per backend (needs matplotlib)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print no tables")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress indicator on stderr")
+    return p
+
+
+def options_from_args(argv: Sequence[str] | None = None) -> Options:
+    """Parse a command line into :class:`Options` (exits with usage on bad arguments)."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        opts = Options(ops=a.op, backends=a.backends, world=a.world, device=a.device,
+                       minbytes=a.minbytes, maxbytes=a.maxbytes, stepfactor=a.stepfactor,
+                       iters=a.iters, warmup=a.warmup, dtype=a.dtype, redop=a.redop,
+                       root=a.root, check=bool(a.check), json_path=a.json_path,
+                       plot_path=a.plot_path, timeout=a.timeout, quiet=a.quiet,
+                       progress=a.progress)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if opts.plot_path and (why := report.matplotlib_missing()):
+        parser.error(why)
+    return opts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: 0 when every checked element was right, 1 otherwise."""
+    rows = run(options_from_args(argv))
+    wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
+    return 0 if wrong == 0 else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

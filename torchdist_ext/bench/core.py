@@ -1,0 +1,341 @@
+"""Options, collective definitions, known inputs and their expected results.
+
+Nothing here talks to other processes: the functions build inputs, predict what every rank
+must hold after a collective, and count the elements that differ. ``runner`` drives the
+collectives themselves.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "ALL_OPS",
+    "BACKENDS",
+    "REDOPS",
+    "OpSpec",
+    "Options",
+    "OPS",
+    "canonical_op",
+    "count_wrong",
+    "expected_output",
+    "make_input",
+    "parse_dtype",
+    "parse_size",
+    "poison",
+    "sizes_for",
+    "sweep",
+]
+
+KNOWN_BACKENDS = ("tdx", "gloo", "nccl")
+BACKENDS = KNOWN_BACKENDS
+REDOPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
+_REDOP_ALIASES = {"product": "prod", "mean": "avg"}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_DTYPE_ALIASES = {"fp32": "float32", "fp64": "float64", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from ``"512"``, ``"1K"``, ``"64M"``, ``"1G"`` (binary multiples; ``"8KB"`` too)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (expected a number with an optional K, M or G)")
+    return int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``torch.float32`` from ``"float32"``, ``"torch.float32"``, ``"half"``, ``"bf16"``."""
+    if isinstance(name, torch.dtype):
+        return name
+    key = name.strip().removeprefix("torch.")
+    dtype = getattr(torch, _DTYPE_ALIASES.get(key, key), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _bus_allreduce(n: int) -> float:
+    return 2.0 * (n - 1) / n
+
+
+def _bus_ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def _bus_one(n: int) -> float:
+    return 1.0
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One benchmarked collective.
+
+    ``divisible``: the element count must be a multiple of the world size (the op splits
+    the buffer into one chunk per rank). ``bus_factor(n)`` turns algbw into busbw exactly as
+    nccl-tests does. ``bus_formula`` is the same factor in words, for the table header.
+    """
+
+    name: str
+    torch_call: str
+    bus_factor: Callable[[int], float]
+    bus_formula: str
+    reduces: bool
+    rooted: bool
+    in_place: bool
+    divisible: bool
+
+
+OPS: dict[str, OpSpec] = {
+    s.name: s
+    for s in (
+        OpSpec("all_reduce", "all_reduce", _bus_allreduce, "2(n-1)/n", True, False, True, False),
+        OpSpec("all_gather", "all_gather_into_tensor", _bus_ring, "(n-1)/n", False, False, True,
+               True),
+        OpSpec("reduce_scatter", "reduce_scatter_tensor", _bus_ring, "(n-1)/n", True, False,
+               True, True),
+        OpSpec("broadcast", "broadcast", _bus_one, "1", False, True, True, False),
+        OpSpec("reduce", "reduce", _bus_one, "1", True, True, True, False),
+        OpSpec("all_to_all", "all_to_all_single", _bus_ring, "(n-1)/n", False, False, False,
+               True),
+    )
+}
+ALL_OPS = tuple(OPS)
+
+_OP_ALIASES = {
+    "allreduce": "all_reduce",
+    "allgather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reducescatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "bcast": "broadcast",
+    "alltoall": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
+
+
+def canonical_op(name: str) -> str:
+    """``"all_gather"`` from ``"all_gather"``, ``"allgather"`` or ``"all_gather_into_tensor"``."""
+    key = name.strip().lower().replace("-", "_")
+    key = _OP_ALIASES.get(key, key)
+    if key not in OPS:
+        raise ValueError(f"unknown op {name!r}; choose from {', '.join(ALL_OPS)} or 'all'")
+    return key
+
+
+def _split(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(v.strip() for v in value if v.strip())
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything one benchmark run needs; the CLI flags map one to one onto these fields.
+
+    ``ops`` and ``backends`` accept a comma-separated string or a sequence; ``ops`` also
+    accepts ``"all"``. Sizes are bytes of the buffer nccl-tests reports for the op (the
+    whole gathered / scattered buffer for all_gather, reduce_scatter and all_to_all).
+    ``world`` is ignored when the process group comes from the environment (torchrun) or
+    is already initialised.
+    """
+
+    ops: tuple[str, ...] = ("all_reduce",)
+    backends: tuple[str, ...] = ("tdx", "gloo")
+    world: int = 2
+    device: str = "cpu"
+    minbytes: int = 1 << 10
+    maxbytes: int = 64 << 20
+    stepfactor: int = 2
+    iters: int = 20
+    warmup: int = 5
+    dtype: str = "float32"
+    redop: str = "sum"
+    root: int = 0
+    check: bool = True
+    json_path: str | None = None
+    plot_path: str | None = None
+    timeout: float = 300.0
+    quiet: bool = False
+    progress: bool = True
+    _corrupt: bool = field(default=False, repr=False)  # test hook: spoil results before checking
+
+    def __post_init__(self) -> None:
+        ops = _split(self.ops)
+        if any(o.lower() == "all" for o in ops):
+            ops = ALL_OPS
+        ops = tuple(dict.fromkeys(canonical_op(o) for o in ops))
+        backends = tuple(dict.fromkeys(b.lower() for b in _split(self.backends)))
+        if not ops:
+            raise ValueError("no op given")
+        if not backends:
+            raise ValueError("no backend given")
+        redop = _REDOP_ALIASES.get(self.redop.lower(), self.redop.lower())
+        if redop not in REDOPS:
+            raise ValueError(f"unknown redop {self.redop!r}; choose from {', '.join(REDOPS)}")
+        dtype = parse_dtype(self.dtype)
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        minbytes, maxbytes = parse_size(self.minbytes), parse_size(self.maxbytes)
+        if minbytes < 1 or maxbytes < minbytes:
+            raise ValueError(f"need 1 <= minbytes <= maxbytes, got {minbytes} and {maxbytes}")
+        if self.stepfactor < 2:
+            raise ValueError(f"stepfactor must be at least 2, got {self.stepfactor}")
+        if self.world < 1:
+            raise ValueError(f"world must be at least 1, got {self.world}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"need iters >= 1 and warmup >= 0, got {self.iters}, {self.warmup}")
+        if self.root < 0:
+            raise ValueError(f"root must be a rank, got {self.root}")
+        for name, value in (("ops", ops), ("backends", backends), ("redop", redop),
+                            ("dtype", dtype_name(dtype)), ("minbytes", minbytes),
+                            ("maxbytes", maxbytes)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The element type as a ``torch.dtype``."""
+        return parse_dtype(self.dtype)
+
+
+def sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
+    """nccl-tests' size sweep: minbytes, minbytes*factor, ... up to maxbytes inclusive."""
+    out, size = [], minbytes
+    while size <= maxbytes:
+        out.append(size)
+        size *= factor
+    return out
+
+
+def sizes_for(spec: OpSpec, opts: Options, world: int) -> list[tuple[int, int]]:
+    """(bytes, count) per row for one op; counts round down to a multiple of world where the
+    op splits the buffer into per-rank chunks, as nccl-tests does; empty rows are dropped."""
+    elsize = opts.torch_dtype.itemsize
+    rows: dict[int, int] = {}
+    for size in sweep(opts.minbytes, opts.maxbytes, opts.stepfactor):
+        count = size // elsize
+        if spec.divisible:
+            count -= count % world
+        if count > 0:
+            rows.setdefault(count, count * elsize)
+    return [(nbytes, count) for count, nbytes in rows.items()]
+
+
+# ---------------------------------------------------------------------------------------
+# Known inputs and their exact results
+# ---------------------------------------------------------------------------------------
+
+def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
+               offset: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s input elements ``offset .. offset+count`` (CPU).
+
+    Small integers, so every sum, min, max and product over a few dozen ranks is exact in
+    float32, float16 and (up to 256) bfloat16; a product input is 1 or 2. Each element
+    depends on the rank and its position, so a chunk that lands in the wrong place or
+    comes from the wrong rank is counted wrong.
+    """
+    index = torch.int32 if offset + count + 3 * rank < 2**31 else torch.int64
+    i = torch.arange(offset, offset + count, dtype=index)
+    if dtype == torch.bool:
+        return (i + rank) % 3 == 0
+    if redop == "prod":
+        v = 1 + ((i + rank) % 7 == 0).to(index)
+    else:
+        v = (i + 3 * rank) % 13 + 1
+    return v.to(dtype)
+
+
+def poison(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer the collective must overwrite: NaN, the dtype's largest integer, or True."""
+    if dtype == torch.bool:
+        return torch.ones(count, dtype=dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.full((count,), float("nan"), dtype=dtype)
+    return torch.full((count,), torch.iinfo(dtype).max, dtype=dtype)
+
+
+def _combine(acc: torch.Tensor, x: torch.Tensor, redop: str) -> torch.Tensor:
+    if redop in ("sum", "avg"):
+        return acc + x
+    if redop == "prod":
+        return acc * x
+    if redop == "min":
+        return torch.minimum(acc, x)
+    if redop == "max":
+        return torch.maximum(acc, x)
+    return {"band": torch.bitwise_and, "bor": torch.bitwise_or,
+            "bxor": torch.bitwise_xor}[redop](acc, x)
+
+
+def reduced_input(world: int, count: int, dtype: torch.dtype, redop: str,
+                  offset: int = 0) -> torch.Tensor:
+    """The reduction over all ranks of ``make_input``, computed in float64/int64, then cast.
+
+    Bool reduces as 0/1 integers, so the cast back gives SUM=OR and PRODUCT=AND as NCCL
+    does; AVG on integers truncates.
+    """
+    wide = torch.complex128 if dtype.is_complex else (
+        torch.float64 if dtype.is_floating_point else torch.int64)
+    acc = make_input(0, count, dtype, redop, offset).to(wide)
+    for r in range(1, world):
+        acc = _combine(acc, make_input(r, count, dtype, redop, offset).to(wide), redop)
+    if redop == "avg":
+        acc = acc / world if wide != torch.int64 else torch.div(acc, world, rounding_mode="trunc")
+    return acc.to(dtype)
+
+
+def expected_output(op: str, rank: int, world: int, count: int, dtype: torch.dtype,
+                    redop: str = "sum", root: int = 0) -> torch.Tensor | None:
+    """What ``rank``'s output buffer must hold after ``op`` on ``make_input`` data.
+
+    ``count`` is the row's element count (the whole buffer for all_gather, reduce_scatter
+    and all_to_all). None where the rank's output is undefined (reduce, rank != root).
+    """
+    chunk = count // world
+    if op == "all_reduce":
+        return reduced_input(world, count, dtype, redop)
+    if op == "reduce":
+        return reduced_input(world, count, dtype, redop) if rank == root else None
+    if op == "broadcast":
+        return make_input(root, count, dtype, redop)
+    if op == "all_gather":
+        return torch.cat([make_input(r, chunk, dtype, redop) for r in range(world)])
+    if op == "reduce_scatter":
+        return reduced_input(world, chunk, dtype, redop, offset=rank * chunk)
+    if op == "all_to_all":
+        return torch.cat([make_input(r, chunk, dtype, redop, offset=rank * chunk)
+                          for r in range(world)])
+    raise ValueError(f"unknown op {op!r}")
+
+
+def count_wrong(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Number of elements of ``got`` that differ from ``want``.
+
+    Integers and bools must match exactly. Floating types allow two ulps of relative error
+    (AVG rounds once, in whatever precision the backend divides); NaN is always wrong.
+    A shape mismatch counts every element as wrong.
+    """
+    got = got.detach().to("cpu")
+    if got.shape != want.shape:
+        return max(want.numel(), got.numel())
+    if not (want.dtype.is_floating_point or want.dtype.is_complex):
+        return int((got != want).sum())
+    wide = torch.complex128 if want.dtype.is_complex else torch.float64
+    try:
+        rtol = 2.0 * torch.finfo(want.dtype).eps
+    except TypeError:  # pragma: no cover - dtypes without finfo
+        rtol = 0.0
+    close = torch.isclose(got.to(wide), want.to(wide), rtol=rtol, atol=0.0)
+    return int((~close).sum())

@@ -1,0 +1,298 @@
+"""Text tables, ratio summary, JSON, plot and the progress indicator (rank 0 only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from typing import Any, Iterable, Sequence, TextIO
+
+from .core import OPS, OpSpec
+
+__all__ = [
+    "SKIPPED",
+    "Progress",
+    "error_lines",
+    "avg_busbw_lines",
+    "format_row",
+    "header_lines",
+    "matplotlib_missing",
+    "ratio_lines",
+    "table_header",
+    "write_json",
+    "write_plot",
+]
+
+SKIPPED = "skipped after an earlier error"
+_LEAD = (("backend", 8), ("size", 12), ("count", 12), ("type", 9), ("redop", 6), ("root", 5))
+_BLOCK = (("time", 10), ("algbw", 7), ("busbw", 7), ("#wrong", 7))
+_UNITS = {"size": "(B)", "count": "(elements)", "time": "(us)", "algbw": "(GB/s)",
+          "busbw": "(GB/s)"}
+_LEAD_W = sum(w + 1 for _, w in _LEAD)
+_BLOCK_W = sum(w + 1 for _, w in _BLOCK)
+
+
+def _line(cells: Iterable[tuple[str, int]]) -> str:
+    return " ".join(f"{text:>{width}}" for text, width in cells)
+
+
+def _fmt_time(us: float) -> str:
+    if us < 1e4:
+        return f"{us:.2f}"
+    if us < 1e6:
+        return f"{us:.1f}"
+    return f"{us:.0f}"
+
+
+def _fmt_bw(bw: float) -> str:
+    return f"{bw:.3f}" if bw < 100 else f"{bw:.1f}"
+
+
+def header_lines(meta: dict[str, Any], rank_lines: Sequence[str], opts: Any,
+                 notes: Sequence[str]) -> list[str]:
+    """The run's preamble: what ran where, with which settings."""
+    gpu = f"  GPU {meta['gpu']}" if meta.get("gpu") else ""
+    lines = [
+        f"# torchdist_ext.bench  ops: {', '.join(opts.ops)}  "
+        f"backends: {', '.join(meta['backends'])}",
+        f"# machine: {meta['host']} ({meta['cpu_count']} CPUs){gpu}",
+        f"# torch {meta['torch_version']}  torchdist_ext {meta['tdx_version']}  "
+        f"UCX {meta['ucx_version']}  python {meta['python_version']}",
+        f"# world {meta['world']}  device {meta['device']}  dtype {opts.dtype}  "
+        f"date {meta['date']}",
+        f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {opts.stepfactor}(factor) "
+        f"warmup iters: {opts.warmup} iters: {opts.iters} validation: {int(opts.check)}",
+        "# time: max over ranks of the mean per-op time; algbw = size / time; "
+        "busbw = algbw * factor (nccl-tests)",
+        "#",
+        "# Using devices",
+    ]
+    lines += [f"#  {line}" for line in rank_lines]
+    lines += [f"# note: {note}" for note in notes]
+    return lines
+
+
+def table_header(spec: OpSpec) -> list[str]:
+    """Column titles for one op's table."""
+    blocks = ["out-of-place"] + (["in-place"] if spec.in_place else [])
+    titles = " " * _LEAD_W + "".join(f"{b:^{_BLOCK_W}}" for b in blocks)
+    names = _line(_LEAD) + " " + " ".join(_line(_BLOCK) for _ in blocks)
+    units = _line((_UNITS.get(n, ""), w) for n, w in _LEAD) + " " + " ".join(
+        _line((_UNITS.get(n, ""), w) for n, w in _BLOCK) for _ in blocks)
+    note = {
+        "all_reduce": "out-of-place = copy into the output buffer + in-place all_reduce",
+        "broadcast": "out-of-place = root copies into its output buffer + broadcast",
+        "reduce": "out-of-place = copy into the output buffer + in-place reduce",
+        "all_gather": "in-place: the input is this rank's chunk of the output",
+        "reduce_scatter": "in-place: the output is this rank's chunk of the input",
+        "all_to_all": "no in-place form",
+    }[spec.name]
+    return [
+        "#",
+        f"# {spec.name} (torch.distributed.{spec.torch_call})  busbw factor {spec.bus_formula}"
+        f"  {note}",
+        ("# " + titles).rstrip(),
+        ("# " + names).rstrip(),
+        ("# " + units).rstrip(),
+    ]
+
+
+def _block(row: dict[str, Any], prefix: str) -> str:
+    err = row.get(f"{prefix}error")
+    if err:
+        word = "skipped" if err.startswith(SKIPPED) else "error (see below)"
+        return f"{word:>{_BLOCK_W - 1}}"
+    wrong = row.get(f"{prefix}wrong")
+    return _line((
+        (_fmt_time(row[f"{prefix}time_us"]), 10),
+        (_fmt_bw(row[f"{prefix}algbw_gb_s"]), 7),
+        (_fmt_bw(row[f"{prefix}busbw_gb_s"]), 7),
+        ("N/A" if wrong is None else str(wrong), 7),
+    ))
+
+
+def error_lines(row: dict[str, Any]) -> list[str]:
+    """A note under a row for each of its forms that failed (not those skipped after)."""
+    out = []
+    for prefix, form in (("oop_", "out-of-place"), ("ip_", "in-place")):
+        err = row.get(f"{prefix}error")
+        if err and not err.startswith(SKIPPED):
+            out.append(f"#   {row['backend']} {row['op']} {form} failed, later sizes skipped: "
+                       f"{err}")
+    return out
+
+
+def format_row(row: dict[str, Any]) -> str:
+    """One backend's row in nccl-tests layout."""
+    spec = OPS[row["op"]]
+    root = str(row["root"]) if row["root"] is not None else "-"
+    lead = _line(((row["backend"], 8), (str(row["size"]), 12), (str(row["count"]), 12),
+                  (row["dtype"], 9), (row["redop"], 6), (root, 5)))
+    parts = [lead, _block(row, "oop_")]
+    if spec.in_place:
+        parts.append(_block(row, "ip_"))
+    return ("  " + " ".join(parts)).rstrip()
+
+
+def _ok(row: dict[str, Any], prefix: str) -> bool:
+    return not row.get(f"{prefix}error") and row.get(f"{prefix}time_us") is not None
+
+
+def avg_busbw_lines(rows: Sequence[dict[str, Any]], op: str, backends: Sequence[str]) -> list[str]:
+    """nccl-tests' closing 'Avg bus bandwidth' per backend for one op."""
+    parts = []
+    for b in backends:
+        mine = [r for r in rows if r["op"] == op and r["backend"] == b]
+        vals = [r[f"{p}busbw_gb_s"] for r in mine for p in ("oop_", "ip_") if _ok(r, p)]
+        if vals:
+            parts.append(f"{b} {sum(vals) / len(vals):.3f}")
+        else:
+            parts.append(f"{b} n/a")
+    return [f"# Avg bus bandwidth (GB/s, out-of-place and in-place): {', '.join(parts)}"]
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0 or not math.isfinite(a / b):
+        return "n/a"
+    return f"{a / b:.2f}x"
+
+
+def ratio_lines(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> list[str]:
+    """Per size: busbw and time of tdx (or the first backend) relative to each other one."""
+    if len(backends) < 2:
+        return []
+    base = "tdx" if "tdx" in backends else backends[0]
+    index = {(r["op"], r["backend"], r["size"]): r for r in rows}
+    out: list[str] = []
+    for other in (b for b in backends if b != base):
+        out += [
+            "#",
+            f"# {base} vs {other}: busbw ratio {base}/{other} (>1: {base} faster), "
+            f"time ratio {base}/{other} (<1: {base} faster)",
+            "# " + _line((("op", 15), ("size", 12), ("oop busbw", 10), ("oop time", 10),
+                          ("ip busbw", 10), ("ip time", 10))),
+        ]
+        for r in rows:
+            if r["backend"] != base:
+                continue
+            o = index.get((r["op"], other, r["size"]))
+            if o is None:
+                continue
+            cells = [(r["op"], 15), (str(r["size"]), 12)]
+            for p in ("oop_", "ip_"):
+                if p == "ip_" and not OPS[r["op"]].in_place:
+                    cells += [("-", 10), ("-", 10)]
+                    continue
+                ok = _ok(r, p) and _ok(o, p)
+                cells += [
+                    (_ratio(r[f"{p}busbw_gb_s"], o[f"{p}busbw_gb_s"]) if ok else "n/a", 10),
+                    (_ratio(r[f"{p}time_us"], o[f"{p}time_us"]) if ok else "n/a", 10),
+                ]
+            out.append("  " + _line(cells))
+    return out
+
+
+def write_json(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
+    """``{"meta": {...}, "rows": [...]}``; every row also carries the run's metadata."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": list(rows)}, f, indent=1)
+        f.write("\n")
+
+
+def matplotlib_missing() -> str | None:
+    """Why --plot cannot work here, or None when matplotlib is importable."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return ("--plot needs matplotlib, which is not installed; "
+                "install it (pip install matplotlib) or drop --plot")
+    return None
+
+
+def write_plot(path: str, rows: Sequence[dict[str, Any]], backends: Sequence[str],
+               title: str) -> None:
+    """busbw (out-of-place) against size, one line per backend, one panel per op."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    ncols = min(3, len(ops))
+    nrows = (len(ops) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4 * nrows), squeeze=False)
+    for ax, op in zip(axes.flat, ops, strict=False):
+        for b in backends:
+            pts = [(r["size"], r["oop_busbw_gb_s"]) for r in rows
+                   if r["op"] == op and r["backend"] == b and _ok(r, "oop_")]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=b)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("size (bytes)")
+        ax.set_ylabel("busbw (GB/s), out-of-place")
+        ax.set_title(op)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(ops):]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class Progress:
+    """A one-line progress indicator on stderr: tqdm when it is installed and stderr is a
+    terminal, a redrawn line on other terminals, one line per op otherwise."""
+
+    def __init__(self, total: int, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.enabled and self.stream.isatty()
+        self._bar: Any = None
+        self._text = ""
+        if self.tty and importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, file=self.stream, unit="case", leave=False)
+
+    def note(self, text: str) -> None:
+        """A coarse message for non-terminal stderr (one per op)."""
+        if self.enabled and not self.tty:
+            print(f"[bench] {text}", file=self.stream, flush=True)
+
+    def step(self, text: str) -> None:
+        """Say what runs next, then count it once it has run (call before running it)."""
+        if not self.tty:
+            return
+        if self._bar is not None:
+            self._bar.set_description_str(text, refresh=False)
+            return
+        self._text = f"[{self.done + 1}/{self.total}] {text}"
+        self.stream.write("\r\033[K" + self._text)
+        self.stream.flush()
+
+    def advance(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def print(self, line: str, out: TextIO | None = None) -> None:
+        """Print a table line to stdout without tearing the progress line."""
+        out = out or sys.stdout
+        if self._bar is not None:
+            self._bar.write(line, file=out)
+            return
+        if self.tty and self._text:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+        print(line, file=out, flush=True)
+        if self.tty and self._text:
+            self.stream.write(self._text)
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.tty and self._text:
+            self.stream.write("\r\033[K")
+            self.stream.flush()

@@ -1,0 +1,507 @@
+"""Running the benchmark: the per-rank loop and how ranks are started.
+
+Every rank runs :func:`rank_main`. The default process group is gloo on CPU; it only
+carries the benchmark's own bookkeeping (barriers, the MAX of the times, the sum of the
+wrong counts, error agreement), so timing never depends on a backend under test. Each
+backend under test gets its own group from ``dist.new_group(backend=...)`` in the same
+processes, and the loop runs op -> size -> backend, so the rows of all backends for one
+size are taken back to back on the same machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import platform
+import queue
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torchdist_ext
+
+from . import report
+from .core import (
+    OPS,
+    OpSpec,
+    Options,
+    count_wrong,
+    dtype_name,
+    expected_output,
+    make_input,
+    poison,
+    sizes_for,
+)
+
+__all__ = ["rank_main", "run"]
+
+_REDOPS = {
+    "sum": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "avg": dist.ReduceOp.AVG,
+    "band": dist.ReduceOp.BAND,
+    "bor": dist.ReduceOp.BOR,
+    "bxor": dist.ReduceOp.BXOR,
+}
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(exc).__name__}: {first[:200]}"
+
+
+def _spoil(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its first element changed (the ``_corrupt`` test hook)."""
+    t = t.detach().to("cpu").clone()
+    if t.numel():
+        flat = t.view(-1)
+        flat[0] = ~flat[0] if t.dtype == torch.bool else flat[0] + 1
+    return t
+
+
+# Read-only copies for checking: every backend and both forms of one size share them,
+# so a large size is computed once. Buffers are always filled from fresh tensors.
+_expected = functools.lru_cache(maxsize=2)(expected_output)
+_input = functools.lru_cache(maxsize=2)(make_input)
+
+
+@dataclass
+class _Case:
+    """One op on one group with its buffers: ``call`` runs it once, ``wrong`` checks it."""
+
+    call: Callable[[], None]
+    wrong: Callable[[], int]
+
+
+@dataclass
+class _Ctx:
+    opts: Options
+    rank: int
+    world: int
+    device: torch.device
+    side: Any  # gloo group on CPU for the benchmark's own bookkeeping
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def agree(self, error: str | None) -> str | None:
+        """Every rank learns whether any rank failed, and the first failing rank's message."""
+        flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+        dist.all_reduce(flag, group=self.side)
+        if not int(flag):
+            return None
+        errors: list[Any] = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.side)
+        for r, e in enumerate(errors):
+            if e:
+                return f"rank {r}: {e}"
+        return "unknown error"  # pragma: no cover
+
+
+def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) -> _Case:
+    """Buffers filled with known inputs and a closure that runs ``spec`` once on ``group``.
+
+    Torch's all_reduce, broadcast and reduce only work in place; their out-of-place form
+    copies the input into a separate output buffer and runs the in-place call on it (what
+    torch's functional collectives do), so the input stays intact.
+    """
+    o, rank, world = ctx.opts, ctx.rank, ctx.world
+    dtype, redop, root, dev = o.torch_dtype, o.redop, o.root, ctx.device
+    rop = _REDOPS[redop]
+    chunk = count // world
+
+    def inp(n: int, r: int = rank, offset: int = 0) -> torch.Tensor:
+        return make_input(r, n, dtype, redop, offset).to(dev)
+
+    def empty(n: int) -> torch.Tensor:
+        return poison(n, dtype).to(dev)
+
+    keep: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []  # inputs that must survive
+    call: Callable[[], None]
+    name = spec.name
+    if name in ("all_reduce", "reduce", "broadcast"):
+        if name == "broadcast" and rank != root:
+            out = empty(count)
+            src = None
+        elif in_place:
+            out = inp(count)
+            src = None
+        else:
+            src, out = inp(count), empty(count)
+            keep.append((src, lambda: _input(rank, count, dtype, redop)))
+
+        def coll() -> None:
+            if name == "all_reduce":
+                dist.all_reduce(out, op=rop, group=group)
+            elif name == "reduce":
+                dist.reduce(out, dst=root, op=rop, group=group)
+            else:
+                dist.broadcast(out, src=root, group=group)
+
+        if src is None:
+            call = coll
+        else:
+            def call() -> None:
+                out.copy_(src)
+                coll()
+    elif name == "all_gather":
+        if in_place:
+            out = empty(count)
+            mine = out.narrow(0, rank * chunk, chunk)
+            mine.copy_(inp(chunk))
+        else:
+            mine, out = inp(chunk), empty(count)
+            keep.append((mine, lambda: _input(rank, chunk, dtype, redop)))
+
+        def call() -> None:
+            dist.all_gather_into_tensor(out, mine, group=group)
+    elif name == "reduce_scatter":
+        if in_place:
+            full = inp(count)
+            out = full.narrow(0, rank * chunk, chunk)
+        else:
+            full, out = inp(count), empty(chunk)
+            keep.append((full, lambda: _input(rank, count, dtype, redop)))
+
+        def call() -> None:
+            dist.reduce_scatter_tensor(out, full, op=rop, group=group)
+    elif name == "all_to_all":
+        if in_place:
+            raise ValueError("all_to_all has no in-place form")
+        src, out = inp(count), empty(count)
+        keep.append((src, lambda: _input(rank, count, dtype, redop)))
+
+        def call() -> None:
+            dist.all_to_all_single(out, src, group=group)
+    else:  # pragma: no cover - Options validates names
+        raise ValueError(f"unknown op {name!r}")
+
+    def wrong() -> int:
+        n = 0
+        want = _expected(name, rank, world, count, dtype, redop, root)
+        if want is not None:
+            got = _spoil(out) if o._corrupt else out
+            n += count_wrong(got, want)
+        for tensor, original in keep:  # an out-of-place op must leave its input alone
+            n += count_wrong(tensor, original())
+        return n
+
+    return _Case(call, wrong)
+
+
+def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
+             count: int) -> tuple[float | None, int | None, str | None]:
+    """(max-over-ranks mean µs per op, wrong elements summed over ranks, error)."""
+    o = ctx.opts
+    error, wrong, case = None, 0, None
+    try:
+        case = build_case(spec, in_place, group, ctx, count)
+        case.call()  # the checked run, on freshly filled buffers
+        ctx.sync()
+        if o.check:
+            wrong = case.wrong()
+    except Exception as exc:  # noqa: BLE001 - reported in the row, the run goes on
+        error = _short(exc)
+    error = ctx.agree(error)
+    if error or case is None:
+        return None, None, error
+    elapsed = 0.0
+    try:
+        for _ in range(o.warmup):
+            case.call()
+        ctx.sync()
+        dist.barrier(group=ctx.side)
+        start = time.perf_counter()
+        for _ in range(o.iters):
+            case.call()
+        ctx.sync()
+        elapsed = time.perf_counter() - start
+    except Exception as exc:  # noqa: BLE001
+        error = _short(exc)
+    error = ctx.agree(error)
+    if error:
+        return None, None, error
+    stats = torch.tensor([elapsed / o.iters * 1e6], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=ctx.side)
+    total_wrong = torch.tensor([wrong], dtype=torch.int64)
+    dist.all_reduce(total_wrong, group=ctx.side)
+    return float(stats), (int(total_wrong) if o.check else None), None
+
+
+def _skip_reason(backend: str, device: str, local_world: int) -> str | None:
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            return "nccl skipped: this torch has no NCCL"
+        if device != "cuda":
+            return "nccl skipped: it needs --device cuda"
+        ndev = torch.cuda.device_count()
+        if local_world > ndev:
+            return (f"nccl skipped: {local_world} ranks on this host share {ndev} GPU(s), "
+                    "and NCCL refuses two ranks on one GPU")
+    return None
+
+
+def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Rank 0's machine description (same on every rank) and one line per rank."""
+    gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
+    mine = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "device": str(ctx.device), "gpu": gpu}
+    ranks: list[Any] = [None] * ctx.world
+    dist.all_gather_object(ranks, mine, group=ctx.side)
+    meta = {
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "torch_version": torch.__version__,
+        "tdx_version": torchdist_ext.__version__,
+        "ucx_version": torchdist_ext.ucx_version(),
+        "python_version": platform.python_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "world": ctx.world,
+        "device": ctx.opts.device,
+        "backends": backends,
+    }
+    box = [meta]
+    dist.broadcast_object_list(box, src=0, group=ctx.side)
+    lines = [
+        f"Rank {r['rank']:2d} Pid {r['pid']:7d} on {r['host']:>12} device {r['device']}"
+        + (f" [{r['gpu']}]" if r["gpu"] else "")
+        for r in ranks
+    ]
+    return box[0], lines
+
+
+def rank_main(rank: int, world: int, opts: Options, local_rank: int | None = None,
+              local_world: int | None = None) -> list[dict[str, Any]]:
+    """Run the whole benchmark on this rank of an initialised default group; every rank
+    returns the same rows. Rank 0 prints the tables and writes --json / --plot."""
+    # torch 2.14 flags all_gather_into_tensor / reduce_scatter_tensor as deprecated (in
+    # favour of *_single); the benchmark calls them on purpose, once per iteration.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use",
+                                category=FutureWarning)
+        return _rank_main(rank, world, opts, local_rank, local_world)
+
+
+def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
+               local_world: int | None) -> list[dict[str, Any]]:
+    if opts.root >= world:
+        raise ValueError(f"root {opts.root} is not a rank of a world of {world}")
+    local_rank = rank if local_rank is None else local_rank
+    local_world = world if local_world is None else local_world
+    if opts.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda: no CUDA device is visible")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    own_side = dist.get_backend() != "gloo"
+    side = dist.new_group(backend="gloo") if own_side else dist.group.WORLD
+    ctx = _Ctx(opts, rank, world, device, side)
+    lead = rank == 0
+
+    # Which backends run: every rank must agree, so reasons are gathered.
+    reasons: dict[str, str | None] = {}
+    for b in opts.backends:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, _skip_reason(b, opts.device, local_world), group=side)
+        reasons[b] = next((g for g in gathered if g), None)
+    groups: dict[str, Any] = {}
+    notes = [r for r in reasons.values() if r]
+    for b in (b for b in opts.backends if not reasons[b]):
+        error = None
+        try:
+            groups[b] = dist.new_group(backend=b, timeout=timedelta(seconds=opts.timeout))
+        except Exception as exc:  # noqa: BLE001
+            error = _short(exc)
+        error = ctx.agree(error)
+        if error:
+            groups.pop(b, None)
+            notes.append(f"{b} skipped: could not create its group: {error}")
+    backends = list(groups)
+    meta, rank_lines = _meta(ctx, backends)
+    meta["notes"] = notes
+
+    plan = [(OPS[op], sizes_for(OPS[op], opts, world)) for op in opts.ops]
+    total = sum(len(sizes) for _, sizes in plan) * len(backends)
+    progress = report.Progress(total, enabled=lead and opts.progress)
+    show = lead and not opts.quiet
+
+    def emit(line: str) -> None:
+        if show:
+            progress.print(line)
+
+    for line in report.header_lines(meta, rank_lines, opts, notes):
+        emit(line)
+    rows: list[dict[str, Any]] = []
+    broken: dict[tuple[str, str, bool], str] = {}
+    try:
+        for spec, sizes in plan:
+            progress.note(f"{spec.name}: {len(sizes)} sizes x {len(backends)} backends")
+            for line in report.table_header(spec):
+                emit(line)
+            factor = spec.bus_factor(world)
+            for nbytes, count in sizes:
+                for b in backends:
+                    progress.step(f"{spec.name} {b} {nbytes} B")
+                    row: dict[str, Any] = {
+                        "op": spec.name, "backend": b, "world": world, "device": opts.device,
+                        "size": nbytes, "count": count, "dtype": dtype_name(opts.torch_dtype),
+                        "redop": opts.redop if spec.reduces else "none",
+                        "root": opts.root if spec.rooted else None,
+                    }
+                    for prefix, in_place in (("oop_", False), ("ip_", True)):
+                        t = wrong = error = None
+                        if in_place and not spec.in_place:
+                            pass
+                        elif (spec.name, b, in_place) in broken:
+                            error = f"{report.SKIPPED}: {broken[(spec.name, b, in_place)]}"
+                        else:
+                            t, wrong, error = _measure(spec, in_place, groups[b], ctx, count)
+                            if error:
+                                broken[(spec.name, b, in_place)] = error
+                        algbw = nbytes / (t * 1e-6) / 1e9 if t else None
+                        row[f"{prefix}time_us"] = t
+                        row[f"{prefix}algbw_gb_s"] = algbw
+                        row[f"{prefix}busbw_gb_s"] = algbw * factor if algbw else None
+                        row[f"{prefix}wrong"] = wrong
+                        row[f"{prefix}error"] = error
+                    row.update(iters=opts.iters, warmup=opts.warmup, host=meta["host"],
+                               torch_version=meta["torch_version"],
+                               tdx_version=meta["tdx_version"],
+                               ucx_version=meta["ucx_version"], date=meta["date"])
+                    rows.append(row)
+                    progress.advance()
+                    emit(report.format_row(row))
+                    for line in report.error_lines(row):
+                        emit(line)
+            for line in report.avg_busbw_lines(rows, spec.name, backends):
+                emit(line)
+    finally:
+        progress.close()
+        _expected.cache_clear()
+        _input.cache_clear()
+
+    bad = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
+    for line in report.ratio_lines(rows, backends):
+        emit(line)
+    emit("#")
+    emit(f"# Wrong elements : {bad} {'OK' if bad == 0 else 'FAILED'}")
+    failed = sum(1 for r in rows for p in ("oop_", "ip_")
+                 if r[f"{p}error"] and not r[f"{p}error"].startswith(report.SKIPPED))
+    if failed:
+        emit(f"# Failed ops     : {failed} (an op, form and backend each; reasons above)")
+    if lead and opts.json_path:
+        report.write_json(opts.json_path, meta, rows)
+    if lead and opts.plot_path:
+        report.write_plot(opts.plot_path, rows, backends,
+                          f"busbw, world {world}, {opts.device}, {meta['host']}")
+    for g in groups.values():
+        dist.destroy_process_group(g)
+    if own_side:
+        dist.destroy_process_group(side)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------
+# Launch
+# ---------------------------------------------------------------------------------------
+
+def _spawn_child(rank: int, world: int, store_path: str, opts: Options, results: Any) -> None:
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=opts.timeout))
+        try:
+            rows = rank_main(rank, world, opts)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, rows if rank == 0 else None))
+    except BaseException:  # report everything, KeyboardInterrupt included
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _spawn(opts: Options) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="tdx-bench-")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_spawn_child,
+                         args=(r, opts.world, os.path.join(tmp, "store"), opts, results),
+                         daemon=True)
+             for r in range(opts.world)]
+    done: dict[int, Any] = {}
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < opts.world:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if dead:
+                    try:  # a dying rank may still deliver its traceback
+                        rank, ok, value = results.get(timeout=2.0)
+                    except queue.Empty:
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RuntimeError(
+                            f"bench rank(s) {dead} exited with codes {codes} without "
+                            "reporting (crash?)") from None
+                else:
+                    continue
+            if not ok:
+                raise RuntimeError(f"bench rank {rank}/{opts.world} failed:\n{value}")
+            done[rank] = value
+        return done[0]
+    finally:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
+            p.join(timeout=10.0 if len(done) == opts.world else 0.5)
+        for p in started:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(options: Options) -> list[dict[str, Any]]:
+    """Run the benchmark and return one dict per (op, backend, size).
+
+    Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank: the default
+    group is initialised from the environment (gloo) and destroyed afterwards. With a
+    default group already initialised, that group's ranks are used as they are. Otherwise
+    ``options.world`` ranks are spawned with a FileStore in a temporary directory, and the
+    rows come back from rank 0.
+    """
+    if options.plot_path and (why := report.matplotlib_missing()):
+        raise RuntimeError(why)
+    if dist.is_initialized():
+        return rank_main(dist.get_rank(), dist.get_world_size(), options,
+                         int(os.environ.get("LOCAL_RANK", dist.get_rank())),
+                         int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=options.timeout))
+        try:
+            rank, world = dist.get_rank(), dist.get_world_size()
+            return rank_main(rank, world, options,
+                             int(os.environ.get("LOCAL_RANK", rank)),
+                             int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        finally:
+            dist.destroy_process_group()
+    return _spawn(options)
