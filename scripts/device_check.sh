@@ -2,14 +2,14 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host").
 # Writes logs and results under $OUT (default: ./device-out). Stages, each optional:
-#   TDX_STAGES="build smoke cuda bench cpu"   (default: all, in that order)
+#   TDX_STAGES="build smoke bench cuda cpu"   (default: all, in that order)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-STAGES=${TDX_STAGES:-build smoke cuda bench cpu}
+STAGES=${TDX_STAGES:-build smoke bench cuda cpu}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 # The extension's inline libstdc++ code must match the libstdc++ the process loads (the
@@ -57,16 +57,16 @@ if has smoke; then
   fi
 fi
 
-if has cuda; then
-  timeout 300 $PY -m pytest -q -x -m cuda ${TDX_CUDA_TESTS:-tests} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
-fi
-
 if has bench; then
   for w in 2 4; do
     timeout 150 $PY -m torchdist_ext.bench --device cuda --world $w --backends tdx,gloo \
-      -b 4K -e 256M -f 4 -n 20 -w 5 --json "$OUT/bench_cuda_w$w.json" 2>&1 \
+      ${TDX_BENCH_ARGS:--b 4K -e 256M -f 4 -n 20 -w 5} --json "$OUT/bench_cuda_w$w.json" 2>&1 \
       | tee "$OUT/bench_cuda_w$w.txt" | tail -30
   done
+fi
+
+if has cuda; then
+  timeout ${TDX_CUDA_TIMEOUT:-300} $PY -m pytest -q -x -m cuda --durations=10 ${TDX_CUDA_TESTS:-tests} 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
 fi
 
 if has cpu; then
