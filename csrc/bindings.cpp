@@ -49,7 +49,8 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
       {"PREMUL_SUM", c10d::ReduceOp::PREMUL_SUM}};
   auto it = kOps.find(op);
   TORCH_CHECK_VALUE(it != kOps.end(), "_multi_reduce: unknown op ", op);
-  c10d::ReduceOp rop(it->second);
+  c10d::ReduceOp rop;  // the PREMUL_SUM constructor refuses a factor-less op, so set fields
+  rop.op_ = it->second;
   if (op == "PREMUL_SUM") rop.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(factor);
   const tdx::Reduction red = tdx::makeReduction("_multi_reduce", rop, ref.scalar_type());
   const int n = static_cast<int>(inputs.size());

@@ -711,11 +711,11 @@ def _kernel_errors(fn, devices: list[torch.device]) -> list[str]:
             try:
                 fn([x, x.clone()], [out], op, 1.0)
                 _sync(dev)
-            except (RuntimeError, ValueError):
+            except (RuntimeError, ValueError, TypeError):  # dtype errors are TypeError, as in torch
                 continue
             except Exception as e:  # noqa: BLE001
                 fails.append(f"_multi_reduce[{dev}] op={op} dtype={dtype} count=4: raised "
-                             f"{type(e).__name__} ({e}), want RuntimeError or ValueError")
+                             f"{type(e).__name__} ({e}), want RuntimeError, ValueError or TypeError")
                 continue
             fails.append(f"_multi_reduce[{dev}] op={op} dtype={dtype} count=4: did not raise")
     return fails
