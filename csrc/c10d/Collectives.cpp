@@ -76,11 +76,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
   at::Tensor t = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
-  return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, [t, root, isRoot](GroupChannel& ch) {
+  auto host = [t, root, isRoot](GroupChannel& ch) {
     HostImage img(t, isRoot);
     algorithms::treeBroadcast(ch, img.data(), img.bytes(), root);
     if (!isRoot) img.copyOut();
-  });
+  };
+  if (!t.is_cuda()) return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host);
+  return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host,
+                 [this, t, root, host](GroupChannel& ch, DeviceContext& ctx) {
+                   if (peer_ && peer_->broadcast(ch, t, root, ctx)) return;
+                   ctx.syncReady();
+                   host(ch);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor>& tensors,
@@ -172,8 +179,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_allgather_base(
                     output.numel(), " elements but must have input.numel() * world_size = ",
                     input.numel() * size_, "; allocate the output as world_size inputs");
   at::Tensor in = input, out = output;
-  return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in},
-                 [out, in](GroupChannel& ch) { runAllgatherInto(ch, out, in); });
+  auto host = [out, in](GroupChannel& ch) { runAllgatherInto(ch, out, in); };
+  if (!out.is_cuda()) {
+    return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in}, host);
+  }
+  return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in}, host,
+                 [this, out, in, host](GroupChannel& ch, DeviceContext& ctx) {
+                   if (peer_ && peer_->allgather(ch, out, in, ctx)) return;
+                   ctx.syncReady();
+                   host(ch);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
@@ -331,8 +346,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
                     output.numel() * size_);
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
   at::Tensor in = input, out = output;
-  return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in},
-                 [out, in, red](GroupChannel& ch) { runReduceScatterInto(ch, out, in, red); });
+  auto host = [out, in, red](GroupChannel& ch) { runReduceScatterInto(ch, out, in, red); };
+  if (!out.is_cuda()) {
+    return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host);
+  }
+  return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host,
+                 [this, out, in, red, host](GroupChannel& ch, DeviceContext& ctx) {
+                   if (peer_ && peer_->reduceScatter(ch, out, in, red, ctx)) return;
+                   ctx.syncReady();
+                   host(ch);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(

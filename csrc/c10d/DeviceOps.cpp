@@ -19,6 +19,7 @@
 #include "c10d/DeviceOps.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -47,15 +48,17 @@ namespace peer = transport::peer;
 
 // Everything a rank tells the others before a peer-memory op. Plain bytes: it crosses
 // the network as is, between processes of the same build.
+constexpr int kMaxTensors = 2;  // an op's input and output
+
 struct Advert {
   uint8_t eligible = 0;
   uint8_t pad[7] = {};
   uint64_t hostId = 0;
-  uint64_t bytes = 0;
-  uint64_t offset = 0;  // the tensor's start within its allocation
+  uint64_t bytes[kMaxTensors] = {};
+  uint64_t offset[kMaxTensors] = {};  // each tensor's start within its allocation
   char busId[32] = {};
   peer::IpcHandle signals{};
-  peer::IpcHandle buffer{};
+  peer::IpcHandle buffer[kMaxTensors] = {};
 };
 
 // Same host: the kernel's boot id (identical across containers of one machine, unlike
@@ -77,10 +80,29 @@ std::string handleKey(int rank, const peer::IpcHandle& h) {
   return std::to_string(rank) + ":" + std::string(h.bytes, sizeof(h.bytes));
 }
 
+// [lo, hi) of `count` elements of `elemSize` bytes that rank `r` of `n` owns. Chunks are
+// whole 16-byte vectors so every chunk is as aligned as the tensor.
+std::pair<size_t, size_t> chunkOf(size_t count, size_t elemSize, int n, int r) {
+  const size_t align = std::max<size_t>(1, 16 / elemSize);
+  const size_t per = (count + n - 1) / n;
+  const size_t chunk = (per + align - 1) / align * align;
+  const size_t lo = std::min(count, chunk * r);
+  return {lo, std::min(count, lo + chunk)};
+}
+
+// The tensors of one op on every rank, mapped into this process, and the op's place in
+// the group's flag sequence.
+struct Mapped {
+  std::vector<std::array<char*, kMaxTensors>> ptr;  // [rank][tensor]
+  std::vector<uint64_t*> signals;                   // [rank]
+  std::optional<c10::cuda::CUDAStream> stream;
+  uint64_t seq = 0;
+};
+
 class CudaPeerMemory final : public PeerMemory {
  public:
-  CudaPeerMemory(int rank, int size, std::string prefix)
-      : rank_(rank), size_(size), prefix_(std::move(prefix)) {}
+  CudaPeerMemory(int rank, int size, std::string prefix, bool hostSync)
+      : rank_(rank), size_(size), prefix_(std::move(prefix)), hostSync_(hostSync) {}
 
   ~CudaPeerMemory() override {
     // Peers may still hold our signal page open; freeing is safe (their mappings keep
@@ -93,29 +115,140 @@ class CudaPeerMemory final : public PeerMemory {
     return opsRun_;
   }
 
+  // One pass, in place: rank r reduces chunk r of every rank's tensor and writes it back
+  // into every rank's tensor.
   bool allreduce(GroupChannel& ch, const at::Tensor& t, const Reduction& red,
                  DeviceContext& ctx) override {
+    c10::cuda::CUDAGuard guard(t.device());
+    const bool ok = kernels::cudaReduceSupported(red.dtype, red.kind);
+    Mapped m;
+    if (!map(ch, {t}, ok, ctx, m)) return false;
+    const int n = ch.size();
+    const size_t es = t.element_size();
+    auto [lo, hi] = chunkOf(t.numel(), es, n, ch.rank());
+    kernels::MultiReduceArgs a = reduction(red, n);
+    for (int p = 0; p < n; ++p) {
+      a.inputs[p] = m.ptr[p][0] + lo * es;
+      a.outputs[p] = m.ptr[p][0] + lo * es;
+    }
+    a.numInputs = a.numOutputs = n;
+    a.count = hi - lo;
+    run(ch, m, a, {t}, ctx);
+    return true;
+  }
+
+  // Rank r reduces block r of every rank's input into its own output: reads only.
+  bool reduceScatter(GroupChannel& ch, const at::Tensor& out, const at::Tensor& in,
+                     const Reduction& red, DeviceContext& ctx) override {
+    c10::cuda::CUDAGuard guard(out.device());
+    const bool ok = kernels::cudaReduceSupported(red.dtype, red.kind);
+    Mapped m;
+    if (!map(ch, {in, out}, ok, ctx, m)) return false;
     const int n = ch.size();
     const int me = ch.rank();
+    const size_t block = out.numel() * out.element_size();
+    kernels::MultiReduceArgs a = reduction(red, n);
+    for (int p = 0; p < n; ++p) a.inputs[p] = m.ptr[p][0] + me * block;
+    a.numInputs = n;
+    a.outputs[0] = m.ptr[me][1];
+    a.numOutputs = 1;
+    a.count = out.numel();
+    run(ch, m, a, {in, out}, ctx);
+    return true;
+  }
+
+  // Rank r writes its input into block r of every rank's output.
+  bool allgather(GroupChannel& ch, const at::Tensor& out, const at::Tensor& in,
+                 DeviceContext& ctx) override {
+    c10::cuda::CUDAGuard guard(out.device());
+    Mapped m;
+    if (!map(ch, {in, out}, true, ctx, m)) return false;
+    const int n = ch.size();
+    const int me = ch.rank();
+    const size_t block = in.numel() * in.element_size();
+    kernels::MultiReduceArgs a = copy(block);
+    a.inputs[0] = m.ptr[me][0];
+    for (int p = 0; p < n; ++p) a.outputs[p] = m.ptr[p][1] + me * block;
+    a.numOutputs = n;
+    run(ch, m, a, {in, out}, ctx);
+    return true;
+  }
+
+  // Rank r copies chunk r of the root's tensor into every other rank's tensor.
+  bool broadcast(GroupChannel& ch, const at::Tensor& t, int root, DeviceContext& ctx) override {
     c10::cuda::CUDAGuard guard(t.device());
+    Mapped m;
+    if (!map(ch, {t}, true, ctx, m)) return false;
+    const int n = ch.size();
+    const size_t bytes = t.numel() * t.element_size();
+    auto [lo, hi] = chunkOf(bytes, 1, n, ch.rank());
+    kernels::MultiReduceArgs a = copy(hi - lo);
+    a.inputs[0] = m.ptr[root][0] + lo;
+    for (int p = 0; p < n; ++p) {
+      if (p != root) a.outputs[a.numOutputs++] = m.ptr[p][0] + lo;
+    }
+    run(ch, m, a, {t}, ctx);
+    return true;
+  }
+
+ private:
+  // Signal page layout: kPhases rows of kSlots 64-bit flags; row `phase`, column `p` is
+  // written by rank p. Flags only grow (they hold the op's sequence number).
+  static constexpr int kArrive = 0;
+  static constexpr int kDone = 1;
+  static constexpr int kPhases = 2;
+  static constexpr int kSlots = kernels::kMaxMultiBuffers;
+
+  static kernels::MultiReduceArgs reduction(const Reduction& red, int n) {
+    kernels::MultiReduceArgs a;
+    a.dtype = red.dtype;
+    a.kind = red.kind;
+    a.premul = red.premul;
+    a.premulFactor = red.premul ? red.factor() : 1.0;
+    a.divisor = red.average ? n : 1;
+    return a;
+  }
+
+  // A byte copy (one input, any dtype): a one-input reduction of bytes.
+  static kernels::MultiReduceArgs copy(size_t bytes) {
+    kernels::MultiReduceArgs a;
+    a.dtype = DType::UInt8;
+    a.kind = ReduceKind::BitOr;
+    a.numInputs = 1;
+    a.count = bytes;
+    return a;
+  }
+
+  // Exchanges every rank's handles for `ts` (the same roles on every rank) and maps them.
+  // False, with nothing enqueued, when any rank cannot take the path; all ranks agree.
+  bool map(GroupChannel& ch, const std::vector<at::Tensor>& ts, bool localOk,
+           DeviceContext& ctx, Mapped& m) {
+    const int n = ch.size();
+    const int me = ch.rank();
+    const int nt = static_cast<int>(ts.size());
+    // Host-synchronised mode: the inputs are ready before this rank's advert leaves, so
+    // once every advert has arrived every input is ready and no arrive flags are needed.
+    if (hostSync_) ctx.syncReady();
 
     Advert mine;
     mine.hostId = thisHostId();
-    void* base = nullptr;
-    bool ok = enabled_ && n <= kernels::kMaxMultiBuffers && t.is_cuda() && t.is_contiguous() &&
-              t.numel() > 0 && kernels::cudaReduceSupported(red.dtype, red.kind);
+    bool ok = localOk && enabled_ && n <= kernels::kMaxMultiBuffers;
+    for (const auto& t : ts) ok = ok && t.is_cuda() && t.is_contiguous() && t.numel() > 0;
     if (ok) {
       try {
-        size_t baseSize = 0;
-        base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.data_ptr(), &baseSize);
-        mine.buffer = peer::exportHandle(base);
-        mine.offset = static_cast<uint64_t>(static_cast<char*>(t.data_ptr()) -
-                                            static_cast<char*>(base));
+        for (int i = 0; i < nt; ++i) {
+          size_t baseSize = 0;
+          void* base =
+              c10::cuda::CUDACachingAllocator::getBaseAllocation(ts[i].data_ptr(), &baseSize);
+          mine.buffer[i] = peer::exportHandle(base);
+          mine.offset[i] = static_cast<uint64_t>(static_cast<char*>(ts[i].data_ptr()) -
+                                                 static_cast<char*>(base));
+          mine.bytes[i] = ts[i].numel() * ts[i].element_size();
+        }
         ensureSignals();
         mine.signals = signalsHandle_;
         const std::string bus = peer::currentDeviceBusId();
         std::strncpy(mine.busId, bus.c_str(), sizeof(mine.busId) - 1);
-        mine.bytes = t.numel() * t.element_size();
       } catch (const std::exception& e) {
         // Expandable segments, memory not from the caching allocator, no IPC support:
         // this op stages through the host instead.
@@ -135,30 +268,35 @@ class CudaPeerMemory final : public PeerMemory {
     bool use = true;
     bool fresh = false;
     for (int p = 0; p < n; ++p) {
-      use = use && all[p].eligible && all[p].hostId == mine.hostId && all[p].bytes == mine.bytes;
-      fresh = fresh || !seen_.count(handleKey(p, all[p].buffer)) ||
-              !seen_.count(handleKey(p, all[p].signals));
+      use = use && all[p].eligible && all[p].hostId == mine.hostId;
+      fresh = fresh || !seen_.count(handleKey(p, all[p].signals));
+      for (int i = 0; i < nt; ++i) {
+        use = use && all[p].bytes[i] == mine.bytes[i];
+        fresh = fresh || !seen_.count(handleKey(p, all[p].buffer[i]));
+      }
     }
     if (!use) return false;
 
-    // Map every peer's tensor and signal page. A handle seen before is a cache hit; for a
-    // new one, every rank reports whether it could map it, so all ranks agree.
-    std::vector<char*> buffers(n);
-    std::vector<uint64_t*> signals(n);
+    // Map every peer's tensors and signal page. A handle seen before is a cache hit; for
+    // a new one, every rank reports whether it could map it, so all ranks agree.
+    m.ptr.assign(n, {});
+    m.signals.assign(n, nullptr);
     uint8_t mapped = 1;
     try {
       for (int p = 0; p < n; ++p) {
         if (p == me) {
-          buffers[p] = static_cast<char*>(t.data_ptr());
-          signals[p] = signals_;
+          for (int i = 0; i < nt; ++i) m.ptr[p][i] = static_cast<char*>(ts[i].data_ptr());
+          m.signals[p] = signals_;
           continue;
         }
         if (fresh && !peer::canAccessDevice(all[p].busId)) {
           mapped = 0;
           break;
         }
-        buffers[p] = static_cast<char*>(maps_.open(all[p].buffer)) + all[p].offset;
-        signals[p] = static_cast<uint64_t*>(maps_.open(all[p].signals));
+        for (int i = 0; i < nt; ++i) {
+          m.ptr[p][i] = static_cast<char*>(maps_.open(all[p].buffer[i])) + all[p].offset[i];
+        }
+        m.signals[p] = static_cast<uint64_t*>(maps_.open(all[p].signals));
       }
     } catch (const std::exception& e) {
       TDX_LOG(Warn, prefix_) << "could not map a peer's CUDA memory (" << e.what()
@@ -180,68 +318,55 @@ class CudaPeerMemory final : public PeerMemory {
         return false;
       }
       for (int p = 0; p < n; ++p) {
-        seen_.insert(handleKey(p, all[p].buffer));
         seen_.insert(handleKey(p, all[p].signals));
+        for (int i = 0; i < nt; ++i) seen_.insert(handleKey(p, all[p].buffer[i]));
       }
     }
+    m.stream = backendStream(ts[0].device().index());
+    m.seq = ++seq_;
+    return true;
+  }
 
-    // Device work, all on the backend stream.
-    c10::cuda::CUDAStream stream = backendStream(t.device().index());
+  // Enqueues arrive barrier, kernel and done barrier on the backend stream, and hands the
+  // end event to the work.
+  void run(GroupChannel& ch, Mapped& m, const kernels::MultiReduceArgs& args,
+           const std::vector<at::Tensor>& ts, DeviceContext& ctx) {
+    const int n = ch.size();
+    const int me = ch.rank();
+    c10::cuda::CUDAStream stream = *m.stream;
     void* s = stream.stream();
     ctx.ready->block(stream);
-    const uint64_t seq = ++seq_;
-    for (int p = 0; p < n; ++p) {
-      if (p != me) peer::streamWriteValue(s, signals[p] + kArrive * kSlots + me, seq);
+    if (!hostSync_) {
+      for (int p = 0; p < n; ++p) {
+        if (p != me) peer::streamWriteValue(s, m.signals[p] + kArrive * kSlots + me, m.seq);
+      }
+      for (int p = 0; p < n; ++p) {
+        if (p != me) peer::streamWaitValue(s, signals_ + kArrive * kSlots + p, m.seq);
+      }
     }
-    for (int p = 0; p < n; ++p) {
-      if (p != me) peer::streamWaitValue(s, signals_ + kArrive * kSlots + p, seq);
-    }
-
-    kernels::MultiReduceArgs args;
-    const size_t es = t.element_size();
-    const size_t count = t.numel();
-    // Chunks of whole 16-byte vectors keep every chunk as aligned as the tensor.
-    const size_t align = std::max<size_t>(1, 16 / es);
-    const size_t per = (count + n - 1) / n;
-    const size_t chunk = (per + align - 1) / align * align;
-    const size_t lo = std::min(count, chunk * me);
-    const size_t hi = std::min(count, lo + chunk);
-    for (int p = 0; p < n; ++p) {
-      args.inputs[p] = buffers[p] + lo * es;
-      args.outputs[p] = buffers[p] + lo * es;
-    }
-    args.numInputs = n;
-    args.numOutputs = n;
-    args.count = hi - lo;
-    args.dtype = red.dtype;
-    args.kind = red.kind;
-    args.premul = red.premul;
-    args.premulFactor = red.premul ? red.factor() : 1.0;
-    args.divisor = red.average ? n : 1;
     kernels::cudaMultiReduce(args, s);
-
-    for (int p = 0; p < n; ++p) {
-      if (p != me) peer::streamWriteValue(s, signals[p] + kDone * kSlots + me, seq);
+    if (hostSync_) {
+      // Done barrier on the host: this rank's reads and writes are finished before it
+      // says so.
+      stream.synchronize();
+      uint8_t doneFlags[kernels::kMaxMultiBuffers] = {};
+      exchange(ch, doneFlags, 1);
+    } else {
+      for (int p = 0; p < n; ++p) {
+        if (p != me) peer::streamWriteValue(s, m.signals[p] + kDone * kSlots + me, m.seq);
+      }
+      for (int p = 0; p < n; ++p) {
+        if (p != me) peer::streamWaitValue(s, signals_ + kDone * kSlots + p, m.seq);
+      }
     }
-    for (int p = 0; p < n; ++p) {
-      if (p != me) peer::streamWaitValue(s, signals_ + kDone * kSlots + p, seq);
+    for (const auto& t : ts) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
     }
-
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
     ctx.done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     ctx.done->record(stream);
     ctx.stream = stream;
     ++opsRun_;
-    return true;
   }
-
- private:
-  // Signal page layout: kPhases rows of kSlots 64-bit flags; row `phase`, column `p` is
-  // written by rank p. Flags only grow (they hold the op's sequence number).
-  static constexpr int kArrive = 0;
-  static constexpr int kDone = 1;
-  static constexpr int kPhases = 2;
-  static constexpr int kSlots = kernels::kMaxMultiBuffers;
 
   void ensureSignals() {
     if (signals_) return;
@@ -278,6 +403,7 @@ class CudaPeerMemory final : public PeerMemory {
   int rank_;
   int size_;
   std::string prefix_;
+  bool hostSync_;  // TDX_CUDA_PEER_SYNC=host: barriers on the host instead of GPU flags
   bool enabled_ = true;
   uint64_t seq_ = 0;
   uint64_t opsRun_ = 0;
@@ -292,7 +418,12 @@ class CudaPeerMemory final : public PeerMemory {
 
 std::unique_ptr<PeerMemory> PeerMemory::create(int rank, int size, std::string prefix) {
   if (env::getInt("TDX_CUDA_PEER") == 0) return nullptr;
-  return std::make_unique<CudaPeerMemory>(rank, size, std::move(prefix));
+  const std::string sync = env::get("TDX_CUDA_PEER_SYNC");
+  if (sync != "gpu" && sync != "host") {
+    throw std::invalid_argument(prefix + ": TDX_CUDA_PEER_SYNC must be gpu or host, got '" +
+                                sync + "'");
+  }
+  return std::make_unique<CudaPeerMemory>(rank, size, std::move(prefix), sync == "host");
 }
 
 #else

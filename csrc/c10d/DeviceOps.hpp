@@ -53,6 +53,15 @@ class PeerMemory {
   // stages through host memory. `ch` carries the small host messages that agree on this.
   virtual bool allreduce(GroupChannel& ch, const at::Tensor& t, const Reduction& red,
                          DeviceContext& ctx) = 0;
+  // The same contract for the tensor forms: `in` holds size() blocks of `out`'s size.
+  virtual bool reduceScatter(GroupChannel& ch, const at::Tensor& out, const at::Tensor& in,
+                             const Reduction& red, DeviceContext& ctx) = 0;
+  // `out` holds size() blocks of `in`'s size; any dtype (bytes are copied).
+  virtual bool allgather(GroupChannel& ch, const at::Tensor& out, const at::Tensor& in,
+                         DeviceContext& ctx) = 0;
+  // In place from `root`; any dtype.
+  virtual bool broadcast(GroupChannel& ch, const at::Tensor& t, int root,
+                         DeviceContext& ctx) = 0;
 
   // How many ops took this path so far (tests and logs).
   virtual uint64_t opsRun() const = 0;

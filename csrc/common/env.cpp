@@ -18,6 +18,9 @@ const std::vector<Knob>& knobs() {
       {"TDX_CUDA_PEER", "1",
        "1: CUDA collectives among ranks of one host read and write each other's buffers "
        "through CUDA IPC; 0: stage them through host memory instead"},
+      {"TDX_CUDA_PEER_SYNC", "gpu",
+       "how ranks of the CUDA peer path wait for each other: gpu (flags in device memory, "
+       "awaited by the stream; no host sync) or host (the worker thread synchronises)"},
   };
   return kKnobs;
 }
