@@ -97,12 +97,15 @@ struct Mapped {
   std::vector<uint64_t*> signals;                   // [rank]
   std::optional<c10::cuda::CUDAStream> stream;
   uint64_t seq = 0;
+  bool hostSync = false;  // barriers on the host for this op (see map())
 };
 
 class CudaPeerMemory final : public PeerMemory {
  public:
-  CudaPeerMemory(int rank, int size, std::string prefix, bool hostSync)
-      : rank_(rank), size_(size), prefix_(std::move(prefix)), hostSync_(hostSync) {}
+  enum class Sync { Auto, Gpu, Host };
+
+  CudaPeerMemory(int rank, int size, std::string prefix, Sync sync)
+      : rank_(rank), size_(size), prefix_(std::move(prefix)), sync_(sync) {}
 
   ~CudaPeerMemory() override {
     // Peers may still hold our signal page open; freeing is safe (their mappings keep
@@ -228,7 +231,12 @@ class CudaPeerMemory final : public PeerMemory {
     const int nt = static_cast<int>(ts.size());
     // Host-synchronised mode: the inputs are ready before this rank's advert leaves, so
     // once every advert has arrived every input is ready and no arrive flags are needed.
-    if (hostSync_) ctx.syncReady();
+    // `auto` takes it when the last exchange showed ranks sharing a GPU: their contexts
+    // are time-sliced, and a stream that waits on a peer's flag can hold the GPU for a
+    // whole scheduler slice (milliseconds) while the peer's work waits. Every rank saw
+    // the same adverts, so every rank makes the same choice.
+    m.hostSync = sync_ == Sync::Host || (sync_ == Sync::Auto && sharedGpu_);
+    if (m.hostSync) ctx.syncReady();
 
     Advert mine;
     mine.hostId = thisHostId();
@@ -237,9 +245,11 @@ class CudaPeerMemory final : public PeerMemory {
     if (ok) {
       try {
         for (int i = 0; i < nt; ++i) {
+          // The allocator knows blocks by their start, which is the storage's pointer, not
+          // a view's (an in-place all_gather's input is a slice of its output).
           size_t baseSize = 0;
-          void* base =
-              c10::cuda::CUDACachingAllocator::getBaseAllocation(ts[i].data_ptr(), &baseSize);
+          void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(
+              ts[i].storage().data_ptr().get(), &baseSize);
           mine.buffer[i] = peer::exportHandle(base);
           mine.offset[i] = static_cast<uint64_t>(static_cast<char*>(ts[i].data_ptr()) -
                                                  static_cast<char*>(base));
@@ -261,6 +271,14 @@ class CudaPeerMemory final : public PeerMemory {
     std::vector<Advert> all(n);
     all[me] = mine;
     exchange(ch, all.data(), sizeof(Advert));
+    sharedGpu_ = false;
+    for (int p = 0; p < n; ++p) {
+      for (int q = p + 1; q < n; ++q) {
+        sharedGpu_ = sharedGpu_ || (all[p].busId[0] != '\0' &&
+                                    std::strncmp(all[p].busId, all[q].busId,
+                                                 sizeof(all[p].busId)) == 0);
+      }
+    }
 
     // `fresh` must come out the same on every rank, since it decides whether a second
     // exchange follows: it asks whether ANY rank's handle (this rank's included) is new
@@ -336,7 +354,7 @@ class CudaPeerMemory final : public PeerMemory {
     c10::cuda::CUDAStream stream = *m.stream;
     void* s = stream.stream();
     ctx.ready->block(stream);
-    if (!hostSync_) {
+    if (!m.hostSync) {
       for (int p = 0; p < n; ++p) {
         if (p != me) peer::streamWriteValue(s, m.signals[p] + kArrive * kSlots + me, m.seq);
       }
@@ -345,7 +363,7 @@ class CudaPeerMemory final : public PeerMemory {
       }
     }
     kernels::cudaMultiReduce(args, s);
-    if (hostSync_) {
+    if (m.hostSync) {
       // Done barrier on the host: this rank's reads and writes are finished before it
       // says so.
       stream.synchronize();
@@ -403,7 +421,8 @@ class CudaPeerMemory final : public PeerMemory {
   int rank_;
   int size_;
   std::string prefix_;
-  bool hostSync_;  // TDX_CUDA_PEER_SYNC=host: barriers on the host instead of GPU flags
+  Sync sync_;               // TDX_CUDA_PEER_SYNC
+  bool sharedGpu_ = false;  // the last exchange showed two ranks on one GPU
   bool enabled_ = true;
   uint64_t seq_ = 0;
   uint64_t opsRun_ = 0;
@@ -419,11 +438,14 @@ class CudaPeerMemory final : public PeerMemory {
 std::unique_ptr<PeerMemory> PeerMemory::create(int rank, int size, std::string prefix) {
   if (env::getInt("TDX_CUDA_PEER") == 0) return nullptr;
   const std::string sync = env::get("TDX_CUDA_PEER_SYNC");
-  if (sync != "gpu" && sync != "host") {
-    throw std::invalid_argument(prefix + ": TDX_CUDA_PEER_SYNC must be gpu or host, got '" +
+  if (sync != "auto" && sync != "gpu" && sync != "host") {
+    throw std::invalid_argument(prefix + ": TDX_CUDA_PEER_SYNC must be auto, gpu or host, got '" +
                                 sync + "'");
   }
-  return std::make_unique<CudaPeerMemory>(rank, size, std::move(prefix), sync == "host");
+  using Sync = CudaPeerMemory::Sync;
+  return std::make_unique<CudaPeerMemory>(
+      rank, size, std::move(prefix),
+      sync == "gpu" ? Sync::Gpu : (sync == "host" ? Sync::Host : Sync::Auto));
 }
 
 #else

@@ -18,9 +18,10 @@ const std::vector<Knob>& knobs() {
       {"TDX_CUDA_PEER", "1",
        "1: CUDA collectives among ranks of one host read and write each other's buffers "
        "through CUDA IPC; 0: stage them through host memory instead"},
-      {"TDX_CUDA_PEER_SYNC", "gpu",
+      {"TDX_CUDA_PEER_SYNC", "auto",
        "how ranks of the CUDA peer path wait for each other: gpu (flags in device memory, "
-       "awaited by the stream; no host sync) or host (the worker thread synchronises)"},
+       "awaited by the stream; no host sync), host (the backend's thread synchronises), "
+       "auto (host when ranks share a GPU, else gpu)"},
   };
   return kKnobs;
 }

@@ -140,21 +140,26 @@ UcxTransport::~UcxTransport() {
 }
 
 void UcxTransport::closeEndpoints() {
-  std::vector<void*> closing;
+  // Taken out under the lock, closed outside it (see the lock order above connect()).
+  std::vector<std::pair<ucp_ep_h, bool>> eps;
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
     for (auto& e : endpoints_) {
       if (e.ep == nullptr) continue;
-      ucp_request_param_t p;
-      std::memset(&p, 0, sizeof(p));
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      // A flushing close lets in-flight eager data drain to a live peer; a peer already
-      // reported lost gets a forced close.
-      p.flags = e.failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-      void* req = ucp_ep_close_nbx(e.ep, &p);
-      if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+      eps.emplace_back(e.ep, e.failed.load());
       e.ep = nullptr;
     }
+  }
+  std::vector<void*> closing;
+  for (auto& [handle, failed] : eps) {
+    ucp_request_param_t p;
+    std::memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    // A flushing close lets in-flight eager data drain to a live peer; a peer already
+    // reported lost gets a forced close.
+    p.flags = failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* req = ucp_ep_close_nbx(handle, &p);
+    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
   }
   auto until = Clock::now() + std::chrono::seconds(2);
   for (void* req : closing) {
@@ -169,17 +174,24 @@ std::string UcxTransport::address() const {
   return address_;
 }
 
+// Lock order: UCX calls our callbacks (onEndpointError, completions) while holding its
+// worker lock, and they take endpointsMu_ / inflightMu_. So no thread may call into UCX
+// while holding those mutexes, or a peer closing its side during a connect deadlocks the
+// two (seen with repeated init/destroy). connectMu_ alone serialises connects.
 int UcxTransport::connect(const std::string& address) {
-  std::lock_guard<std::mutex> lock(endpointsMu_);
-  auto it = endpointByAddress_.find(address);
-  if (it != endpointByAddress_.end() && !endpoints_[it->second].failed) {
-    return it->second;
+  std::lock_guard<std::mutex> serial(connectMu_);
+  int id = 0;
+  {
+    std::lock_guard<std::mutex> lock(endpointsMu_);
+    auto it = endpointByAddress_.find(address);
+    if (it != endpointByAddress_.end() && !endpoints_[it->second].failed) {
+      return it->second;
+    }
+    id = static_cast<int>(endpoints_.size());
+    endpoints_.emplace_back();  // a deque: references to older entries stay valid
+    endpoints_.back().owner = this;
+    endpoints_.back().id = id;
   }
-  int id = static_cast<int>(endpoints_.size());
-  endpoints_.emplace_back();
-  Endpoint& e = endpoints_.back();
-  e.owner = this;
-  e.id = id;
   // Leaked on purpose: UCX may call the error handler until the worker is destroyed.
   auto* arg = new ErrArg{this, id};
 
@@ -191,7 +203,10 @@ int UcxTransport::connect(const std::string& address) {
   ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   ep.err_handler.cb = endpointErrorCallback;
   ep.err_handler.arg = arg;
-  check(ucp_ep_create(worker_, &ep, &e.ep), "endpoint create");
+  ucp_ep_h handle = nullptr;
+  check(ucp_ep_create(worker_, &ep, &handle), "endpoint create");
+  std::lock_guard<std::mutex> lock(endpointsMu_);
+  endpoints_[id].ep = handle;
   endpointByAddress_[address] = id;
   return id;
 }
