@@ -15,6 +15,10 @@ const std::vector<Knob>& knobs() {
       {"TDX_SPIN_US", "50",
        "microseconds a waiting thread polls UCX before sleeping; lower it when ranks "
        "outnumber cores"},
+      {"TDX_UCX_PEER_ERRORS", "1",
+       "1: UCX reports a dead peer as an error (its shared-memory transports cannot, so "
+       "intra-node traffic uses TCP loopback); 0: shared memory, dead peers caught only "
+       "by the op's timeout"},
       {"TDX_CUDA_PEER", "1",
        "1: CUDA collectives among ranks of one host read and write each other's buffers "
        "through CUDA IPC; 0: stage them through host memory instead"},

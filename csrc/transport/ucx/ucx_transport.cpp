@@ -61,7 +61,8 @@ std::shared_ptr<UcxTransport> UcxTransport::acquire() {
   return t;
 }
 
-UcxTransport::UcxTransport() : spin_(env::getInt("TDX_SPIN_US")) {
+UcxTransport::UcxTransport()
+    : spin_(env::getInt("TDX_SPIN_US")), peerErrors_(env::getInt("TDX_UCX_PEER_ERRORS") != 0) {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "config read");
   ucp_params_t params;
@@ -200,7 +201,10 @@ int UcxTransport::connect(const std::string& address) {
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  // Peer error handling is what turns a dead peer into an error instead of a hang, but
+  // UCX's shared-memory transports cannot provide it, so with it every intra-node byte
+  // goes over TCP loopback. TDX_UCX_PEER_ERRORS=0 trades the detection for shm.
+  ep.err_mode = peerErrors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = endpointErrorCallback;
   ep.err_handler.arg = arg;
   ucp_ep_h handle = nullptr;

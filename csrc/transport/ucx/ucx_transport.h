@@ -78,6 +78,7 @@ class UcxTransport final : public Transport {
   std::chrono::microseconds spin_;
 
   mutable std::mutex endpointsMu_;
+  bool peerErrors_;  // UCP_ERR_HANDLING_MODE_PEER on endpoints (TDX_UCX_PEER_ERRORS)
   std::mutex connectMu_;  // serialises connect(); never taken by UCX callbacks
   std::deque<Endpoint> endpoints_;  // deque: stable addresses, ids are indices
   std::unordered_map<std::string, int> endpointByAddress_;
