@@ -109,7 +109,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<tdx::ProcessGroupTDX, c10d::Backend, c10::intrusive_ptr<tdx::ProcessGroupTDX>>(
       m, "ProcessGroupTDX")
       .def_property_readonly("group_name", &tdx::ProcessGroupTDX::groupName)
-      .def_property_readonly("peer_ops_run", &tdx::ProcessGroupTDX::peerOpsRun);
+      .def_property_readonly("peer_ops_run", &tdx::ProcessGroupTDX::peerOpsRun)
+      .def("flight_record", [](const tdx::ProcessGroupTDX& pg) {
+        py::list out;
+        for (const auto& e : pg.flightRecord()) {
+          py::dict d;
+          d["id"] = e.id;
+          d["seq"] = e.seq;
+          d["op"] = e.op;
+          d["detail"] = e.detail;
+          d["path"] = e.path;
+          d["state"] = e.state;
+          d["steps_done"] = e.stepsDone;
+          d["error"] = e.error;
+          d["queued_at_ms"] = e.queuedAtMs;
+          d["duration_ms"] = e.durationMs;
+          out.append(d);
+        }
+        return out;
+      })
+      .def("dump_flight_record", &tdx::ProcessGroupTDX::dumpFlightRecord, py::arg("reason"));
   m.def("_create_backend", &createBackend, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::arg("timeout"), py::arg("group_name"), py::arg("global_ranks"),
         py::call_guard<py::gil_scoped_release>());

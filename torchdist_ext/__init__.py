@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - depends on how UCX was provided
 
 from . import _C  # noqa: E402
 
-__all__ = ["BACKEND_NAME", "ucx_version", "env_knobs"]
+__all__ = ["BACKEND_NAME", "ucx_version", "env_knobs", "flight_recorder"]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "tdx"
@@ -60,6 +60,32 @@ def ucx_version() -> str:
 def env_knobs() -> list[tuple[str, str, str]]:
     """Every ``TDX_*`` environment variable as (name, default, meaning)."""
     return list(_C.env_knobs())
+
+
+def _tdx_backend(group: Any = None) -> Any:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            backend = pg._get_backend(torch.device(device))
+        except (RuntimeError, ValueError):
+            continue
+        if isinstance(backend, _C.ProcessGroupTDX):
+            return backend
+    raise ValueError(
+        f"group {getattr(pg, 'group_name', pg)!r} has no tdx backend; pass a group created "
+        "with backend='tdx'"
+    )
+
+
+def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
+    """The last ops of ``group`` (default: the world) on this rank, oldest first.
+
+    Each entry has the op's sequence number, name, description (dtype, shape, device),
+    path (``host``, ``staged``, ``cuda-peer``), state (``queued``, ``running``, ``done``,
+    ``failed``), the transfers it completed, its error and its timing. A failed or
+    timed-out op also logs this table, and writes it under ``TDX_DUMP_DIR`` when set.
+    """
+    return list(_tdx_backend(group).flight_record())
 
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:

@@ -83,6 +83,7 @@ void GroupChannel::wait(const RequestPtr& r) {
         " were expected (step " + std::to_string(p.step) +
         "): the ranks passed tensors of different sizes or dtypes to this op");
   }
+  ++stepsDone_;
   // Finished requests leave the list so it only holds what is still in flight.
   *it = posted_.back();
   posted_.pop_back();

@@ -34,6 +34,11 @@ class GroupChannel final : public algorithms::Channel {
   // True when every request of this op has finished (so its buffers may be reused).
   bool quiesce();
 
+  // Transfers of this op completed so far (the flight recorder's "step reached").
+  uint32_t stepsDone() const {
+    return stepsDone_;
+  }
+
  private:
   struct Posted {
     transport::RequestPtr request;
@@ -50,6 +55,7 @@ class GroupChannel final : public algorithms::Channel {
   const std::atomic<bool>& aborted_;
   std::vector<Posted> posted_;
   std::vector<char> scratch_;
+  uint32_t stepsDone_ = 0;
 };
 
 } // namespace tdx

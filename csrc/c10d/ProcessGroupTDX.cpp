@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "c10d/Validation.hpp"
+#include "common/env.h"
 #include "common/logging.h"
 #include "transport/tag.h"
 
@@ -60,7 +61,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     : Backend(rank, size),
       store_(store),
       options_(std::move(options)),
-      globalRanks_(std::move(globalRanks)) {
+      globalRanks_(std::move(globalRanks)),
+      flight_(static_cast<size_t>(std::max<int64_t>(1, env::getInt("TDX_FLIGHT_OPS")))) {
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
@@ -149,6 +151,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   Task task;
   task.work = work;
   task.body = std::move(body);
+  task.flightId = flight_.record(seq, what, work->description(), "host");
   task.deviceBody = std::move(deviceBody);
   task.seq = seq;
   task.keepAlive = std::move(inputs);
@@ -193,9 +196,13 @@ void ProcessGroupTDX::runLoop() {
 void ProcessGroupTDX::runTask(Task& task) {
   const std::string& what = task.work->description();
   std::exception_ptr error;
+  uint32_t steps = 0;
+  std::string path;
+  flight_.start(task.flightId);
   if (broken_.load()) {
     error = wrapError(what, "the group is unusable after an earlier failure (" +
                                 brokenReason_ + "); destroy it and create a new one");
+    flight_.finish(task.flightId, false, 0, "", "refused: group broken");
   } else {
     try {
       DeviceContext ctx;
@@ -210,6 +217,7 @@ void ProcessGroupTDX::runTask(Task& task) {
           task.body(ch);
         }
       } catch (...) {
+        steps = ch.stepsDone();
         if (!ch.quiesce()) {
           // A transfer could not be cancelled: its buffers may still be written, so they
           // are never returned to the allocator.
@@ -218,21 +226,43 @@ void ProcessGroupTDX::runTask(Task& task) {
         }
         throw;
       }
+      steps = ch.stepsDone();
       if (ctx.done) {
         // The op's device work is queued on the backend stream: the work completes on
         // the host now and its waiters order themselves after `done`.
         task.work->setDeviceDone(ctx.done, *ctx.stream);
+        path = "cuda-peer";
       } else if (auto dev = firstDeviceTensor(task.keepAlive)) {
         syncCurrentStream(*dev);
+        path = "staged";
       }
+      flight_.finish(task.flightId, true, steps, path, "");
     } catch (const std::exception& e) {
       brokenReason_ = what + ": " + errorText(e);
       broken_ = true;
       error = wrapError(what, errorText(e));
+      flight_.finish(task.flightId, false, steps, path, errorText(e));
       TDX_LOG(Error, prefix()) << what << " failed: " << errorText(e);
+      dumpFlightRecord(what + " failed");
     }
   }
   task.work->finishPart(error);
+}
+
+std::vector<FlightEntry> ProcessGroupTDX::flightRecord() const {
+  return flight_.snapshot();
+}
+
+void ProcessGroupTDX::dumpFlightRecord(const std::string& reason) const {
+  // The last ops of this group, to the log and (TDX_DUMP_DIR) to a file: what a user
+  // compares across ranks to see which one stopped where.
+  std::string file = flight_.dump(env::get("TDX_DUMP_DIR"),
+                                  "tdx_flight_" + groupName_ + "_r" + std::to_string(rank_) +
+                                      ".txt");
+  TDX_LOG(Error, prefix()) << "flight recorder after " << reason
+                           << (file.empty() ? std::string() : " (also in " + file + ")")
+                           << ":\n"
+                           << flight_.format();
 }
 
 void ProcessGroupTDX::registerWork(const c10::intrusive_ptr<WorkTDX>& work) {

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "c10d/DeviceOps.hpp"
+#include "c10d/FlightRecorder.hpp"
 #include "c10d/GroupChannel.hpp"
 #include "c10d/WorkTDX.hpp"
 #include "transport/ucx/ucx_transport.h"
@@ -112,6 +113,11 @@ class ProcessGroupTDX : public c10d::Backend {
                                           const std::vector<int>& ranks,
                                           const c10::intrusive_ptr<Options>& opts) override;
 
+  // The last ops of this group (TDX_FLIGHT_OPS of them), oldest first.
+  std::vector<FlightEntry> flightRecord() const;
+  // Logs the flight record, and writes it under TDX_DUMP_DIR when that is set.
+  void dumpFlightRecord(const std::string& reason) const;
+
   // Ops that ran through same-host peer memory (tests check the fast path is taken).
   uint64_t peerOpsRun() const {
     return peer_ ? peer_->opsRun() : 0;
@@ -141,6 +147,7 @@ class ProcessGroupTDX : public c10d::Backend {
     uint64_t seq = 0;
     std::vector<at::Tensor> keepAlive;
     std::shared_ptr<c10::Event> readyEvent;  // recorded on the caller's stream (CUDA)
+    uint64_t flightId = 0;
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
@@ -169,6 +176,7 @@ class ProcessGroupTDX : public c10d::Backend {
   std::vector<int> endpoints_;  // group rank -> transport endpoint
   std::unique_ptr<PeerMemory> peer_;  // same-host CUDA path; null without CUDA
 
+  FlightRecorder flight_;
   std::atomic<uint64_t> seq_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> broken_{false};

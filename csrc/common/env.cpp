@@ -15,6 +15,10 @@ const std::vector<Knob>& knobs() {
       {"TDX_SPIN_US", "50",
        "microseconds a waiting thread polls UCX before sleeping; lower it when ranks "
        "outnumber cores"},
+      {"TDX_FLIGHT_OPS", "64", "how many recent ops of each group the flight recorder keeps"},
+      {"TDX_DUMP_DIR", "",
+       "directory where a failed or timed-out op writes its group's flight record "
+       "(tdx_flight_<group>_r<rank>.txt); empty: log only"},
       {"TDX_UCX_PEER_ERRORS", "1",
        "1: UCX reports a dead peer as an error (its shared-memory transports cannot, so "
        "intra-node traffic uses TCP loopback); 0: shared memory, dead peers caught only "

@@ -1,0 +1,77 @@
+"""The flight recorder: the last ops of a group, their state and the step each reached;
+dumped to TDX_DUMP_DIR when an op fails."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchdist_ext
+from torchdist_ext.testing import run_ranks
+
+
+def _record(rank: int, n: int) -> list:
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    dist.barrier()
+    sub = dist.new_group([0, 1], backend="tdx")
+    if rank < 2:
+        dist.all_reduce(t, group=sub)
+    return [torchdist_ext.flight_recorder(), torchdist_ext.flight_recorder(sub) if rank < 2 else []]
+
+
+def test_records_ops_in_order() -> None:
+    results = run_ranks(_record, 3)
+    for rank, (world, sub) in enumerate(results):
+        ops = [e["op"] for e in world]
+        assert ops[-3:] == ["all_reduce", "broadcast", "barrier"], (rank, ops)
+        seqs = [e["seq"] for e in world]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
+        for e in world[-3:]:
+            assert e["state"] == "done" and e["duration_ms"] >= 0 and e["error"] == "", e
+            assert "tdx r" in e["detail"], e
+        # 3 ranks: every collective moves bytes, so each reached at least one step.
+        assert all(e["steps_done"] > 0 for e in world[-3:]), world[-3:]
+        if rank < 2:
+            assert [e["op"] for e in sub] == ["all_reduce"] and sub[0]["state"] == "done", sub
+
+
+def _timeout(rank: int, n: int, dump_dir: str) -> dict:
+    t = torch.ones(1000)
+    dist.all_reduce(t)  # both ranks take part
+    if rank == 1:
+        time.sleep(8)  # never joins the second all_reduce, but stays alive past rank 0's timeout
+        return {}
+    err = ""
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        err = f"{type(e).__name__}: {e}"
+    files = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
+    text = open(os.path.join(dump_dir, files[0])).read() if files else ""
+    return {"error": err, "record": torchdist_ext.flight_recorder(), "files": files, "text": text}
+
+
+def test_timeout_leaves_evidence(tmp_path) -> None:
+    dump_dir = str(tmp_path / "dumps")
+    results = run_ranks(_timeout, 2, timeout=4, args=(dump_dir,), env={"TDX_DUMP_DIR": dump_dir})
+    r0 = results[0]
+    assert r0["error"].startswith("DistBackendError") and "rank 1" in r0["error"], r0["error"]
+    last = r0["record"][-1]
+    assert last["op"] == "all_reduce" and last["state"] == "failed", last
+    done = r0["record"][-2]
+    assert done["state"] == "done", r0["record"]
+    # The send may complete (eager), the receive never does: fewer steps than a whole op.
+    assert "timed out" in last["error"] and last["steps_done"] < done["steps_done"], last
+    assert r0["files"] == ["tdx_flight_0_r0.txt"] or r0["files"][0].startswith("tdx_flight_"), r0
+    assert "failed" in r0["text"] and "all_reduce" in r0["text"], r0["text"]
+
+
+def test_needs_a_tdx_group() -> None:
+    with pytest.raises((ValueError, RuntimeError)):
+        torchdist_ext.flight_recorder()  # no process group at all in the test process
