@@ -81,6 +81,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
     algorithms::treeBroadcast(ch, img.data(), img.bytes(), root);
     if (!isRoot) img.copyOut();
   };
+  setFingerprintExtra(" root=" + std::to_string(root));
   if (!t.is_cuda()) return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host);
   return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host,
                  [this, t, root, host](GroupChannel& ch, DeviceContext& ctx) {
@@ -97,6 +98,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
   at::Tensor t = tensors[0];
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
   auto host = [t, red](GroupChannel& ch) { runAllreduce(ch, t, red); };
+  setFingerprintExtra(" op=" + red.name);
   if (!t.is_cuda()) return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host);
   // CUDA: ranks of one host reduce through each other's memory when they all can;
   // otherwise the op stages through host memory.
@@ -132,6 +134,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
+  setFingerprintExtra(" root=" + std::to_string(root) + " op=" + red.name);
   return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(t, true);
     at::Tensor src = red.premul ? premultiplied(img, red) : img.host();
@@ -262,6 +265,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
                       ": only the root (rank ", root,
                       ") passes a gather list; pass gather_list=None on other ranks");
   }
+  setFingerprintExtra(" root=" + std::to_string(root));
   return enqueue(OpType::GATHER, "gather", outs, {input}, [input, outs, root](GroupChannel& ch) {
     HostImage in(input, true);
     std::vector<HostImage> images;
@@ -294,6 +298,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
                       ": only the root (rank ", root,
                       ") passes a scatter list; pass scatter_list=None on other ranks");
   }
+  setFingerprintExtra(" root=" + std::to_string(root));
   return enqueue(OpType::SCATTER, "scatter", {output}, ins, [output, ins, root](GroupChannel& ch) {
     HostImage out(output, false);
     std::vector<HostImage> images;
@@ -318,6 +323,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   }
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
   std::vector<at::Tensor> ins = inputs[0];
+  setFingerprintExtra(" op=" + red.name);
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
                  [output, ins, red](GroupChannel& ch) {
                    std::vector<HostImage> images;
@@ -347,6 +353,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
   at::Tensor in = input, out = output;
   auto host = [out, in, red](GroupChannel& ch) { runReduceScatterInto(ch, out, in, red); };
+  setFingerprintExtra(" op=" + red.name);
   if (!out.is_cuda()) {
     return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host);
   }

@@ -9,8 +9,13 @@
 
 #include <pybind11/pybind11.h>
 
+#include <torch/csrc/distributed/c10d/debug.h>
+
 #include <algorithm>
+#include <cstring>
 #include <sstream>
+
+#include "algorithms/collectives.h"
 
 #include "c10d/Validation.hpp"
 #include "common/env.h"
@@ -22,6 +27,44 @@ namespace tdx {
 using transport::Clock;
 
 namespace {
+
+// Root and reduce op of the next enqueue() on this thread, for its fingerprint. Set by
+// the op methods right before they enqueue; thread_local so concurrent callers on other
+// threads cannot mix them up.
+thread_local std::string tFingerprintExtra;
+
+bool shapesMustMatch(c10d::OpType t) {
+  switch (t) {
+    case c10d::OpType::ALLTOALL:
+    case c10d::OpType::ALLTOALL_BASE:  // uneven splits differ by rank
+    case c10d::OpType::GATHER:         // only the root passes a list
+    case c10d::OpType::SCATTER:
+    case c10d::OpType::BARRIER:
+      return false;
+    default:
+      return true;
+  }
+}
+
+std::string fingerprintOf(c10d::OpType type, const std::string& what,
+                          const std::vector<at::Tensor>& tensors) {
+  std::ostringstream os;
+  os << what;
+  for (const auto& t : tensors) {
+    if (t.defined()) {
+      os << " dtype=" << t.scalar_type();
+      break;
+    }
+  }
+  if (shapesMustMatch(type)) {
+    os << " shapes=";
+    for (const auto& t : tensors) {
+      if (t.defined()) os << t.sizes();
+    }
+  }
+  os << tFingerprintExtra;
+  return os.str();
+}
 
 uint32_t hashGroupName(const std::string& name) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
@@ -94,6 +137,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
   }
   peer_ = PeerMemory::create(rank, size, prefix());
+  checkFingerprints_ =
+      logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
   worker_ = std::thread([this] { runLoop(); });
   init();
   TDX_LOG(Info, prefix()) << "group ready (id " << groupId_ << ", timeout "
@@ -156,6 +201,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.seq = seq;
   task.keepAlive = std::move(inputs);
   task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
+  if (checkFingerprints_) task.fingerprint = fingerprintOf(type, what, task.keepAlive);
+  tFingerprintExtra.clear();
   if (auto dev = firstDeviceTensor(task.keepAlive)) {
     // The op must see what the caller's stream produced: record an event now, wait for
     // it on the worker thread.
@@ -211,6 +258,7 @@ void ProcessGroupTDX::runTask(Task& task) {
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + timeout(), aborted_);
       try {
+        if (checkFingerprints_) checkFingerprint(ch, task.fingerprint);
         if (task.deviceBody) {
           task.deviceBody(ch, ctx);
         } else {
@@ -247,6 +295,32 @@ void ProcessGroupTDX::runTask(Task& task) {
     }
   }
   task.work->finishPart(error);
+}
+
+void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine) {
+  // Fixed-size slots: a mismatch of the fingerprints themselves must not turn into a
+  // size mismatch of this exchange.
+  constexpr size_t kSlot = 384;
+  const int n = ch.size();
+  std::vector<char> all(kSlot * n, '\0');
+  std::memcpy(all.data() + kSlot * ch.rank(), mine.data(), std::min(mine.size(), kSlot - 1));
+  std::vector<algorithms::Block> blocks(n);
+  for (int r = 0; r < n; ++r) blocks[r] = algorithms::Block{all.data() + kSlot * r, kSlot};
+  algorithms::ringAllgather(ch, blocks);
+  for (int r = 0; r < n; ++r) {
+    const std::string theirs(all.data() + kSlot * r);
+    if (theirs != mine.substr(0, kSlot - 1)) {
+      throw std::runtime_error("collective mismatch: rank " + std::to_string(ch.rank()) +
+                               " called " + mine + " but rank " + std::to_string(r) +
+                               " called " + theirs +
+                               ". Every rank must call the same collectives with the same "
+                               "dtypes, shapes, roots and reduce ops, in the same order");
+    }
+  }
+}
+
+void ProcessGroupTDX::setFingerprintExtra(std::string extra) const {
+  if (checkFingerprints_) tFingerprintExtra = std::move(extra);
 }
 
 std::vector<FlightEntry> ProcessGroupTDX::flightRecord() const {

@@ -148,6 +148,7 @@ class ProcessGroupTDX : public c10d::Backend {
     std::vector<at::Tensor> keepAlive;
     std::shared_ptr<c10::Event> readyEvent;  // recorded on the caller's stream (CUDA)
     uint64_t flightId = 0;
+    std::string fingerprint;  // checked across ranks before the op when enabled
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
@@ -161,6 +162,9 @@ class ProcessGroupTDX : public c10d::Backend {
   void registerWork(const c10::intrusive_ptr<WorkTDX>& work);
   void runLoop();
   void runTask(Task& task);
+  void checkFingerprint(GroupChannel& ch, const std::string& mine);
+  // Root / reduce op words for the fingerprint of the next enqueue() on this thread.
+  void setFingerprintExtra(std::string extra) const;
   void stopWorker(const std::string& reason);
   void shutdownLocked();
   std::chrono::milliseconds timeout() const;
@@ -177,6 +181,9 @@ class ProcessGroupTDX : public c10d::Backend {
   std::unique_ptr<PeerMemory> peer_;  // same-host CUDA path; null without CUDA
 
   FlightRecorder flight_;
+  // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's
+  // fingerprint (op, dtype, shapes, root, reduce op) before running it.
+  bool checkFingerprints_ = false;
   std::atomic<uint64_t> seq_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> broken_{false};
