@@ -20,6 +20,8 @@
 
 #include <algorithm>
 #include <array>
+#include <deque>
+#include <sstream>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -104,8 +106,13 @@ class CudaPeerMemory final : public PeerMemory {
  public:
   enum class Sync { Auto, Gpu, Host };
 
-  CudaPeerMemory(int rank, int size, std::string prefix, Sync sync)
-      : rank_(rank), size_(size), prefix_(std::move(prefix)), sync_(sync) {}
+  CudaPeerMemory(int rank, int size, std::string prefix, Sync sync,
+                 std::function<std::chrono::milliseconds()> timeout)
+      : rank_(rank),
+        size_(size),
+        prefix_(std::move(prefix)),
+        sync_(sync),
+        timeout_(std::move(timeout)) {}
 
   ~CudaPeerMemory() override {
     // Peers may still hold our signal page open; freeing is safe (their mappings keep
@@ -116,6 +123,47 @@ class CudaPeerMemory final : public PeerMemory {
 
   uint64_t opsRun() const override {
     return opsRun_;
+  }
+
+  bool hasPending() override {
+    while (!pending_.empty() && pending_.front().done->query()) pending_.pop_front();
+    return !pending_.empty();
+  }
+
+  std::string releaseStalled() override {
+    if (!hasPending()) return "";
+    const Pending& p = pending_.front();
+    if (std::chrono::steady_clock::now() < p.deadline) return "";
+    c10::cuda::CUDAGuard guard(p.device);
+    // A side stream: the backend stream is the one that is stuck.
+    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, p.device);
+    std::vector<uint64_t> flags(kPhases * kSlots, 0);
+    const size_t bytes = flags.size() * sizeof(uint64_t);
+    std::string missing;
+    if (cudaMemcpyAsync(flags.data(), signals_, bytes, cudaMemcpyDeviceToHost, side.stream()) ==
+            cudaSuccess &&
+        cudaStreamSynchronize(side.stream()) == cudaSuccess) {
+      for (int r = 0; r < p.ranks; ++r) {
+        if (r == rank_) continue;
+        const bool arrived = flags[kArrive * kSlots + r] >= p.seq;
+        const bool done = flags[kDone * kSlots + r] >= p.seq;
+        if (!arrived || !done) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r) +
+                     (arrived ? " (arrived, never finished)" : " (never arrived)");
+        }
+      }
+    }
+    for (auto& f : flags) f = std::max(f, p.seq);
+    cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
+    cudaStreamSynchronize(side.stream());
+    cudaGetLastError();
+    const uint64_t seq = p.seq;
+    pending_.clear();
+    enabled_ = false;
+    return "CUDA peer-memory op " + p.what + " (flag sequence " + std::to_string(seq) +
+           ") still waited for rank(s) " + (missing.empty() ? std::string("?") : missing) +
+           " after the group timeout; this rank's stream was released, the op's output is "
+           "undefined";
   }
 
   // One pass, in place: rank r reduces chunk r of every rank's tensor and writes it back
@@ -383,6 +431,12 @@ class CudaPeerMemory final : public PeerMemory {
     ctx.done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     ctx.done->record(stream);
     ctx.stream = stream;
+    if (!m.hostSync) {
+      // Only GPU-side waits can outlive a dead peer; host-synchronised ops finished above.
+      pending_.push_back(Pending{ctx.done, m.seq, n, stream.device_index(),
+                                 std::chrono::steady_clock::now() + timeout_(),
+                                 ts.empty() ? std::string() : describeOp(ts[0])});
+    }
     ++opsRun_;
   }
 
@@ -418,10 +472,27 @@ class CudaPeerMemory final : public PeerMemory {
     algorithms::ringAllgather(ch, blocks);
   }
 
+  struct Pending {
+    std::shared_ptr<c10::Event> done;
+    uint64_t seq;
+    int ranks;
+    c10::DeviceIndex device;
+    std::chrono::steady_clock::time_point deadline;
+    std::string what;
+  };
+
+  static std::string describeOp(const at::Tensor& t) {
+    std::ostringstream os;
+    os << "on " << c10::toString(t.scalar_type()) << t.sizes() << " " << t.device();
+    return os.str();
+  }
+
   int rank_;
   int size_;
   std::string prefix_;
   Sync sync_;               // TDX_CUDA_PEER_SYNC
+  std::function<std::chrono::milliseconds()> timeout_;
+  std::deque<Pending> pending_;  // GPU-flag ops whose end event has not been seen yet
   bool sharedGpu_ = false;  // the last exchange showed two ranks on one GPU
   bool enabled_ = true;
   uint64_t seq_ = 0;
@@ -435,7 +506,8 @@ class CudaPeerMemory final : public PeerMemory {
 
 } // namespace
 
-std::unique_ptr<PeerMemory> PeerMemory::create(int rank, int size, std::string prefix) {
+std::unique_ptr<PeerMemory> PeerMemory::create(
+    int rank, int size, std::string prefix, std::function<std::chrono::milliseconds()> timeout) {
   if (env::getInt("TDX_CUDA_PEER") == 0) return nullptr;
   const std::string sync = env::get("TDX_CUDA_PEER_SYNC");
   if (sync != "auto" && sync != "gpu" && sync != "host") {
@@ -445,12 +517,13 @@ std::unique_ptr<PeerMemory> PeerMemory::create(int rank, int size, std::string p
   using Sync = CudaPeerMemory::Sync;
   return std::make_unique<CudaPeerMemory>(
       rank, size, std::move(prefix),
-      sync == "gpu" ? Sync::Gpu : (sync == "host" ? Sync::Host : Sync::Auto));
+      sync == "gpu" ? Sync::Gpu : (sync == "host" ? Sync::Host : Sync::Auto), std::move(timeout));
 }
 
 #else
 
-std::unique_ptr<PeerMemory> PeerMemory::create(int, int, std::string) {
+std::unique_ptr<PeerMemory> PeerMemory::create(int, int, std::string,
+                                               std::function<std::chrono::milliseconds()>) {
   return nullptr;
 }
 

@@ -15,6 +15,8 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,7 +47,9 @@ class PeerMemory {
   virtual ~PeerMemory() = default;
 
   // The group's state, or null when the build has no CUDA or TDX_CUDA_PEER=0.
-  static std::unique_ptr<PeerMemory> create(int rank, int size, std::string prefix);
+  // `timeout` gives the group's current timeout (it can change after creation).
+  static std::unique_ptr<PeerMemory> create(int rank, int size, std::string prefix,
+                                            std::function<std::chrono::milliseconds()> timeout);
 
   // In-place allreduce of `t` through the peers' buffers. Returns false, having enqueued
   // nothing, when some rank of the group cannot take this path (another host, no peer
@@ -65,6 +69,17 @@ class PeerMemory {
 
   // How many ops took this path so far (tests and logs).
   virtual uint64_t opsRun() const = 0;
+
+  // Watchdog, called by the group's worker thread only. A stream waiting on a GPU flag
+  // has no deadline of its own: if a peer dies mid-op, this rank's stream (and any
+  // caller that syncs on it) would wait forever. hasPending() says whether device work
+  // of earlier ops may still be waiting. releaseStalled() releases this rank's stream
+  // when that work has waited past the group timeout: it writes the flags the stream
+  // waits on, turns the path off, and returns a message naming the peers that never
+  // signalled. The op's output is then undefined and the group must be treated as
+  // broken. It returns "" when nothing stalled.
+  virtual bool hasPending() = 0;
+  virtual std::string releaseStalled() = 0;
 };
 
 } // namespace tdx

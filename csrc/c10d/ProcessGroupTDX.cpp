@@ -136,7 +136,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     }
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
   }
-  peer_ = PeerMemory::create(rank, size, prefix());
+  peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
   worker_ = std::thread([this] { runLoop(); });
@@ -229,14 +229,34 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
 void ProcessGroupTDX::runLoop() {
   for (;;) {
     Task task;
+    bool have = false;
     {
       std::unique_lock<std::mutex> lock(queueMu_);
-      queueCv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      auto ready = [&] { return stopping_ || !queue_.empty(); };
+      if (peer_ && peer_->hasPending()) {
+        // Device work may be waiting on peers: wake up now and then to watch it.
+        queueCv_.wait_for(lock, std::chrono::milliseconds(200), ready);
+      } else {
+        queueCv_.wait(lock, ready);
+      }
+      if (!queue_.empty()) {
+        task = std::move(queue_.front());
+        queue_.pop_front();
+        have = true;
+      } else if (stopping_) {
+        return;
+      }
     }
-    runTask(task);
+    if (peer_) {
+      const std::string stalled = peer_->releaseStalled();
+      if (!stalled.empty()) {
+        brokenReason_ = stalled;
+        broken_ = true;
+        TDX_LOG(Error, prefix()) << stalled;
+        dumpFlightRecord(stalled);
+      }
+    }
+    if (have) runTask(task);
   }
 }
 
