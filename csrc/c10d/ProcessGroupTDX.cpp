@@ -440,12 +440,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::send(std::vector<at::Tensor>& tensors,
                                                      int dstRank, int tag) {
   checkSingle(prefix() + " send", tensors);
+  checkRank(prefix() + " send", dstRank, size_, "destination rank");
   return pointToPoint(true, tensors[0], dstRank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::recv(std::vector<at::Tensor>& tensors,
                                                      int srcRank, int tag) {
   checkSingle(prefix() + " recv", tensors);
+  // A negative source must not slip through as "any source" (recvAnysource is that).
+  checkRank(prefix() + " recv", srcRank, size_, "source rank");
   return pointToPoint(false, tensors[0], srcRank, tag);
 }
 
