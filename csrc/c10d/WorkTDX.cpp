@@ -1,5 +1,7 @@
 #include "c10d/WorkTDX.hpp"
 
+#include "c10d/Completion.hpp"
+
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
@@ -161,7 +163,13 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
 }
 
 void WorkTDX::complete(std::exception_ptr error) {
-  // Never called with backend locks held: the future runs user callbacks inline.
+  // Off the calling thread (a group's worker or the transport's progress thread): the
+  // future runs user callbacks inline, and they may wait for further collectives.
+  auto self = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
+  postCompletion([self, error] { self->completeNow(error); });
+}
+
+void WorkTDX::completeNow(std::exception_ptr error) {
   if (error) {
     if (!future_->completed()) future_->setErrorIfNeeded(error);
   } else if (!future_->completed()) {

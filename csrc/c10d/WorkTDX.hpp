@@ -61,7 +61,8 @@ class WorkTDX : public c10d::Work {
   }
 
  private:
-  void complete(std::exception_ptr error);
+  void complete(std::exception_ptr error);     // hands completeNow() to a completion thread
+  void completeNow(std::exception_ptr error);
 
   std::string description_;
   uint64_t seq_;

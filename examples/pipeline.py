@@ -1,0 +1,103 @@
+"""Pipeline parallelism with torch.distributed.pipelining, unmodified, on the tdx backend.
+
+    torchrun --standalone --nproc-per-node 2 examples/pipeline.py [--schedule 1f1b]
+    torchrun --standalone --nproc-per-node 4 examples/pipeline.py [--microbatches 8]
+
+The MLP of examples/common.py is cut into one stage per rank (2 to 4 stages; it has four
+Linear layers). Rank 0 feeds the batches, the last rank computes the loss, and the
+schedule (GPipe or 1F1B) moves activations forward and gradients backward between
+neighbouring stages with send/recv. Rank 0 prints, per epoch, the mean training loss
+and the test accuracy, which the last stage measures. --backend gloo runs the same job
+on gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import batches, load_data, make_model, mean_over_ranks, parse_args, print0, setup  # noqa: E402
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def stage_module(model: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
+    """Stage ``stage`` of ``stages``: a contiguous run of (Linear, activation) blocks."""
+    blocks, current = [], []
+    for name, layer in model.named_children():
+        if isinstance(layer, nn.Linear) and current:
+            blocks.append(current)
+            current = []
+        current.append(name)
+    blocks.append(current)
+    if not 1 < stages <= len(blocks):
+        raise SystemExit(f"pipeline.py needs 2 to {len(blocks)} ranks (one stage each), got {stages}")
+    mine = blocks[stage * len(blocks) // stages:(stage + 1) * len(blocks) // stages]
+    names = [n for block in mine for n in block]
+    return nn.Sequential(*(model.get_submodule(n) for n in names))
+
+
+def main() -> None:
+    def extra(p):
+        p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+        p.add_argument("--microbatches", type=int, default=4)
+
+    args = parse_args(__doc__, extra=extra, batch_size=128, lr=0.005)
+    rank, world, device = setup(args)
+    (x_train, y_train), (x_test, y_test) = load_data(args.samples)
+    x_train, y_train, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_test, y_test))
+
+    # Every rank builds the whole model from the same seed and keeps its own stage.
+    module = stage_module(make_model(args.hidden), rank, world).to(device)
+    stage = PipelineStage(module, rank, world, device)
+    first, last = rank == 0, rank == world - 1
+    loss_fn = nn.CrossEntropyLoss()
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    opt = torch.optim.Adam(module.parameters(), lr=args.lr)
+    g = torch.Generator().manual_seed(1234)  # the same batch order on every stage
+    print0(f"pipeline of {world} stages ({args.schedule}, {args.microbatches} microbatches), "
+           f"backend {args.backend}, device {device.type}, {x_train.shape[0]} training samples")
+    for epoch in range(args.epochs):
+        start = time.perf_counter()
+        total, steps = 0.0, 0
+        for idx in batches(x_train.shape[0], args.batch_size, g):
+            idx = idx.to(device)
+            opt.zero_grad(set_to_none=True)
+            if first:
+                schedule.step(x_train[idx])
+            elif last:
+                losses: list[torch.Tensor] = []
+                schedule.step(target=y_train[idx], losses=losses)
+                total, steps = total + torch.stack(losses).mean().item(), steps + 1
+            else:
+                schedule.step()
+            opt.step()
+        elapsed = time.perf_counter() - start
+        # Test accuracy, forward only, in batches of the training shape.
+        correct = seen = 0
+        for i in range(0, x_test.shape[0] - args.batch_size + 1, args.batch_size):
+            if first:
+                schedule.eval(x_test[i:i + args.batch_size])
+            elif last:
+                target = y_test[i:i + args.batch_size]
+                out = schedule.eval(target=target)  # the schedule applies loss_fn too
+                correct += (out.argmax(1) == target).sum().item()
+                seen += args.batch_size
+            else:
+                schedule.eval()
+        loss_mean = mean_over_ranks(total, steps, device)  # only the last stage counts
+        accuracy = mean_over_ranks(correct, seen, device)
+        print0(f"epoch {epoch + 1:2d}  loss {loss_mean:.4f}  test accuracy {accuracy:6.2%}  "
+               f"{elapsed:5.2f} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Tensor parallelism with DTensor (parallelize_module, ColwiseParallel / RowwiseParallel),
+combined with FSDP2 data parallelism on a 2-D DeviceMesh, unmodified, on the tdx backend.
+
+    torchrun --standalone --nproc-per-node 4 examples/tensor_parallel.py [--tp 2]
+
+The ranks form a (dp, tp) mesh, 2 x 2 for 4 ranks. Within a tp group the MLP of
+examples/common.py splits its wide layer pair: ``up`` column-wise and ``down`` row-wise,
+so each rank holds half of each and one all-reduce per pass joins the halves. Across the
+dp groups FSDP2 (fully_shard on the dp mesh dimension) shards the parameters and averages
+the gradients; each dp group trains on its own shard of the spirals data. Rank 0 prints,
+per epoch, the mean training loss and the test accuracy. --backend gloo runs the same job
+on gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import batches, load_data, make_model, mean_over_ranks, parse_args, print0, setup, shard  # noqa: E402
+
+
+def main() -> None:
+    args = parse_args(__doc__, extra=lambda p: p.add_argument(
+        "--tp", type=int, default=2, help="tensor-parallel degree; the rest of the ranks is data parallel"))
+    rank, world, device = setup(args)
+    if world % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
+    dp = world // args.tp
+    mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+
+    (x_train, y_train), (x_test, y_test) = load_data(args.samples)
+    x, y = (t.to(device) for t in shard(x_train, y_train, dp_rank, dp))
+    x_test, y_test = (t.to(device) for t in shard(x_test, y_test, dp_rank, dp))
+
+    model = make_model(args.hidden).to(device)
+    parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if dp > 1:
+        fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    loss_fn = nn.CrossEntropyLoss()
+    g = torch.Generator().manual_seed(1234 + dp_rank)  # the ranks of a tp group see the same batches
+    print0(f"tensor parallel {args.tp} x data parallel {dp}{' (FSDP2)' if dp > 1 else ''}, backend {args.backend}, "
+           f"device {device.type}, {x_train.shape[0]} training samples")
+    for epoch in range(args.epochs):
+        model.train()
+        start = time.perf_counter()
+        total, steps = 0.0, 0
+        for idx in batches(x.shape[0], args.batch_size, g):
+            idx = idx.to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            total, steps = total + loss.item(), steps + 1
+        elapsed = time.perf_counter() - start
+        model.eval()
+        with torch.no_grad():
+            correct = (model(x_test).argmax(1) == y_test).sum().item()
+        # Every rank of a tp group counts the same values, so the ratio is unchanged.
+        loss_mean = mean_over_ranks(total, steps, device)
+        accuracy = mean_over_ranks(correct, x_test.shape[0], device)
+        print0(f"epoch {epoch + 1:2d}  loss {loss_mean:.4f}  test accuracy {accuracy:6.2%}  "
+               f"{elapsed:5.2f} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
