@@ -158,9 +158,10 @@ class CudaPeerMemory final : public PeerMemory {
     cudaStreamSynchronize(side.stream());
     cudaGetLastError();
     const uint64_t seq = p.seq;
+    const std::string what = p.what;  // `p` dies with the list
     pending_.clear();
     enabled_ = false;
-    return "CUDA peer-memory op " + p.what + " (flag sequence " + std::to_string(seq) +
+    return "CUDA peer-memory op " + what + " (flag sequence " + std::to_string(seq) +
            ") still waited for rank(s) " + (missing.empty() ? std::string("?") : missing) +
            " after the group timeout; this rank's stream was released, the op's output is "
            "undefined";
