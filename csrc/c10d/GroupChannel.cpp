@@ -63,6 +63,17 @@ void GroupChannel::wait(const RequestPtr& r) {
       throw std::runtime_error("the process group was aborted while waiting for rank " +
                                std::to_string(p.peer));
     }
+    // A rank of the group that died makes this op impossible even when the transfer we
+    // wait on is with a live rank (which may itself be stuck on the dead one): name the
+    // lost rank now instead of timing out on an innocent neighbour.
+    for (size_t q = 0; q < endpoints_.size(); ++q) {
+      if (static_cast<int>(q) != rank_ && transport_.endpointFailed(endpoints_[q])) {
+        throw std::runtime_error("rank " + std::to_string(q) +
+                                 " of the group was lost (its connection failed) while this "
+                                 "rank waited for rank " + std::to_string(p.peer) + " (step " +
+                                 std::to_string(p.step) + ")");
+      }
+    }
     if (Clock::now() >= deadline_) {
       throw std::runtime_error(
           std::string("timed out waiting to ") + (r->isSend ? "send to" : "receive from") +
@@ -72,9 +83,19 @@ void GroupChannel::wait(const RequestPtr& r) {
     }
   }
   if (!r->ok()) {
+    // When several ranks went down (a dead rank, then survivors that gave up and
+    // exited), the first transfer to fail need not be the one with the rank that died
+    // first: list every rank of the group that is gone.
+    std::string lost;
+    for (size_t q = 0; q < endpoints_.size(); ++q) {
+      if (static_cast<int>(q) != rank_ && transport_.endpointFailed(endpoints_[q])) {
+        lost += (lost.empty() ? "rank " : ", rank ") + std::to_string(q);
+      }
+    }
     throw std::runtime_error(std::string(r->isSend ? "send to" : "receive from") + " rank " +
                              std::to_string(p.peer) + " failed (step " +
-                             std::to_string(p.step) + "): " + r->error);
+                             std::to_string(p.step) + "): " + r->error +
+                             (lost.empty() ? "" : "; lost so far: " + lost));
   }
   if (!r->isSend && r->receivedBytes != r->postedBytes) {
     throw std::runtime_error(

@@ -1,0 +1,61 @@
+"""kill -9 of a rank during a collective: every survivor's op raises DistBackendError
+naming the lost rank within the group timeout + 5 s. No hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchdist_ext.testing import run_ranks
+
+TIMEOUT = 15.0
+OPS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+       "all_to_all_single", "barrier"]
+
+
+def _call(op: str, n: int, async_op: bool = False):
+    big = 1 << 20
+    if op == "all_reduce":
+        return dist.all_reduce(torch.ones(big), async_op=async_op)
+    if op == "broadcast":
+        return dist.broadcast(torch.ones(big), src=0, async_op=async_op)
+    if op == "all_gather_into_tensor":
+        return dist.all_gather_into_tensor(torch.empty(big * n), torch.ones(big), async_op=async_op)
+    if op == "reduce_scatter_tensor":
+        return dist.reduce_scatter_tensor(torch.empty(big), torch.ones(big * n), async_op=async_op)
+    if op == "all_to_all_single":
+        return dist.all_to_all_single(torch.empty(big * n), torch.ones(big * n), async_op=async_op)
+    return dist.barrier(async_op=async_op)
+
+
+def _trial(rank: int, n: int, op: str, victim: int) -> dict:
+    dist.all_reduce(torch.ones(4))  # everyone is connected and alive here
+    if rank == victim:
+        _call(op, n, async_op=True)  # in flight when the process dies
+        time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        for _ in range(3):  # the first may complete before the death; later ones cannot
+            _call(op, n)
+        return {"error": "no error", "seconds": time.monotonic() - start}
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_kill_during_op(op: str) -> None:
+    n = 3
+    for victim in (0, n - 1):
+        results = run_ranks(_trial, n, timeout=TIMEOUT, args=(op, victim), may_exit=[victim])
+        for rank, r in enumerate(results):
+            if rank == victim:
+                continue
+            assert r["error"].startswith("DistBackendError"), (op, victim, rank, r)
+            assert f"rank {victim}" in r["error"], (op, victim, rank, r["error"])
+            assert r["seconds"] < TIMEOUT + 5, (op, victim, rank, r)
