@@ -310,8 +310,11 @@ void ProcessGroupTDX::runTask(Task& task) {
       broken_ = true;
       error = wrapError(what, errorText(e));
       flight_.finish(task.flightId, false, steps, path, errorText(e));
-      TDX_LOG(Error, prefix()) << what << " failed: " << errorText(e);
-      dumpFlightRecord(what + " failed");
+      // `what` starts with this group's prefix, which the log line already carries.
+      const std::string pre = prefix() + " ";
+      const std::string op = what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what;
+      TDX_LOG(Error, prefix()) << op << " failed: " << errorText(e);
+      dumpFlightRecord(op + " failed");
     }
   }
   task.work->finishPart(error);
