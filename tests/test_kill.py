@@ -15,7 +15,7 @@ from torchdist_ext.testing import run_ranks
 
 TIMEOUT = 15.0
 OPS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "all_to_all_single", "barrier"]
+       "all_to_all_single", "barrier", "send_recv"]
 
 
 def _call(op: str, n: int, async_op: bool = False):
@@ -28,6 +28,16 @@ def _call(op: str, n: int, async_op: bool = False):
         return dist.all_gather_into_tensor(torch.empty(big * n), torch.ones(big), async_op=async_op)
     if op == "reduce_scatter_tensor":
         return dist.reduce_scatter_tensor(torch.empty(big), torch.ones(big * n), async_op=async_op)
+    if op == "send_recv":  # a ring of point-to-point exchanges
+        rank = dist.get_rank()
+        out = torch.ones(big)
+        inp = torch.empty(big)
+        works = [dist.isend(out, (rank + 1) % n), dist.irecv(inp, (rank - 1) % n)]
+        if async_op:
+            return works
+        for w in works:
+            w.wait()
+        return None
     if op == "all_to_all_single":
         return dist.all_to_all_single(torch.empty(big * n), torch.ones(big * n), async_op=async_op)
     return dist.barrier(async_op=async_op)
