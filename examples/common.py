@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections import OrderedDict
 from typing import Iterator
 
@@ -25,7 +26,7 @@ from data import NUM_CLASSES, NUM_FEATURES, spirals, split  # noqa: E402
 
 __all__ = [
     "NUM_CLASSES", "NUM_FEATURES", "parse_args", "setup", "make_model", "load_data",
-    "shard", "batches", "mean_over_ranks", "print0",
+    "shard", "batches", "mean_over_ranks", "print0", "train",
 ]
 
 
@@ -98,6 +99,36 @@ def mean_over_ranks(total: float, count: float, device: torch.device, group=None
     t = torch.tensor([total, count], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return (t[0] / t[1]).item()
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data: tuple, test: tuple,
+          args: argparse.Namespace, generator: torch.Generator, device: torch.device) -> None:
+    """The epochs every data-parallel example runs: Adam steps over this rank's batches,
+    then rank 0 prints the loss and test accuracy averaged over all ranks."""
+    x, y = data
+    x_test, y_test = test
+    loss_fn = nn.CrossEntropyLoss()
+    for epoch in range(args.epochs):
+        model.train()
+        start = time.perf_counter()
+        total, steps = 0.0, 0
+        for idx in batches(x.shape[0], args.batch_size, generator):
+            idx = idx.to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            total, steps = total + loss.item(), steps + 1
+        elapsed = time.perf_counter() - start
+        model.eval()
+        with torch.no_grad():
+            correct = (model(x_test).argmax(1) == y_test).sum().item()
+        # Ranks that hold the same data (a tensor-parallel group) count the same values,
+        # so the ratio is unchanged by them.
+        loss_mean = mean_over_ranks(total, steps, device)
+        accuracy = mean_over_ranks(correct, x_test.shape[0], device)
+        print0(f"epoch {epoch + 1:2d}  loss {loss_mean:.4f}  test accuracy {accuracy:6.2%}  "
+               f"{elapsed:5.2f} s")
 
 
 def print0(*a) -> None:

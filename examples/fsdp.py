@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import batches, load_data, make_model, mean_over_ranks, parse_args, print0, setup, shard  # noqa: E402
+from common import load_data, make_model, parse_args, print0, setup, shard, train  # noqa: E402
 
 
 def main() -> None:
@@ -44,29 +43,10 @@ def main() -> None:
             fully_shard(layer, mesh=mesh, reshard_after_forward=not args.no_reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=not args.no_reshard)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    loss_fn = nn.CrossEntropyLoss()
     g = torch.Generator().manual_seed(1234 + rank)
     print0(f"FSDP2 on {world} ranks, backend {args.backend}, device {device.type}, "
            f"reshard_after_forward={not args.no_reshard}, {x_train.shape[0]} training samples")
-    for epoch in range(args.epochs):
-        model.train()
-        start = time.perf_counter()
-        total, steps = 0.0, 0
-        for idx in batches(x.shape[0], args.batch_size, g):
-            idx = idx.to(device)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            total, steps = total + loss.item(), steps + 1
-        elapsed = time.perf_counter() - start
-        model.eval()
-        with torch.no_grad():
-            correct = (model(x_test).argmax(1) == y_test).sum().item()
-        loss_mean = mean_over_ranks(total, steps, device)
-        accuracy = mean_over_ranks(correct, x_test.shape[0], device)
-        print0(f"epoch {epoch + 1:2d}  loss {loss_mean:.4f}  test accuracy {accuracy:6.2%}  "
-               f"{elapsed:5.2f} s")
+    train(model, opt, (x, y), (x_test, y_test), args, g, device)
     dist.destroy_process_group()
 
 
