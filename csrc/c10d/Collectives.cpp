@@ -81,13 +81,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
     algorithms::treeBroadcast(ch, img.data(), img.bytes(), root);
     if (!isRoot) img.copyOut();
   };
-  setFingerprintExtra(" root=" + std::to_string(root));
-  if (!t.is_cuda()) return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host);
+  noteFingerprint(root, nullptr);
   return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host,
-                 [this, t, root, host](GroupChannel& ch, DeviceContext& ctx) {
-                   if (peer_ && peer_->broadcast(ch, t, root, ctx)) return;
-                   ctx.syncReady();
-                   host(ch);
+                 [t, root](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
+                   return pm.broadcast(ch, t, root, ctx);
                  });
 }
 
@@ -98,15 +95,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
   at::Tensor t = tensors[0];
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
   auto host = [t, red](GroupChannel& ch) { runAllreduce(ch, t, red); };
-  setFingerprintExtra(" op=" + red.name);
-  if (!t.is_cuda()) return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host);
-  // CUDA: ranks of one host reduce through each other's memory when they all can;
-  // otherwise the op stages through host memory.
+  noteFingerprint(-1, &red);
+  // CUDA: ranks of one host reduce through each other's memory when they all can.
   return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host,
-                 [this, t, red, host](GroupChannel& ch, DeviceContext& ctx) {
-                   if (peer_ && peer_->allreduce(ch, t, red, ctx)) return;
-                   ctx.syncReady();
-                   host(ch);
+                 [t, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
+                   return pm.allreduce(ch, t, red, ctx);
                  });
 }
 
@@ -134,7 +127,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
-  setFingerprintExtra(" root=" + std::to_string(root) + " op=" + red.name);
+  noteFingerprint(root, &red);
   return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(t, true);
     at::Tensor src = red.premul ? premultiplied(img, red) : img.host();
@@ -183,14 +176,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_allgather_base(
                     input.numel() * size_, "; allocate the output as world_size inputs");
   at::Tensor in = input, out = output;
   auto host = [out, in](GroupChannel& ch) { runAllgatherInto(ch, out, in); };
-  if (!out.is_cuda()) {
-    return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in}, host);
-  }
   return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in}, host,
-                 [this, out, in, host](GroupChannel& ch, DeviceContext& ctx) {
-                   if (peer_ && peer_->allgather(ch, out, in, ctx)) return;
-                   ctx.syncReady();
-                   host(ch);
+                 [out, in](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
+                   return pm.allgather(ch, out, in, ctx);
                  });
 }
 
@@ -265,7 +253,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
                       ": only the root (rank ", root,
                       ") passes a gather list; pass gather_list=None on other ranks");
   }
-  setFingerprintExtra(" root=" + std::to_string(root));
+  noteFingerprint(root, nullptr);
   return enqueue(OpType::GATHER, "gather", outs, {input}, [input, outs, root](GroupChannel& ch) {
     HostImage in(input, true);
     std::vector<HostImage> images;
@@ -298,7 +286,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
                       ": only the root (rank ", root,
                       ") passes a scatter list; pass scatter_list=None on other ranks");
   }
-  setFingerprintExtra(" root=" + std::to_string(root));
+  noteFingerprint(root, nullptr);
   return enqueue(OpType::SCATTER, "scatter", {output}, ins, [output, ins, root](GroupChannel& ch) {
     HostImage out(output, false);
     std::vector<HostImage> images;
@@ -323,7 +311,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   }
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
   std::vector<at::Tensor> ins = inputs[0];
-  setFingerprintExtra(" op=" + red.name);
+  noteFingerprint(-1, &red);
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
                  [output, ins, red](GroupChannel& ch) {
                    std::vector<HostImage> images;
@@ -353,15 +341,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
   at::Tensor in = input, out = output;
   auto host = [out, in, red](GroupChannel& ch) { runReduceScatterInto(ch, out, in, red); };
-  setFingerprintExtra(" op=" + red.name);
-  if (!out.is_cuda()) {
-    return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host);
-  }
+  noteFingerprint(-1, &red);
   return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host,
-                 [this, out, in, red, host](GroupChannel& ch, DeviceContext& ctx) {
-                   if (peer_ && peer_->reduceScatter(ch, out, in, red, ctx)) return;
-                   ctx.syncReady();
-                   host(ch);
+                 [out, in, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
+                   return pm.reduceScatter(ch, out, in, red, ctx);
                  });
 }
 

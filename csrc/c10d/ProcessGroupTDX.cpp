@@ -189,18 +189,27 @@ std::exception_ptr ProcessGroupTDX::wrapError(const std::string& what,
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     c10d::OpType type, const std::string& what, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body,
-    DeviceBody deviceBody) {
+    PeerAttempt peerAttempt) {
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
                                            outputs, timeout(), what.c_str(), inputs);
   Task task;
   task.work = work;
-  task.body = std::move(body);
   task.flightId = flight_.record(seq, what, work->description(), "host");
-  task.deviceBody = std::move(deviceBody);
   task.seq = seq;
   task.keepAlive = std::move(inputs);
   task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
+  if (peerAttempt && peer_ && firstDeviceTensor(task.keepAlive)) {
+    // CUDA tensors: the peer-memory path when every rank can take it, else the host
+    // path once the caller's stream has produced the inputs.
+    task.deviceBody = [this, peerAttempt, body](GroupChannel& ch, DeviceContext& ctx) {
+      if (peerAttempt(*peer_, ch, ctx)) return;
+      ctx.syncReady();
+      body(ch);
+    };
+  } else {
+    task.body = std::move(body);
+  }
   if (checkFingerprints_) task.fingerprint = fingerprintOf(type, what, task.keepAlive);
   tFingerprintExtra.clear();
   if (auto dev = firstDeviceTensor(task.keepAlive)) {
@@ -342,8 +351,11 @@ void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine
   }
 }
 
-void ProcessGroupTDX::setFingerprintExtra(std::string extra) const {
-  if (checkFingerprints_) tFingerprintExtra = std::move(extra);
+void ProcessGroupTDX::noteFingerprint(int root, const Reduction* red) const {
+  if (!checkFingerprints_) return;
+  tFingerprintExtra.clear();
+  if (root >= 0) tFingerprintExtra += " root=" + std::to_string(root);
+  if (red) tFingerprintExtra += " op=" + red->name;
 }
 
 std::vector<FlightEntry> ProcessGroupTDX::flightRecord() const {

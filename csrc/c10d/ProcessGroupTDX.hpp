@@ -139,6 +139,8 @@ class ProcessGroupTDX : public c10d::Backend {
 
  private:
   using DeviceBody = std::function<void(GroupChannel&, DeviceContext&)>;
+  // Tries an op on the same-host CUDA peer-memory path; false: every rank stages instead.
+  using PeerAttempt = std::function<bool(PeerMemory&, GroupChannel&, DeviceContext&)>;
 
   struct Task {
     c10::intrusive_ptr<WorkTDX> work;
@@ -156,15 +158,16 @@ class ProcessGroupTDX : public c10d::Backend {
                                          std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs,
                                          std::function<void(GroupChannel&)> body,
-                                         DeviceBody deviceBody = nullptr);
+                                         PeerAttempt peerAttempt = nullptr);
   c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, at::Tensor tensor, int peer,
                                               int tag);
   void registerWork(const c10::intrusive_ptr<WorkTDX>& work);
   void runLoop();
   void runTask(Task& task);
   void checkFingerprint(GroupChannel& ch, const std::string& mine);
-  // Root / reduce op words for the fingerprint of the next enqueue() on this thread.
-  void setFingerprintExtra(std::string extra) const;
+  // Root (-1: none) and reduce op (null: none) for the fingerprint of the next enqueue()
+  // on this thread; costs nothing unless fingerprints are checked.
+  void noteFingerprint(int root, const Reduction* red) const;
   void stopWorker(const std::string& reason);
   void shutdownLocked();
   std::chrono::milliseconds timeout() const;
