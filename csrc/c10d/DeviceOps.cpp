@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <deque>
+#include <map>
 #include <sstream>
 #include <cstring>
 #include <fstream>
@@ -306,7 +307,7 @@ class CudaPeerMemory final : public PeerMemory {
         }
         ensureSignals();
         mine.signals = signalsHandle_;
-        const std::string bus = peer::currentDeviceBusId();
+        const std::string& bus = busId(ts[0].device().index());
         std::strncpy(mine.busId, bus.c_str(), sizeof(mine.busId) - 1);
       } catch (const std::exception& e) {
         // Expandable segments, memory not from the caching allocator, no IPC support:
@@ -457,6 +458,13 @@ class CudaPeerMemory final : public PeerMemory {
     signalsHandle_ = peer::exportHandle(p);
   }
 
+  // The PCI bus id of `device`, asked of the driver once per device, not once per op.
+  const std::string& busId(c10::DeviceIndex device) {
+    auto it = busIds_.find(device);
+    if (it == busIds_.end()) it = busIds_.emplace(device, peer::currentDeviceBusId()).first;
+    return it->second;
+  }
+
   c10::cuda::CUDAStream backendStream(c10::DeviceIndex device) {
     if (!stream_ || stream_->device_index() != device) {
       stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device);
@@ -503,6 +511,7 @@ class CudaPeerMemory final : public PeerMemory {
   peer::IpcMapCache maps_;
   std::set<std::string> seen_;
   std::optional<c10::cuda::CUDAStream> stream_;
+  std::map<c10::DeviceIndex, std::string> busIds_;
 };
 
 } // namespace
