@@ -10,6 +10,17 @@ namespace tdx {
 using transport::Clock;
 using transport::RequestPtr;
 
+std::string lostRanksNote(const transport::Transport& transport, const std::vector<int>& endpoints,
+                          int self) {
+  std::string lost;
+  for (size_t q = 0; q < endpoints.size(); ++q) {
+    if (static_cast<int>(q) != self && transport.endpointFailed(endpoints[q])) {
+      lost += (lost.empty() ? "rank " : ", rank ") + std::to_string(q);
+    }
+  }
+  return lost.empty() ? "" : "; lost so far: " + lost;
+}
+
 GroupChannel::GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints,
                            int rank, uint32_t groupId, uint64_t seq,
                            Clock::time_point deadline, const std::atomic<bool>& aborted)
@@ -83,19 +94,10 @@ void GroupChannel::wait(const RequestPtr& r) {
     }
   }
   if (!r->ok()) {
-    // When several ranks went down (a dead rank, then survivors that gave up and
-    // exited), the first transfer to fail need not be the one with the rank that died
-    // first: list every rank of the group that is gone.
-    std::string lost;
-    for (size_t q = 0; q < endpoints_.size(); ++q) {
-      if (static_cast<int>(q) != rank_ && transport_.endpointFailed(endpoints_[q])) {
-        lost += (lost.empty() ? "rank " : ", rank ") + std::to_string(q);
-      }
-    }
     throw std::runtime_error(std::string(r->isSend ? "send to" : "receive from") + " rank " +
                              std::to_string(p.peer) + " failed (step " +
                              std::to_string(p.step) + "): " + r->error +
-                             (lost.empty() ? "" : "; lost so far: " + lost));
+                             lostRanksNote(transport_, endpoints_, rank_));
   }
   if (!r->isSend && r->receivedBytes != r->postedBytes) {
     throw std::runtime_error(

@@ -12,6 +12,13 @@
 
 namespace tdx {
 
+// "; lost so far: rank 1, rank 2" for the ranks of a group (endpoints indexed by group
+// rank) whose connections failed, or "" when none did. When several ranks went down (a
+// dead rank, then survivors that gave up and exited), the transfer that failed first need
+// not be the one with the rank that died first, so errors list every lost rank.
+std::string lostRanksNote(const transport::Transport& transport, const std::vector<int>& endpoints,
+                          int self);
+
 class GroupChannel final : public algorithms::Channel {
  public:
   GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints, int rank,

@@ -136,6 +136,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     }
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
   }
+  sharedEndpoints_ = std::make_shared<const std::vector<int>>(endpoints_);
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
@@ -410,10 +411,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
       std::vector<at::Tensor>{t});
 
-  auto onComplete = [work, t, host, staged, isSend, peer, what](transport::Request& r) {
+  auto onComplete = [work, t, host, staged, isSend, peer, what, transport = transport_,
+                     endpoints = sharedEndpoints_, self = rank_](transport::Request& r) {
     std::exception_ptr error;
     if (!r.ok()) {
-      error = wrapError(what, r.error);
+      error = wrapError(what, r.error + lostRanksNote(*transport, *endpoints, self));
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
       error = wrapError(what, "received " + std::to_string(r.receivedBytes) + " bytes where " +
                                   std::to_string(r.postedBytes) +

@@ -181,6 +181,8 @@ class ProcessGroupTDX : public c10d::Backend {
   uint32_t groupId_;
   std::shared_ptr<transport::UcxTransport> transport_;
   std::vector<int> endpoints_;  // group rank -> transport endpoint
+  // The same, for p2p completions, which may run after the group is gone.
+  std::shared_ptr<const std::vector<int>> sharedEndpoints_;
   std::unique_ptr<PeerMemory> peer_;  // same-host CUDA path; null without CUDA
 
   FlightRecorder flight_;
