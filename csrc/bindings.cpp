@@ -104,6 +104,8 @@ c10::intrusive_ptr<tdx::ProcessGroupTDX> createBackend(
 
 } // namespace
 
+void bindAlgorithms(py::module& m);  // bindings_algorithms.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tdx: a UCX-based torch.distributed backend";
   py::class_<tdx::ProcessGroupTDX, c10d::Backend, c10::intrusive_ptr<tdx::ProcessGroupTDX>>(
@@ -148,6 +150,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+  bindAlgorithms(m);
   m.def("ucx_version", [] { return std::string(ucp_get_version_string()); });
   m.def("env_knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;

@@ -31,7 +31,18 @@ except ImportError:  # pragma: no cover - depends on how UCX was provided
 
 from . import _C  # noqa: E402
 
-__all__ = ["BACKEND_NAME", "ucx_version", "env_knobs", "flight_recorder"]
+__all__ = [
+    "BACKEND_NAME",
+    "ucx_version",
+    "env_knobs",
+    "flight_recorder",
+    "algorithms",
+    "set_algorithm",
+    "get_algorithm",
+    "cost_model",
+    "set_cost_model",
+    "predict",
+]
 __version__ = "0.1.0"
 
 BACKEND_NAME = "tdx"
@@ -87,6 +98,62 @@ def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
     """
     return list(_tdx_backend(group).flight_record())
 
+
+def algorithms(collective: str | None = None) -> dict[str, list[str]]:
+    """Algorithm names per collective (``allreduce``, ``broadcast``, ``reduce``,
+    ``allgather``, ``reduce_scatter``, ``alltoall``, ``barrier``, ``gather``,
+    ``scatter``), as accepted by :func:`set_algorithm` and ``TDX_ALGO``.
+
+    Names on the ``shm`` link run through a shared-memory window and need every rank of
+    the group on one host.
+    """
+    out: dict[str, list[str]] = {}
+    for a in _C._algorithms():
+        out.setdefault(a["collective"], []).append(a["name"])
+    if collective is not None:
+        if collective not in out:
+            raise ValueError(f"unknown collective {collective!r}; use one of {sorted(out)}")
+        return {collective: out[collective]}
+    return out
+
+
+def set_algorithm(collective: str, name: str) -> None:
+    """Pin the algorithm of ``collective`` for every tdx group of this process, from the
+    next op on; ``"auto"`` hands the choice back to the cost model.
+
+    Call it with the same arguments on every rank (as with ``TDX_ALGO``): ranks that run
+    different algorithms cannot meet. ``TDX_DEBUG=DETAIL`` checks this per op.
+    """
+    _C._set_algorithm(collective, name)
+
+
+def get_algorithm(collective: str) -> str:
+    """The pinned algorithm of ``collective``, or ``"auto"``."""
+    return _C._get_algorithm(collective)
+
+
+def cost_model() -> dict[str, dict[str, float]]:
+    """This process's cost model: per link (``net``, ``shm``) the seconds per step
+    (``alpha``), per byte moved (``beta``) and per byte reduced (``gamma``).
+
+    Groups created afterwards use rank 0's model, so all ranks choose alike.
+    """
+    return dict(_C._cost_model())
+
+
+def set_cost_model(model: dict[str, dict[str, float]]) -> None:
+    """Replace links of the cost model (for groups created afterwards)."""
+    _C._set_cost_model(model)
+
+
+def predict(collective: str, nbytes: int, world: int, same_host: bool = True) -> tuple[str, float]:
+    """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds."""
+    return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host)))
+
+
+from . import calibration as _calibration  # noqa: E402
+
+_calibration.load_into_backend()
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(

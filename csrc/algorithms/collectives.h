@@ -1,47 +1,70 @@
-// Collective algorithms over a Channel. Each is documented in its own file with its
-// phases, steps and bytes on the wire; docs/ALGORITHMS.md is the index.
+// The plan builders, one per file, each opening with its phases, steps, bytes on the wire
+// and when it wins; docs/ALGORITHMS.md is the index. Every builder returns this rank's
+// plan (plan.h); every cost function the α-β-γ terms for `bytes` at world size `n`.
+//
+// Sizes in costs follow nccl-tests: all_reduce, broadcast, reduce: the buffer;
+// all_gather: the whole output; reduce_scatter: the whole input; all_to_all: all blocks.
 #pragma once
 
 #include <vector>
 
 #include "algorithms/channel.h"
-#include "kernels/reduce.h"
+#include "algorithms/plan.h"
 
 namespace tdx {
 namespace algorithms {
 
-// allreduce, in place on `data` (count elements of elemSize bytes).
-void ringAllreduce(Channel& ch, void* data, size_t count, size_t elemSize,
-                   kernels::ReduceFn reduce);
+// all_reduce on Data (count elements).
+Plan ringAllreducePlan(const PlanArgs& a);
+Cost ringAllreduceCost(double bytes, int n);
+Plan rhdAllreducePlan(const PlanArgs& a);
+Cost rhdAllreduceCost(double bytes, int n);
+Plan directAllreducePlan(const PlanArgs& a);
+Cost directAllreduceCost(double bytes, int n);
 
-// broadcast from `root`, in place.
-void treeBroadcast(Channel& ch, void* data, size_t bytes, int root);
+// broadcast of Data (count bytes, elemSize 1) from root.
+Plan treeBroadcastPlan(const PlanArgs& a);
+Cost treeBroadcastCost(double bytes, int n);
 
-// reduce to `root`: `input` is left untouched, `output` (root only) gets the result.
-void treeReduce(Channel& ch, const void* input, void* output, size_t count, size_t elemSize,
-                kernels::ReduceFn reduce, int root);
+// reduce: Send[0] is this rank's input (never written), Data the root's output; other
+// ranks' Data is not touched.
+Plan treeReducePlan(const PlanArgs& a);
+Cost treeReduceCost(double bytes, int n);
 
-// allgather: blocks[i] receives rank i's contribution; blocks[rank] must already hold
-// this rank's data. Blocks may differ in size.
+// all_gather: Recv[i] receives rank i's block; Recv[rank] already holds this rank's.
+Plan ringAllgatherPlan(const PlanArgs& a);
+Cost ringAllgatherCost(double bytes, int n);
+Plan rdAllgatherPlan(const PlanArgs& a);  // power-of-two worlds
+Cost rdAllgatherCost(double bytes, int n);
+
+// reduce_scatter: Send[i] is this rank's contribution to rank i (never written), Recv[0]
+// the result (may alias Send[rank]). All blocks have the same size.
+Plan ringReduceScatterPlan(const PlanArgs& a);
+Cost ringReduceScatterCost(double bytes, int n);
+Plan rhReduceScatterPlan(const PlanArgs& a);  // power-of-two worlds
+Cost rhReduceScatterCost(double bytes, int n);
+
+// all_to_all: Send[i] goes to rank i, Recv[i] comes from rank i (any sizes).
+Plan pairwiseAlltoallPlan(const PlanArgs& a);
+Cost pairwiseAlltoallCost(double bytes, int n);
+
+// barrier.
+Plan disseminationBarrierPlan(const PlanArgs& a);
+Cost disseminationBarrierCost(double bytes, int n);
+
+// gather to root (Send[0] mine, Recv[i] the root's blocks) / scatter from root (Send[i]
+// the root's blocks, Recv[0] mine).
+Plan directGatherPlan(const PlanArgs& a);
+Plan directScatterPlan(const PlanArgs& a);
+Cost directGatherScatterCost(double bytes, int n);
+
+// all_gather of blocks over a ring, for callers outside the registry (fingerprint
+// exchange, CUDA handle exchange): blocks[rank] must hold this rank's data.
 void ringAllgather(Channel& ch, const std::vector<Block>& blocks);
 
-// reduce-scatter: inputs[i] is this rank's contribution to rank i's result, all of
-// `counts[i]` elements; `output` receives the reduction of every rank's inputs[rank].
-void ringReduceScatter(Channel& ch, const std::vector<Block>& inputs, void* output,
-                       size_t elemSize, kernels::ReduceFn reduce);
-
-// all-to-all: sends[i] goes to rank i, recvs[i] comes from rank i.
-void pairwiseAlltoall(Channel& ch, const std::vector<Block>& sends,
-                      const std::vector<Block>& recvs);
-
-// gather to root / scatter from root (blocks indexed by rank, meaningful on the root).
-void directGather(Channel& ch, const Block& mine, const std::vector<Block>& rootBlocks,
-                  int root);
-void directScatter(Channel& ch, const std::vector<Block>& rootBlocks, const Block& mine,
-                   int root);
-
-// barrier: no rank leaves before every rank has entered.
-void disseminationBarrier(Channel& ch);
+// Helpers of the builders.
+int ceilLog2(int n);
+bool isPowerOfTwo(int n);
 
 } // namespace algorithms
 } // namespace tdx

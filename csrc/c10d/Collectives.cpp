@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "algorithms/collectives.h"
+#include "c10d/HostCollectives.hpp"
 #include "c10d/ProcessGroupTDX.hpp"
 #include "c10d/Validation.hpp"
 
@@ -30,15 +30,17 @@ void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
   if (red.average) kernels::cpuDivide(data, numel, red.dtype, size);
 }
 
-void runAllreduce(GroupChannel& ch, const at::Tensor& t, const Reduction& red) {
+void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& t,
+                  const Reduction& red) {
   HostImage img(t, /*copyIn=*/true);
   if (red.premul) kernels::cpuScale(img.data(), img.numel(), red.dtype, red.factor());
-  algorithms::ringAllreduce(ch, img.data(), img.numel(), t.element_size(), red.fn);
+  host::allreduce(pg, ch, img.data(), img.numel(), t.element_size(), red.fn);
   finishAverage(img.data(), img.numel(), red, ch.size());
   img.copyOut();
 }
 
-void runAllgatherInto(GroupChannel& ch, const at::Tensor& output, const at::Tensor& input) {
+void runAllgatherInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
+                      const at::Tensor& input) {
   HostImage in(input, true);
   HostImage out(output, false);
   const size_t block = in.bytes();
@@ -47,12 +49,12 @@ void runAllgatherInto(GroupChannel& ch, const at::Tensor& output, const at::Tens
   if (block > 0 && blocks[ch.rank()].data != in.data()) {
     std::memmove(blocks[ch.rank()].data, in.data(), block);
   }
-  algorithms::ringAllgather(ch, blocks);
+  host::allgather(pg, ch, blocks);
   out.copyOut();
 }
 
-void runReduceScatterInto(GroupChannel& ch, const at::Tensor& output, const at::Tensor& input,
-                          const Reduction& red) {
+void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
+                          const at::Tensor& input, const Reduction& red) {
   HostImage in(input, true);
   at::Tensor src = red.premul ? premultiplied(in, red) : in.host();
   HostImage out(output, false);
@@ -60,7 +62,7 @@ void runReduceScatterInto(GroupChannel& ch, const at::Tensor& output, const at::
   char* base = static_cast<char*>(src.data_ptr());
   std::vector<Block> blocks;
   for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
-  algorithms::ringReduceScatter(ch, blocks, out.data(), output.element_size(), red.fn);
+  host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn);
   finishAverage(out.data(), out.numel(), red, ch.size());
   out.copyOut();
 }
@@ -76,9 +78,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
   at::Tensor t = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
-  auto host = [t, root, isRoot](GroupChannel& ch) {
+  auto host = [this, t, root, isRoot](GroupChannel& ch) {
     HostImage img(t, isRoot);
-    algorithms::treeBroadcast(ch, img.data(), img.bytes(), root);
+    host::broadcast(*this, ch, img.data(), img.bytes(), root);
     if (!isRoot) img.copyOut();
   };
   noteFingerprint(root, nullptr);
@@ -94,7 +96,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
   checkSingle(ctx, tensors);
   at::Tensor t = tensors[0];
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
-  auto host = [t, red](GroupChannel& ch) { runAllreduce(ch, t, red); };
+  auto host = [this, t, red](GroupChannel& ch) { runAllreduce(*this, ch, t, red); };
   noteFingerprint(-1, &red);
   // CUDA: ranks of one host reduce through each other's memory when they all can.
   return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host,
@@ -113,8 +115,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
   }
   std::vector<at::Tensor> ts = tensors;
   return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ts,
-                 [ts, reds](GroupChannel& ch) {
-                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(ch, ts[i], reds[i]);
+                 [this, ts, reds](GroupChannel& ch) {
+                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], reds[i]);
                  });
 }
 
@@ -128,12 +130,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
   noteFingerprint(root, &red);
-  return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [t, red, root, isRoot](GroupChannel& ch) {
+  return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [this, t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(t, true);
     at::Tensor src = red.premul ? premultiplied(img, red) : img.host();
     // The root reduces into its own tensor; other ranks leave theirs untouched.
-    algorithms::treeReduce(ch, src.data_ptr(), img.data(), img.numel(), t.element_size(),
-                           red.fn, root);
+    host::reduce(*this, ch, static_cast<const char*>(src.data_ptr()), img.data(), img.numel(),
+                 t.element_size(), red.fn, root);
     if (isRoot) {
       finishAverage(img.data(), img.numel(), red, ch.size());
       img.copyOut();
@@ -153,7 +155,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
     checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r), true);
   }
   std::vector<at::Tensor> outs = outputs[0];
-  return enqueue(OpType::ALLGATHER, "all_gather", outs, {input}, [input, outs](GroupChannel& ch) {
+  return enqueue(OpType::ALLGATHER, "all_gather", outs, {input}, [this, input, outs](GroupChannel& ch) {
     HostImage in(input, true);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
@@ -161,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
     for (const auto& img : images) blocks.push_back(blockOf(img));
     Block& mine = blocks[ch.rank()];
     if (mine.bytes > 0 && mine.data != in.data()) std::memmove(mine.data, in.data(), mine.bytes);
-    algorithms::ringAllgather(ch, blocks);
+    host::allgather(*this, ch, blocks);
     for (auto& img : images) img.copyOut();
   });
 }
@@ -175,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_allgather_base(
                     output.numel(), " elements but must have input.numel() * world_size = ",
                     input.numel() * size_, "; allocate the output as world_size inputs");
   at::Tensor in = input, out = output;
-  auto host = [out, in](GroupChannel& ch) { runAllgatherInto(ch, out, in); };
+  auto host = [this, out, in](GroupChannel& ch) { runAllgatherInto(*this, ch, out, in); };
   return enqueue(OpType::_ALLGATHER_BASE, "all_gather_into_tensor", {out}, {in}, host,
                  [out, in](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
                    return pm.allgather(ch, out, in, ctx);
@@ -196,8 +198,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
   return enqueue(OpType::COALESCED, "all_gather_into_tensor_coalesced", outs, ins,
-                 [outs, ins](GroupChannel& ch) {
-                   for (size_t i = 0; i < ins.size(); ++i) runAllgatherInto(ch, outs[i], ins[i]);
+                 [this, outs, ins](GroupChannel& ch) {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     runAllgatherInto(*this, ch, outs[i], ins[i]);
+                   }
                  });
 }
 
@@ -218,7 +222,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
   auto lists = outputLists;
   std::vector<at::Tensor> ins = inputs;
   return enqueue(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", flatOuts, ins,
-                 [lists, ins](GroupChannel& ch) {
+                 [this, lists, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
                      HostImage in(ins[i], true);
                      std::vector<HostImage> images;
@@ -226,7 +230,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
                      for (const auto& o : lists[i]) images.emplace_back(o, false);
                      for (const auto& img : images) blocks.push_back(blockOf(img));
                      if (in.bytes() > 0) std::memmove(blocks[ch.rank()].data, in.data(), in.bytes());
-                     algorithms::ringAllgather(ch, blocks);
+                     host::allgather(*this, ch, blocks);
                      for (auto& img : images) img.copyOut();
                    }
                  });
@@ -254,13 +258,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
                       ") passes a gather list; pass gather_list=None on other ranks");
   }
   noteFingerprint(root, nullptr);
-  return enqueue(OpType::GATHER, "gather", outs, {input}, [input, outs, root](GroupChannel& ch) {
+  return enqueue(OpType::GATHER, "gather", outs, {input}, [this, input, outs, root](GroupChannel& ch) {
     HostImage in(input, true);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
     for (const auto& o : outs) images.emplace_back(o, false);
     for (const auto& img : images) blocks.push_back(blockOf(img));
-    algorithms::directGather(ch, blockOf(in), blocks, root);
+    host::gather(*this, ch, blockOf(in), blocks, root);
     for (auto& img : images) img.copyOut();
   });
 }
@@ -287,13 +291,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
                       ") passes a scatter list; pass scatter_list=None on other ranks");
   }
   noteFingerprint(root, nullptr);
-  return enqueue(OpType::SCATTER, "scatter", {output}, ins, [output, ins, root](GroupChannel& ch) {
+  return enqueue(OpType::SCATTER, "scatter", {output}, ins, [this, output, ins, root](GroupChannel& ch) {
     HostImage out(output, false);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
     for (const auto& i : ins) images.emplace_back(i, true);
     for (const auto& img : images) blocks.push_back(blockOf(img));
-    algorithms::directScatter(ch, blocks, blockOf(out), root);
+    host::scatter(*this, ch, blocks, blockOf(out), root);
     out.copyOut();
   });
 }
@@ -313,7 +317,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   std::vector<at::Tensor> ins = inputs[0];
   noteFingerprint(-1, &red);
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
-                 [output, ins, red](GroupChannel& ch) {
+                 [this, output, ins, red](GroupChannel& ch) {
                    std::vector<HostImage> images;
                    std::vector<at::Tensor> keep;
                    std::vector<Block> blocks;
@@ -323,8 +327,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
                      blocks.push_back(Block{static_cast<char*>(keep.back().data_ptr()), img.bytes()});
                    }
                    HostImage out(output, false);
-                   algorithms::ringReduceScatter(ch, blocks, out.data(), output.element_size(),
-                                                 red.fn);
+                   host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
+                                       red.fn);
                    finishAverage(out.data(), out.numel(), red, ch.size());
                    out.copyOut();
                  });
@@ -340,7 +344,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
                     output.numel() * size_);
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
   at::Tensor in = input, out = output;
-  auto host = [out, in, red](GroupChannel& ch) { runReduceScatterInto(ch, out, in, red); };
+  auto host = [this, out, in, red](GroupChannel& ch) {
+    runReduceScatterInto(*this, ch, out, in, red);
+  };
   noteFingerprint(-1, &red);
   return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host,
                  [out, in, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
@@ -364,9 +370,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
   return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outs, ins,
-                 [outs, ins, reds](GroupChannel& ch) {
+                 [this, outs, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
-                     runReduceScatterInto(ch, outs[i], ins[i], reds[i]);
+                     runReduceScatterInto(*this, ch, outs[i], ins[i], reds[i]);
                    }
                  });
 }
@@ -409,7 +415,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
   const int64_t row = std::max(inRow, outRow);
   at::Tensor in = input, out = output;
   return enqueue(OpType::ALLTOALL_BASE, "all_to_all_single", {out}, {in},
-                 [in, out, inRows, outRows, row](GroupChannel& ch) {
+                 [this, in, out, inRows, outRows, row](GroupChannel& ch) {
                    HostImage inImg(in, true);
                    HostImage outImg(out, false);
                    at::Tensor src = inImg.host();
@@ -427,7 +433,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
                      inOff += inRows[r] * rowBytes;
                      outOff += outRows[r] * rowBytes;
                    }
-                   algorithms::pairwiseAlltoall(ch, sends, recvs);
+                   host::alltoall(*this, ch, sends, recvs);
                    outImg.copyOut();
                  });
 }
@@ -444,7 +450,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
     checkSameLayout(ctx, inputs[0], outputs[r], "output " + std::to_string(r), false);
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
-  return enqueue(OpType::ALLTOALL, "all_to_all", outs, ins, [outs, ins](GroupChannel& ch) {
+  return enqueue(OpType::ALLTOALL, "all_to_all", outs, ins, [this, outs, ins](GroupChannel& ch) {
     std::vector<HostImage> inImgs, outImgs;
     std::vector<at::Tensor> srcs;
     std::vector<Block> sends, recvs;
@@ -464,7 +470,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
       sends.push_back(Block{static_cast<char*>(src.data_ptr()), inImgs[r].bytes()});
       recvs.push_back(blockOf(outImgs[r]));
     }
-    algorithms::pairwiseAlltoall(ch, sends, recvs);
+    host::alltoall(*this, ch, sends, recvs);
     for (auto& img : outImgs) img.copyOut();
   });
 }
@@ -477,7 +483,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::barrier(const c10d::BarrierOptio
     none.push_back(at::empty({1}, at::TensorOptions().dtype(at::kByte).device(*opts.device)));
   }
   return enqueue(OpType::BARRIER, "barrier", {}, none,
-                 [](GroupChannel& ch) { algorithms::disseminationBarrier(ch); });
+                 [this](GroupChannel& ch) { host::barrier(*this, ch); });
 }
 
 } // namespace tdx

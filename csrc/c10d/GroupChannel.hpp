@@ -41,6 +41,20 @@ class GroupChannel final : public algorithms::Channel {
   // True when every request of this op has finished (so its buffers may be reused).
   bool quiesce();
 
+  transport::Clock::time_point deadline() const {
+    return deadline_;
+  }
+  const std::atomic<bool>& abortedFlag() const {
+    return aborted_;
+  }
+  // The algorithm the op ran (for the flight recorder); the last one set wins.
+  void setAlgorithm(const std::string& name) {
+    algorithm_ = name;
+  }
+  const std::string& algorithm() const {
+    return algorithm_;
+  }
+
   // Transfers of this op completed so far (the flight recorder's "step reached").
   uint32_t stepsDone() const {
     return stepsDone_;
@@ -63,6 +77,7 @@ class GroupChannel final : public algorithms::Channel {
   std::vector<Posted> posted_;
   std::vector<char> scratch_;
   uint32_t stepsDone_ = 0;
+  std::string algorithm_;
 };
 
 } // namespace tdx

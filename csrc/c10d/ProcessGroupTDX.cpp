@@ -11,8 +11,12 @@
 
 #include <torch/csrc/distributed/c10d/debug.h>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
 #include "algorithms/collectives.h"
@@ -96,6 +100,27 @@ std::optional<c10::Device> firstDeviceTensor(const std::vector<at::Tensor>& ts) 
   return std::nullopt;
 }
 
+// Processes with equal keys can share POSIX shm and see each other's pids: same machine
+// boot, same mount, IPC and pid namespaces.
+std::string hostKey() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  std::string key = host;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string bootId;
+  std::getline(boot, bootId);
+  key += "/" + bootId;
+  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/ipc", "/proc/self/ns/pid"}) {
+    struct stat st {};
+    key += "/" + std::to_string(stat(ns, &st) == 0 ? static_cast<long long>(st.st_ino) : -1);
+  }
+  return key;
+}
+
+std::vector<uint8_t> bytesOf(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
 } // namespace
 
 ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
@@ -137,6 +162,21 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
   }
   sharedEndpoints_ = std::make_shared<const std::vector<int>>(endpoints_);
+
+  // Same host? And one cost model for the whole group (rank 0's), so every rank makes the
+  // same algorithm choices even when their calibrations differ.
+  const std::string key = hostKey();
+  store_->set("tdx/host/" + std::to_string(rank), bytesOf(key));
+  sameHost_ = env::getInt("TDX_SHM") != 0;
+  for (int r = 0; r < size && sameHost_; ++r) {
+    const auto theirs = store_->get("tdx/host/" + std::to_string(r));
+    sameHost_ = std::string(theirs.begin(), theirs.end()) == key;
+  }
+  if (rank == 0) {
+    store_->set("tdx/costmodel", bytesOf(algorithms::Registry::get().costModel().serialize()));
+  }
+  const auto model = store_->get("tdx/costmodel");
+  costModel_ = algorithms::CostModel::parse(std::string(model.begin(), model.end()));
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
@@ -305,6 +345,7 @@ void ProcessGroupTDX::runTask(Task& task) {
         throw;
       }
       steps = ch.stepsDone();
+      if (!ch.algorithm().empty()) path = ch.algorithm();
       if (ctx.done) {
         // The op's device work is queued on the backend stream: the work completes on
         // the host now and its waiters order themselves after `done`.
@@ -312,7 +353,7 @@ void ProcessGroupTDX::runTask(Task& task) {
         path = "cuda-peer";
       } else if (auto dev = firstDeviceTensor(task.keepAlive)) {
         syncCurrentStream(*dev);
-        path = "staged";
+        path = "staged " + path;
       }
       flight_.finish(task.flightId, true, steps, path, "");
     } catch (const std::exception& e) {
@@ -328,6 +369,83 @@ void ProcessGroupTDX::runTask(Task& task) {
     }
   }
   task.work->finishPart(error);
+}
+
+ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, double bytes,
+                                                  GroupChannel& ch, const char* what) {
+  auto& reg = algorithms::Registry::get();
+  Selected sel;
+  sel.wait = transport::WaitContext{ch.deadline(), &ch.abortedFlag(), what};
+  algorithms::Choice choice = reg.choose(c, bytes, size_, sameHost_, costModel_);
+  if (choice.algorithm->link == algorithms::Link::Shm) {
+    sel.window = hostWindow(sel.wait);
+    if (sel.window == nullptr) {
+      const algorithms::Link net = algorithms::Link::Net;
+      choice = reg.cheapest(c, bytes, size_, sameHost_, costModel_, &net);
+    }
+  }
+  sel.algorithm = choice.algorithm;
+  ch.setAlgorithm(choice.algorithm->name);
+  TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
+                          << " B: " << choice.algorithm->name << " (predicted "
+                          << choice.predicted * 1e6 << " us"
+                          << (choice.pinned ? ", pinned" : "") << ")";
+  return sel;
+}
+
+transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext& wc) {
+  if (windowState_ != 0) return window_.get();
+  // Collective: every rank gets here in the same op. Rank 0 creates the object and
+  // publishes its name; everyone reports whether it attached; rank 0 removes the name
+  // once all have, so a crash later leaves nothing behind in /dev/shm.
+  windowState_ = -1;
+  const std::string base = "tdx/shm/";
+  std::string error;
+  if (rank_ == 0) {
+    static std::atomic<uint64_t> counter{0};
+    const std::string name = "/tdx_" + std::to_string(getpid()) + "_" +
+                             std::to_string(groupId_) + "_" + std::to_string(++counter);
+    const size_t slot = transport::HostWindow::defaultSlotBytes();
+    try {
+      window_ = transport::HostWindow::open(name, true, rank_, size_, slot);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    store_->set(base + "name", bytesOf(window_ ? name + "|" + std::to_string(slot) : ""));
+  } else {
+    const auto v = store_->get(base + "name");
+    const std::string text(v.begin(), v.end());
+    const auto bar = text.find('|');
+    if (bar == std::string::npos) {
+      error = "rank 0 could not create the window";
+    } else {
+      try {
+        window_ = transport::HostWindow::open(text.substr(0, bar), false, rank_, size_,
+                                              std::stoull(text.substr(bar + 1)));
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+  }
+  store_->set(base + "ok/" + std::to_string(rank_), bytesOf(window_ ? "1" : "0"));
+  bool all = true;
+  for (int r = 0; r < size_; ++r) {
+    const auto v = store_->get(base + "ok/" + std::to_string(r));
+    all = all && v.size() == 1 && v[0] == '1';
+  }
+  if (window_ && rank_ == 0) window_->unlinkName();
+  if (!all) {
+    window_.reset();
+    TDX_LOG(Warn, prefix()) << "shared-memory window unavailable"
+                            << (error.empty() ? std::string(" on another rank") : ": " + error)
+                            << "; using message algorithms for this group";
+    return nullptr;
+  }
+  (void)wc;
+  windowState_ = 1;
+  TDX_LOG(Info, prefix()) << "shared-memory window ready (" << window_->halfBytes() * 2
+                          << " bytes per rank)";
+  return window_.get();
 }
 
 void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine) {

@@ -24,10 +24,12 @@
 #include <thread>
 #include <vector>
 
+#include "algorithms/registry.h"
 #include "c10d/DeviceOps.hpp"
 #include "c10d/FlightRecorder.hpp"
 #include "c10d/GroupChannel.hpp"
 #include "c10d/WorkTDX.hpp"
+#include "transport/peer_memory/host_window.h"
 #include "transport/ucx/ucx_transport.h"
 
 namespace tdx {
@@ -131,6 +133,23 @@ class ProcessGroupTDX : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
+  // The algorithm for one op of this group (on the worker thread, inside the op): the
+  // registry's choice, with the shared-memory window it needs (created on first use,
+  // collectively). A shared-memory choice falls back to the cheapest message algorithm
+  // when the window cannot be had, on every rank alike.
+  struct Selected {
+    const algorithms::Algorithm* algorithm = nullptr;
+    transport::HostWindow* window = nullptr;  // shared-memory algorithms only
+    transport::WaitContext wait;
+  };
+  Selected select(algorithms::Collective c, double bytes, GroupChannel& ch, const char* what);
+  bool sameHost() const {
+    return sameHost_;
+  }
+  const algorithms::CostModel& costModel() const {
+    return costModel_;
+  }
+
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;
   const std::string& groupName() const {
@@ -184,6 +203,15 @@ class ProcessGroupTDX : public c10d::Backend {
   // The same, for p2p completions, which may run after the group is gone.
   std::shared_ptr<const std::vector<int>> sharedEndpoints_;
   std::unique_ptr<PeerMemory> peer_;  // same-host CUDA path; null without CUDA
+
+  // Ranks of the group share a host (same boot, mount and pid namespaces), so
+  // shared-memory algorithms may run; and the cost model every rank of the group uses
+  // (rank 0's), so all make the same choices.
+  bool sameHost_ = false;
+  algorithms::CostModel costModel_;
+  transport::HostWindow* hostWindow(const transport::WaitContext& wc);
+  std::unique_ptr<transport::HostWindow> window_;
+  int windowState_ = 0;  // 0: not tried, 1: ready, -1: unavailable
 
   FlightRecorder flight_;
   // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's

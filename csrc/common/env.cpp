@@ -30,6 +30,21 @@ const std::vector<Knob>& knobs() {
        "how ranks of the CUDA peer path wait for each other: gpu (flags in device memory, "
        "awaited by the stream; no host sync), host (the backend's thread synchronises), "
        "auto (host when ranks share a GPU, else gpu)"},
+      {"TDX_ALGO", "",
+       "pin algorithms per collective, e.g. allreduce:ring,broadcast:tree (names: "
+       "torchdist_ext.algorithms()); unset: the cost model picks"},
+      {"TDX_SEGMENT_BYTES", "1048576",
+       "transfers are cut into segments of this size, all in flight at once, so reducing "
+       "one overlaps receiving the next"},
+      {"TDX_SHM", "1",
+       "1: ranks of one host may use shared-memory windows (POSIX shm) for collectives; "
+       "0: messages only"},
+      {"TDX_SHM_SLOT_BYTES", "2097152",
+       "bytes of a rank's shared-memory slot (two halves used alternately); larger slots "
+       "mean fewer signals per op, smaller ones stay in cache"},
+      {"TDX_SHM_SPIN_US", "100",
+       "microseconds a rank polls a shared-memory window (yielding the core) before it "
+       "sleeps on a futex"},
   };
   return kKnobs;
 }

@@ -1,0 +1,35 @@
+// The one executor every plan runs on.
+//
+// Per step: receives are posted first (so no sender waits on a missing receive), then
+// sends; every transfer is cut into segments of at most `segmentBytes`, all posted at
+// once, so several are in flight and the reduction of segment k overlaps the transfer of
+// segment k+1. Receive-and-reduce lands in a staging area and is reduced segment by
+// segment as segments arrive. Local copies and reductions run when the step's transfers
+// are done. Segments of one (sender, step) match in posting order, as the transport's
+// tag matching is non-overtaking.
+#pragma once
+
+#include <vector>
+
+#include "algorithms/channel.h"
+#include "algorithms/plan.h"
+#include "kernels/reduce.h"
+
+namespace tdx {
+namespace algorithms {
+
+struct Buffers {
+  char* data = nullptr;
+  std::vector<Block> send;
+  std::vector<Block> recv;
+};
+
+// Runs `plan` for this rank. `reduce` may be null for plans without reductions.
+void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemSize,
+             kernels::ReduceFn reduce, size_t segmentBytes);
+
+// The segment size the executor uses unless told otherwise (TDX_SEGMENT_BYTES).
+size_t defaultSegmentBytes();
+
+} // namespace algorithms
+} // namespace tdx

@@ -1,0 +1,233 @@
+#include "algorithms/registry.h"
+
+#include <cstdio>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+#include "algorithms/collectives.h"
+#include "algorithms/shm_collectives.h"
+#include "common/env.h"
+
+namespace tdx {
+namespace algorithms {
+
+namespace {
+
+const char* const kCollectiveNames[kNumCollectives] = {
+    "allreduce", "broadcast", "reduce",  "allgather", "reduce_scatter",
+    "alltoall",  "barrier",   "gather",  "scatter"};
+
+} // namespace
+
+const char* collectiveName(Collective c) {
+  return kCollectiveNames[static_cast<int>(c)];
+}
+
+Collective collectiveFromName(const std::string& name) {
+  for (int i = 0; i < kNumCollectives; ++i) {
+    if (name == kCollectiveNames[i]) return static_cast<Collective>(i);
+  }
+  std::string all;
+  for (int i = 0; i < kNumCollectives; ++i) all += (i ? ", " : "") + std::string(kCollectiveNames[i]);
+  throw std::invalid_argument("unknown collective '" + name + "'; use one of " + all);
+}
+
+const char* linkName(Link l) {
+  return l == Link::Net ? "net" : "shm";
+}
+
+CostModel CostModel::defaults() {
+  // Rough figures for TCP loopback / a NIC (net) and memory copies (shm) on a current
+  // server; `bench calibrate` replaces them with this machine's.
+  CostModel m;
+  m.links[static_cast<int>(Link::Net)] = {30e-6, 1.0 / 1.5e9, 1.0 / 3e9};
+  m.links[static_cast<int>(Link::Shm)] = {3e-6, 1.0 / 5e9, 1.0 / 3e9};
+  return m;
+}
+
+std::string CostModel::serialize() const {
+  std::ostringstream os;
+  os.precision(17);
+  for (int i = 0; i < kNumLinks; ++i) {
+    os << (i ? ";" : "") << linkName(static_cast<Link>(i)) << ":" << links[i].alpha << ","
+       << links[i].beta << "," << links[i].gamma;
+  }
+  return os.str();
+}
+
+CostModel CostModel::parse(const std::string& text) {
+  CostModel m = defaults();
+  std::stringstream ss(text);
+  std::string part;
+  while (std::getline(ss, part, ';')) {
+    const auto colon = part.find(':');
+    if (colon == std::string::npos) continue;
+    const std::string link = part.substr(0, colon);
+    double a, b, g;
+    if (std::sscanf(part.c_str() + colon + 1, "%lf,%lf,%lf", &a, &b, &g) != 3) {
+      throw std::invalid_argument("bad cost model entry '" + part + "'");
+    }
+    for (int i = 0; i < kNumLinks; ++i) {
+      if (link == linkName(static_cast<Link>(i))) m.links[i] = {a, b, g};
+    }
+  }
+  return m;
+}
+
+Registry& Registry::get() {
+  static Registry r;
+  return r;
+}
+
+Registry::Registry() : model_(CostModel::defaults()) {
+  using C = Collective;
+  using L = Link;
+  const double inf = 0;
+  algorithms_ = {
+      {C::Allreduce, "ring", L::Net, false, inf, ringAllreducePlan, ringAllreduceCost,
+       "reduce-scatter + all-gather around a ring; bandwidth-optimal, 2(N-1) steps"},
+      {C::Allreduce, "rhd", L::Net, false, inf, rhdAllreducePlan, rhdAllreduceCost,
+       "recursive halving-doubling (Rabenseifner), fold-in/out for non-powers of two"},
+      {C::Allreduce, "direct", L::Net, false, 64.0 * (1 << 20), directAllreducePlan,
+       directAllreduceCost, "one step: everyone sends everything to everyone"},
+      {C::Allreduce, "shm", L::Shm, false, inf, nullptr, shmAllreduceCost,
+       "same host: reduce-scatter + all-gather through a shared-memory window"},
+      {C::Allreduce, "shm_direct", L::Shm, false, inf, nullptr, shmDirectAllreduceCost,
+       "same host: every rank reduces every slot of a shared-memory window"},
+      {C::Broadcast, "tree", L::Net, false, inf, treeBroadcastPlan, treeBroadcastCost,
+       "binomial tree, ceil(log2 N) steps"},
+      {C::Broadcast, "shm", L::Shm, false, inf, nullptr, shmBroadcastCost,
+       "same host: the root's slot, read by every rank"},
+      {C::Reduce, "tree", L::Net, false, inf, treeReducePlan, treeReduceCost,
+       "binomial tree, ceil(log2 N) steps"},
+      {C::Reduce, "shm", L::Shm, false, inf, nullptr, shmReduceCost,
+       "same host: ranks reduce 1/N each through a shared-memory window"},
+      {C::Allgather, "ring", L::Net, false, inf, ringAllgatherPlan, ringAllgatherCost,
+       "ring, N-1 steps, any block sizes"},
+      {C::Allgather, "rd", L::Net, true, inf, rdAllgatherPlan, rdAllgatherCost,
+       "recursive doubling, log2 N steps (power-of-two worlds)"},
+      {C::Allgather, "shm", L::Shm, false, inf, nullptr, shmAllgatherCost,
+       "same host: every rank reads every slot"},
+      {C::ReduceScatter, "ring", L::Net, false, inf, ringReduceScatterPlan,
+       ringReduceScatterCost, "ring, N-1 steps"},
+      {C::ReduceScatter, "rh", L::Net, true, inf, rhReduceScatterPlan, rhReduceScatterCost,
+       "recursive halving, log2 N steps (power-of-two worlds)"},
+      {C::ReduceScatter, "shm", L::Shm, false, inf, nullptr, shmReduceScatterCost,
+       "same host: each rank reduces its block from every slot"},
+      {C::Alltoall, "pairwise", L::Net, false, inf, pairwiseAlltoallPlan, pairwiseAlltoallCost,
+       "pairwise exchange, N-1 steps, uneven splits"},
+      {C::Barrier, "dissemination", L::Net, false, inf, disseminationBarrierPlan,
+       disseminationBarrierCost, "dissemination, ceil(log2 N) rounds of empty messages"},
+      {C::Barrier, "shm", L::Shm, false, inf, nullptr, shmBarrierCost,
+       "same host: one signal through a shared-memory window"},
+      {C::Gather, "direct", L::Net, false, inf, directGatherPlan, directGatherScatterCost,
+       "every rank sends to the root in one step"},
+      {C::Scatter, "direct", L::Net, false, inf, directScatterPlan, directGatherScatterCost,
+       "the root sends to every rank in one step"},
+  };
+  applyOverrides(env::get("TDX_ALGO"));
+}
+
+const Algorithm* Registry::find(Collective c, const std::string& name) const {
+  for (const auto& a : algorithms_) {
+    if (a.collective == c && name == a.name) return &a;
+  }
+  return nullptr;
+}
+
+std::string Registry::unusable(const Algorithm& a, double bytes, int n, bool sameHost) const {
+  if (a.powerOfTwoOnly && !isPowerOfTwo(n)) {
+    return "needs a power-of-two world size, this group has " + std::to_string(n) + " ranks";
+  }
+  if (a.link == Link::Shm && !sameHost) return "needs every rank of the group on one host";
+  if (a.maxBytesTimesWorld > 0 && bytes * n > a.maxBytesTimesWorld) {
+    return "holds every rank's buffer in scratch, limited to " +
+           std::to_string(static_cast<long long>(a.maxBytesTimesWorld)) +
+           " bytes x world size";
+  }
+  return "";
+}
+
+double Registry::predict(const Algorithm& a, double bytes, int n, const CostModel& model) const {
+  const Cost c = a.cost(bytes, n);
+  const LinkCost& l = model.links[static_cast<int>(a.link)];
+  return l.alpha * c.steps + l.beta * c.bytesMoved + l.gamma * c.bytesReduced;
+}
+
+Choice Registry::cheapest(Collective c, double bytes, int n, bool sameHost,
+                          const CostModel& model, const Link* only) const {
+  Choice best;
+  best.predicted = std::numeric_limits<double>::infinity();
+  for (const auto& a : algorithms_) {
+    if (a.collective != c || (only && a.link != *only)) continue;
+    if (!unusable(a, bytes, n, sameHost).empty()) continue;
+    const double t = predict(a, bytes, n, model);
+    // Ties (e.g. one rank, where every algorithm costs nothing) go to the first listed.
+    if (best.algorithm == nullptr || t < best.predicted) {
+      best.algorithm = &a;
+      best.predicted = t;
+    }
+  }
+  return best;
+}
+
+Choice Registry::choose(Collective c, double bytes, int n, bool sameHost,
+                        const CostModel& model) const {
+  const std::string pinned = override(c);
+  if (pinned.empty()) return cheapest(c, bytes, n, sameHost, model);
+  const Algorithm* a = find(c, pinned);
+  const std::string why = unusable(*a, bytes, n, sameHost);
+  if (!why.empty()) {
+    throw std::invalid_argument(std::string(collectiveName(c)) + " is pinned to '" + pinned +
+                                "', which " + why +
+                                "; pin another (torchdist_ext.algorithms() lists them) or "
+                                "set it back to 'auto'");
+  }
+  return Choice{a, predict(*a, bytes, n, model), true};
+}
+
+void Registry::setOverride(Collective c, const std::string& name) {
+  if (name != "auto" && !name.empty() && find(c, name) == nullptr) {
+    std::string names;
+    for (const auto& a : algorithms_) {
+      if (a.collective == c) names += std::string(names.empty() ? "" : ", ") + a.name;
+    }
+    throw std::invalid_argument("unknown " + std::string(collectiveName(c)) + " algorithm '" +
+                                name + "'; use auto or one of " + names);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  overrides_[static_cast<int>(c)] = name == "auto" ? "" : name;
+}
+
+std::string Registry::override(Collective c) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return overrides_[static_cast<int>(c)];
+}
+
+void Registry::applyOverrides(const std::string& spec) {
+  std::stringstream ss(spec);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    const auto colon = item.find(':');
+    if (colon == std::string::npos) {
+      throw std::invalid_argument("TDX_ALGO entry '" + item +
+                                  "' must be collective:algorithm, e.g. allreduce:ring");
+    }
+    setOverride(collectiveFromName(item.substr(0, colon)), item.substr(colon + 1));
+  }
+}
+
+CostModel Registry::costModel() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return model_;
+}
+
+void Registry::setCostModel(const CostModel& m) {
+  std::lock_guard<std::mutex> lock(mu_);
+  model_ = m;
+}
+
+} // namespace algorithms
+} // namespace tdx

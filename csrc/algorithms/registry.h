@@ -1,0 +1,121 @@
+// The algorithm registry and its cost model.
+//
+// Every algorithm declares the collective it implements, the link it runs on (messages
+// over the transport, or a shared-memory window among ranks of one host), its
+// constraints, and its cost terms (collectives.h). The predicted time is
+//     t = alpha * steps + beta * bytesMoved + gamma * bytesReduced
+// with (alpha, beta, gamma) per link, calibrated by `python -m torchdist_ext.bench
+// calibrate` or left at defaults. `auto` picks the cheapest usable algorithm; overrides
+// (TDX_ALGO=allreduce:ring,broadcast:tree, or set_algorithm from Python) pin one.
+//
+// Choices must agree across the ranks of a group: they depend only on the collective,
+// the byte count, the world size, whether the group is on one host, the group's cost
+// model (rank 0's, shared at group creation) and the overrides (the same on every rank
+// by contract, checked with the op fingerprints under TDX_DEBUG=DETAIL).
+#pragma once
+
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "algorithms/plan.h"
+
+namespace tdx {
+namespace algorithms {
+
+enum class Collective : uint8_t {
+  Allreduce,
+  Broadcast,
+  Reduce,
+  Allgather,
+  ReduceScatter,
+  Alltoall,
+  Barrier,
+  Gather,
+  Scatter,
+};
+constexpr int kNumCollectives = 9;
+
+enum class Link : uint8_t { Net, Shm };
+constexpr int kNumLinks = 2;
+
+const char* collectiveName(Collective c);
+// Throws std::invalid_argument listing the valid names.
+Collective collectiveFromName(const std::string& name);
+const char* linkName(Link l);
+
+struct LinkCost {
+  double alpha = 0;  // seconds per step
+  double beta = 0;   // seconds per byte moved
+  double gamma = 0;  // seconds per byte reduced
+};
+
+struct CostModel {
+  LinkCost links[kNumLinks];
+  static CostModel defaults();
+  // "net:alpha,beta,gamma;shm:alpha,beta,gamma" (seconds), for the store exchange.
+  std::string serialize() const;
+  static CostModel parse(const std::string& text);
+};
+
+struct Algorithm {
+  Collective collective;
+  const char* name;
+  Link link;
+  bool powerOfTwoOnly;
+  // Largest bytes * world the algorithm takes (0: no limit); direct all_reduce holds
+  // every rank's buffer in scratch.
+  double maxBytesTimesWorld;
+  Plan (*plan)(const PlanArgs&);  // null for shared-memory algorithms
+  Cost (*cost)(double bytes, int n);
+  const char* summary;
+};
+
+struct Choice {
+  const Algorithm* algorithm = nullptr;
+  double predicted = 0;  // seconds
+  bool pinned = false;   // chosen by an override
+};
+
+class Registry {
+ public:
+  static Registry& get();
+
+  const std::vector<Algorithm>& all() const {
+    return algorithms_;
+  }
+  const Algorithm* find(Collective c, const std::string& name) const;
+
+  // Why `a` cannot run this op ("" when it can).
+  std::string unusable(const Algorithm& a, double bytes, int n, bool sameHost) const;
+  double predict(const Algorithm& a, double bytes, int n, const CostModel& model) const;
+
+  // The algorithm for an op; throws std::invalid_argument when a pinned algorithm cannot
+  // run it (naming why and what can).
+  Choice choose(Collective c, double bytes, int n, bool sameHost, const CostModel& model) const;
+  // The cheapest usable algorithm ignoring overrides (what `auto` would pick), optionally
+  // restricted to one link.
+  Choice cheapest(Collective c, double bytes, int n, bool sameHost, const CostModel& model,
+                  const Link* only = nullptr) const;
+
+  // "auto" clears the override. Throws std::invalid_argument for unknown names.
+  void setOverride(Collective c, const std::string& name);
+  std::string override(Collective c) const;
+  // TDX_ALGO syntax: "allreduce:ring,broadcast:tree".
+  void applyOverrides(const std::string& spec);
+
+  // The process's cost model (calibration or defaults); groups take rank 0's copy.
+  CostModel costModel() const;
+  void setCostModel(const CostModel& m);
+
+ private:
+  Registry();
+  std::vector<Algorithm> algorithms_;
+  mutable std::mutex mu_;
+  std::string overrides_[kNumCollectives];
+  CostModel model_;
+};
+
+} // namespace algorithms
+} // namespace tdx

@@ -1,0 +1,56 @@
+// Collectives through a shared-memory window among the ranks of one host
+// (transport/peer_memory/host_window.h): ranks copy chunks into their own slot, signal,
+// and read or reduce each other's slots directly, instead of exchanging messages.
+// Each function is a whole collective; all ranks of the window call the same one.
+//
+// The window's slots are split in two halves used alternately, so ranks copy the next
+// chunk while slower ranks still read the previous one; a half is reused only once every
+// rank has signalled it is done with it.
+#pragma once
+
+#include <vector>
+
+#include "algorithms/channel.h"
+#include "algorithms/plan.h"
+#include "kernels/reduce.h"
+#include "transport/peer_memory/host_window.h"
+
+namespace tdx {
+namespace algorithms {
+
+using transport::HostWindow;
+using transport::WaitContext;
+
+// Reduce-scatter then all-gather through the window: each rank reduces 1/N of every
+// chunk from all slots; 3 signals per chunk. For medium and large messages.
+void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
+                  size_t elemSize, kernels::ReduceFn reduce);
+// Every rank reduces every slot itself, in rank order (identical bits everywhere); one
+// signal on the critical path per chunk. For small messages.
+void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
+                        size_t elemSize, kernels::ReduceFn reduce);
+void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root);
+// `input` is never written; `output` (root only) receives the result.
+void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
+               size_t count, size_t elemSize, kernels::ReduceFn reduce, int root);
+// blocks[i] receives rank i's block (all the same size); `mine` is this rank's input,
+// which blocks[rank] must already hold.
+void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
+                  const std::vector<Block>& blocks);
+// inputs[i]: this rank's contribution to rank i (all blocks the same size); output may
+// alias inputs[rank].
+void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& inputs,
+                      char* output, size_t elemSize, kernels::ReduceFn reduce);
+void shmBarrier(HostWindow& w, const WaitContext& wc);
+
+// Cost terms (collectives.h conventions); `half` is the window's chunk size.
+Cost shmAllreduceCost(double bytes, int n);
+Cost shmDirectAllreduceCost(double bytes, int n);
+Cost shmBroadcastCost(double bytes, int n);
+Cost shmReduceCost(double bytes, int n);
+Cost shmAllgatherCost(double bytes, int n);
+Cost shmReduceScatterCost(double bytes, int n);
+Cost shmBarrierCost(double bytes, int n);
+
+} // namespace algorithms
+} // namespace tdx

@@ -1,0 +1,137 @@
+// The algorithm registry, cost model and plans, for torchdist_ext.algorithms(),
+// set_algorithm(), the bench's calibration and the plan-invariant tests.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "algorithms/collectives.h"
+#include "algorithms/registry.h"
+
+namespace py = pybind11;
+
+namespace {
+
+using namespace tdx::algorithms;
+
+py::tuple spanTuple(const Span& s) {
+  return py::make_tuple(regionName(s.region), s.block, s.offset, s.bytes);
+}
+
+py::dict linkDict(const LinkCost& l) {
+  py::dict d;
+  d["alpha"] = l.alpha;
+  d["beta"] = l.beta;
+  d["gamma"] = l.gamma;
+  return d;
+}
+
+const Algorithm& lookup(const std::string& collective, const std::string& name) {
+  const Algorithm* a = Registry::get().find(collectiveFromName(collective), name);
+  if (a == nullptr) {
+    throw std::invalid_argument("unknown " + collective + " algorithm '" + name + "'");
+  }
+  return *a;
+}
+
+} // namespace
+
+void bindAlgorithms(py::module& m) {
+  m.def("_algorithms", [] {
+    py::list out;
+    for (const auto& a : Registry::get().all()) {
+      py::dict d;
+      d["collective"] = collectiveName(a.collective);
+      d["name"] = a.name;
+      d["link"] = linkName(a.link);
+      d["power_of_two_only"] = a.powerOfTwoOnly;
+      d["has_plan"] = a.plan != nullptr;
+      d["summary"] = a.summary;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("_set_algorithm", [](const std::string& collective, const std::string& name) {
+    Registry::get().setOverride(collectiveFromName(collective), name);
+  });
+  m.def("_get_algorithm", [](const std::string& collective) {
+    const std::string o = Registry::get().override(collectiveFromName(collective));
+    return o.empty() ? std::string("auto") : o;
+  });
+  m.def("_cost_model", [] {
+    const CostModel m = Registry::get().costModel();
+    py::dict d;
+    for (int i = 0; i < kNumLinks; ++i) d[linkName(static_cast<Link>(i))] = linkDict(m.links[i]);
+    return d;
+  });
+  m.def("_set_cost_model", [](const py::dict& d) {
+    CostModel m = Registry::get().costModel();
+    for (int i = 0; i < kNumLinks; ++i) {
+      const char* name = linkName(static_cast<Link>(i));
+      if (!d.contains(name)) continue;
+      py::dict l = d[name];
+      m.links[i] = {l["alpha"].cast<double>(), l["beta"].cast<double>(),
+                    l["gamma"].cast<double>()};
+      if (m.links[i].alpha < 0 || m.links[i].beta < 0 || m.links[i].gamma < 0) {
+        throw std::invalid_argument(std::string("cost model for ") + name +
+                                    " has a negative term");
+      }
+    }
+    Registry::get().setCostModel(m);
+  });
+  m.def(
+      "_algorithm_cost",
+      [](const std::string& collective, const std::string& name, double bytes, int world) {
+        const Algorithm& a = lookup(collective, name);
+        const Cost c = a.cost(bytes, world);
+        py::dict d;
+        d["steps"] = c.steps;
+        d["bytes_moved"] = c.bytesMoved;
+        d["bytes_reduced"] = c.bytesReduced;
+        d["link"] = linkName(a.link);
+        d["seconds"] = Registry::get().predict(a, bytes, world, Registry::get().costModel());
+        d["unusable"] = Registry::get().unusable(a, bytes, world, true);
+        return d;
+      },
+      py::arg("collective"), py::arg("name"), py::arg("bytes"), py::arg("world"));
+  m.def(
+      "_choose_algorithm",
+      [](const std::string& collective, double bytes, int world, bool sameHost) {
+        const Choice c = Registry::get().choose(collectiveFromName(collective), bytes, world,
+                                                sameHost, Registry::get().costModel());
+        return py::make_tuple(c.algorithm->name, c.predicted);
+      },
+      py::arg("collective"), py::arg("bytes"), py::arg("world"), py::arg("same_host") = true);
+  m.def(
+      "_plan",
+      [](const std::string& collective, const std::string& name, int world, int rank,
+         size_t count, size_t elemSize, std::vector<size_t> sendBytes,
+         std::vector<size_t> recvBytes, int root) {
+        const Algorithm& a = lookup(collective, name);
+        if (a.plan == nullptr) throw std::invalid_argument(name + " runs in shared memory, not as a plan");
+        PlanArgs args;
+        args.rank = rank;
+        args.size = world;
+        args.count = count;
+        args.elemSize = elemSize;
+        args.sendBytes = std::move(sendBytes);
+        args.recvBytes = std::move(recvBytes);
+        args.root = root;
+        const Plan plan = a.plan(args);
+        py::list steps;
+        for (const auto& st : plan.steps) {
+          py::list acts;
+          for (const auto& act : st.actions) {
+            py::dict d;
+            d["verb"] = verbName(act.verb);
+            d["peer"] = act.peer;
+            d["src"] = spanTuple(act.src);
+            d["dst"] = spanTuple(act.dst);
+            acts.append(d);
+          }
+          steps.append(acts);
+        }
+        return py::make_tuple(steps, plan.scratchBytes);
+      },
+      py::arg("collective"), py::arg("name"), py::arg("world"), py::arg("rank"),
+      py::arg("count") = 0, py::arg("elem_size") = 1, py::arg("send_bytes") = std::vector<size_t>{},
+      py::arg("recv_bytes") = std::vector<size_t>{}, py::arg("root") = 0);
+}

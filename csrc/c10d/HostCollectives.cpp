@@ -1,0 +1,174 @@
+#include "c10d/HostCollectives.hpp"
+
+#include <cstring>
+
+#include "algorithms/executor.h"
+#include "algorithms/shm_collectives.h"
+#include "c10d/ProcessGroupTDX.hpp"
+
+namespace tdx {
+namespace host {
+
+using algorithms::Buffers;
+using algorithms::Collective;
+using algorithms::PlanArgs;
+
+namespace {
+
+PlanArgs argsFor(const GroupChannel& ch) {
+  PlanArgs a;
+  a.rank = ch.rank();
+  a.size = ch.size();
+  return a;
+}
+
+void run(GroupChannel& ch, const ProcessGroupTDX::Selected& sel, const PlanArgs& a,
+         const Buffers& b, kernels::ReduceFn reduce) {
+  algorithms::runPlan(ch, sel.algorithm->plan(a), b, a.elemSize, reduce,
+                      algorithms::defaultSegmentBytes());
+}
+
+size_t totalBytes(const std::vector<Block>& blocks) {
+  size_t t = 0;
+  for (const auto& b : blocks) t += b.bytes;
+  return t;
+}
+
+} // namespace
+
+void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, size_t elemSize,
+               kernels::ReduceFn reduce) {
+  auto sel = pg.select(Collective::Allreduce, double(count * elemSize), ch, "all_reduce");
+  if (ch.size() == 1 || count == 0) return;
+  if (sel.window) {
+    if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
+      algorithms::shmDirectAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
+    } else {
+      algorithms::shmAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
+    }
+    return;
+  }
+  PlanArgs a = argsFor(ch);
+  a.count = count;
+  a.elemSize = elemSize;
+  Buffers b;
+  b.data = data;
+  run(ch, sel, a, b, reduce);
+}
+
+void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, int root) {
+  auto sel = pg.select(Collective::Broadcast, double(bytes), ch, "broadcast");
+  if (ch.size() == 1) return;
+  if (sel.window) {
+    algorithms::shmBroadcast(*sel.window, sel.wait, data, bytes, root);
+    return;
+  }
+  PlanArgs a = argsFor(ch);
+  a.count = bytes;
+  a.root = root;
+  Buffers b;
+  b.data = data;
+  run(ch, sel, a, b, nullptr);
+}
+
+void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output, size_t count,
+            size_t elemSize, kernels::ReduceFn fn, int root) {
+  auto sel = pg.select(Collective::Reduce, double(count * elemSize), ch, "reduce");
+  if (sel.window) {
+    algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root);
+    return;
+  }
+  PlanArgs a = argsFor(ch);
+  a.count = count;
+  a.elemSize = elemSize;
+  a.root = root;
+  a.sendBytes = {count * elemSize};
+  Buffers b;
+  b.data = output;
+  b.send = {Block{const_cast<char*>(input), count * elemSize}};
+  run(ch, sel, a, b, fn);
+}
+
+void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& blocks) {
+  auto sel = pg.select(Collective::Allgather, double(totalBytes(blocks)), ch, "all_gather");
+  if (ch.size() == 1) return;
+  if (sel.window) {
+    algorithms::shmAllgather(*sel.window, sel.wait, blocks[ch.rank()].data, blocks);
+    return;
+  }
+  PlanArgs a = argsFor(ch);
+  for (const auto& blk : blocks) a.recvBytes.push_back(blk.bytes);
+  Buffers b;
+  b.recv = blocks;
+  run(ch, sel, a, b, nullptr);
+}
+
+void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& inputs,
+                   char* output, size_t elemSize, kernels::ReduceFn fn) {
+  auto sel = pg.select(Collective::ReduceScatter, double(totalBytes(inputs)), ch,
+                       "reduce_scatter");
+  const size_t bytes = inputs[ch.rank()].bytes;
+  if (sel.window) {
+    algorithms::shmReduceScatter(*sel.window, sel.wait, inputs, output, elemSize, fn);
+    return;
+  }
+  PlanArgs a = argsFor(ch);
+  a.elemSize = elemSize;
+  for (const auto& blk : inputs) a.sendBytes.push_back(blk.bytes);
+  a.recvBytes = {bytes};
+  Buffers b;
+  b.send = inputs;
+  b.recv = {Block{output, bytes}};
+  run(ch, sel, a, b, fn);
+}
+
+void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,
+              const std::vector<Block>& recvs) {
+  auto sel = pg.select(Collective::Alltoall, double(totalBytes(sends)), ch, "all_to_all");
+  PlanArgs a = argsFor(ch);
+  for (const auto& blk : sends) a.sendBytes.push_back(blk.bytes);
+  for (const auto& blk : recvs) a.recvBytes.push_back(blk.bytes);
+  Buffers b;
+  b.send = sends;
+  b.recv = recvs;
+  run(ch, sel, a, b, nullptr);
+}
+
+void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
+  auto sel = pg.select(Collective::Barrier, 0, ch, "barrier");
+  if (ch.size() == 1) return;
+  if (sel.window) {
+    algorithms::shmBarrier(*sel.window, sel.wait);
+    return;
+  }
+  run(ch, sel, argsFor(ch), Buffers{}, nullptr);
+}
+
+void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
+            const std::vector<Block>& rootBlocks, int root) {
+  auto sel = pg.select(Collective::Gather, double(mine.bytes) * ch.size(), ch, "gather");
+  PlanArgs a = argsFor(ch);
+  a.root = root;
+  a.sendBytes = {mine.bytes};
+  for (const auto& blk : rootBlocks) a.recvBytes.push_back(blk.bytes);
+  Buffers b;
+  b.send = {mine};
+  b.recv = rootBlocks;
+  run(ch, sel, a, b, nullptr);
+}
+
+void scatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& rootBlocks,
+             const Block& mine, int root) {
+  auto sel = pg.select(Collective::Scatter, double(mine.bytes) * ch.size(), ch, "scatter");
+  PlanArgs a = argsFor(ch);
+  a.root = root;
+  a.recvBytes = {mine.bytes};
+  for (const auto& blk : rootBlocks) a.sendBytes.push_back(blk.bytes);
+  Buffers b;
+  b.send = rootBlocks;
+  b.recv = {mine};
+  run(ch, sel, a, b, nullptr);
+}
+
+} // namespace host
+} // namespace tdx

@@ -1,0 +1,41 @@
+// Host-memory collectives of a group: pick the algorithm (registry + cost model, or an
+// override) and run it, as a plan over the group's channel or through the group's
+// shared-memory window. Buffers are contiguous host memory (Collectives.cpp stages
+// tensors into them); conventions per collective as in algorithms/collectives.h.
+#pragma once
+
+#include <vector>
+
+#include "algorithms/channel.h"
+#include "c10d/GroupChannel.hpp"
+#include "kernels/reduce.h"
+
+namespace tdx {
+
+class ProcessGroupTDX;
+
+namespace host {
+
+using algorithms::Block;
+
+void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, size_t elemSize,
+               kernels::ReduceFn reduce);
+void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, int root);
+// `input` is never written; `output` (root only) receives the result.
+void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output, size_t count,
+            size_t elemSize, kernels::ReduceFn reduce, int root);
+// blocks[rank] must already hold this rank's data.
+void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& blocks);
+void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& inputs,
+                   char* output, size_t elemSize, kernels::ReduceFn reduce);
+void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,
+              const std::vector<Block>& recvs);
+void barrier(ProcessGroupTDX& pg, GroupChannel& ch);
+// rootBlocks: the root's gather/scatter list (empty elsewhere).
+void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
+            const std::vector<Block>& rootBlocks, int root);
+void scatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& rootBlocks,
+             const Block& mine, int root);
+
+} // namespace host
+} // namespace tdx

@@ -1,0 +1,264 @@
+#include "transport/peer_memory/host_window.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <stdexcept>
+
+#include "common/env.h"
+
+namespace tdx {
+namespace transport {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x7464785f73686d31ull;  // "tdx_shm1"
+constexpr size_t kLine = 64;
+
+size_t roundUp(size_t v, size_t a) {
+  return (v + a - 1) / a * a;
+}
+
+std::string sysError(const std::string& what) {
+  return what + ": " + std::strerror(errno);
+}
+
+int pidfdOpen(pid_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+#else
+  (void)pid;
+  errno = ENOSYS;
+  return -1;
+#endif
+}
+
+// Exited, or a zombie nobody has reaped yet (kill(pid, 0) still succeeds for those).
+bool processGone(pid_t pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  const auto close = line.rfind(')');
+  return close != std::string::npos && close + 2 < line.size() &&
+         (line[close + 2] == 'Z' || line[close + 2] == 'X');
+}
+
+} // namespace
+
+// The shared header. Counters sit on their own cache lines so one rank's post does not
+// invalidate the line another rank polls.
+struct HostWindow::Header {
+  uint64_t magic;
+  uint64_t size;
+  uint64_t slotBytes;
+  alignas(kLine) std::atomic<uint32_t> epoch;  // futex word
+  std::atomic<uint32_t> sleepers;
+  // Followed by: pids[size] (int32), then counters, one per line.
+};
+
+size_t HostWindow::defaultSlotBytes() {
+  const int64_t v = env::getInt("TDX_SHM_SLOT_BYTES");
+  return roundUp(static_cast<size_t>(std::max<int64_t>(v, 8192)), 8192);
+}
+
+std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool create, int rank,
+                                             int size, size_t slotBytes) {
+  std::unique_ptr<HostWindow> w(new HostWindow());
+  w->name_ = name;
+  w->rank_ = rank;
+  w->size_ = size;
+  w->slotBytes_ = roundUp(slotBytes, 8192);
+  const size_t headerBytes = roundUp(sizeof(Header) + size * sizeof(int32_t), kLine) +
+                             size * kLine;
+  const size_t slotsOffset = roundUp(headerBytes, 4096);
+  w->mapBytes_ = slotsOffset + size * w->slotBytes_;
+
+  const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                        : shm_open(name.c_str(), O_RDWR, 0600);
+  if (fd < 0) throw std::runtime_error(sysError("shm_open " + name));
+  if (create) {
+    // Reserve every page now: a full /dev/shm then fails here as a clear error, instead
+    // of as SIGBUS on first touch in the middle of an op.
+    const bool sized = ftruncate(fd, static_cast<off_t>(w->mapBytes_)) == 0 &&
+                       posix_fallocate(fd, 0, static_cast<off_t>(w->mapBytes_)) == 0;
+    if (!sized) {
+      ::close(fd);
+      shm_unlink(name.c_str());
+      throw std::runtime_error("cannot reserve " + std::to_string(w->mapBytes_) +
+                               " bytes of shared memory for " + name +
+                               " (is /dev/shm full? make it larger or set TDX_SHM=0)");
+    }
+  }
+  void* p = mmap(nullptr, w->mapBytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    if (create) shm_unlink(name.c_str());
+    throw std::runtime_error(sysError("mmap " + name));
+  }
+  w->base_ = static_cast<char*>(p);
+  w->header_ = reinterpret_cast<Header*>(w->base_);
+  w->slots_ = w->base_ + slotsOffset;
+  if (create) {
+    w->header_->magic = kMagic;
+    w->header_->size = size;
+    w->header_->slotBytes = w->slotBytes_;
+  } else if (w->header_->magic != kMagic || w->header_->size != static_cast<uint64_t>(size)) {
+    throw std::runtime_error("shared-memory window " + name + " has an unexpected layout");
+  }
+  auto* pids = reinterpret_cast<int32_t*>(w->base_ + sizeof(Header));
+  pids[rank] = static_cast<int32_t>(getpid());
+  w->pidfds_.assign(size, -1);
+  return w;
+}
+
+HostWindow::~HostWindow() {
+  for (int fd : pidfds_) {
+    if (fd >= 0) ::close(fd);
+  }
+  if (base_ != nullptr) munmap(base_, mapBytes_);
+  if (!unlinked_ && rank_ == 0) shm_unlink(name_.c_str());
+}
+
+void HostWindow::unlinkName() {
+  if (!unlinked_) shm_unlink(name_.c_str());
+  unlinked_ = true;
+}
+
+char* HostWindow::half(int r, int h) const {
+  return slots_ + static_cast<size_t>(r) * slotBytes_ + static_cast<size_t>(h) * halfBytes();
+}
+
+std::atomic<uint64_t>& HostWindow::counter(int r) const {
+  const size_t pidsEnd = roundUp(sizeof(Header) + size_ * sizeof(int32_t), kLine);
+  return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + pidsEnd + r * kLine);
+}
+
+void HostWindow::post() {
+  counter(rank_).store(++posted_, std::memory_order_seq_cst);
+  header_->epoch.fetch_add(1, std::memory_order_seq_cst);
+  if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->epoch), FUTEX_WAKE, INT32_MAX,
+            nullptr, nullptr, 0);
+  }
+}
+
+uint64_t HostWindow::posted() const {
+  return posted_;
+}
+
+void HostWindow::checkAlive(int r, const WaitContext& wc) {
+  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
+  const pid_t pid = pids[r];
+  if (pid <= 0) return;
+  bool gone = false;
+  if (pidfds_[r] == -1) {
+    pidfds_[r] = pidfdOpen(pid);
+    if (pidfds_[r] < 0) {
+      pidfds_[r] = -2;  // unavailable: fall back to /proc
+      gone = errno == ESRCH;
+    }
+  }
+  if (pidfds_[r] >= 0) {
+    pollfd pfd{pidfds_[r], POLLIN, 0};
+    gone = poll(&pfd, 1, 0) > 0;
+  } else if (!gone) {
+    gone = processGone(pid);
+  }
+  if (gone) {
+    throw std::runtime_error("rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
+                             ") exited during " + wc.what +
+                             " while this rank waited for it in shared memory");
+  }
+}
+
+void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc) {
+  auto behind = [&](std::vector<int>* who) {
+    bool any = false;
+    for (int r : ranks) {
+      if (counter(r).load(std::memory_order_acquire) < target) {
+        if (who == nullptr) return true;
+        who->push_back(r);
+        any = true;
+      }
+    }
+    return any;
+  };
+  if (!behind(nullptr)) return;
+  static const int64_t spinUs = env::getInt("TDX_SHM_SPIN_US");
+  using Clock = std::chrono::steady_clock;
+  const auto spinUntil = Clock::now() + std::chrono::microseconds(spinUs);
+  auto nextCheck = Clock::now() + std::chrono::milliseconds(20);
+  for (int i = 0;; ++i) {
+    if (!behind(nullptr)) return;
+    const auto now = Clock::now();
+    if (now >= nextCheck) {
+      std::vector<int> who;
+      behind(&who);
+      for (int r : who) checkAlive(r, wc);
+      if (wc.aborted && wc.aborted->load()) {
+        throw std::runtime_error(std::string("the process group was aborted during ") + wc.what);
+      }
+      if (now >= wc.deadline) {
+        std::string list;
+        for (int r : who) list += (list.empty() ? "" : ", ") + std::to_string(r);
+        throw std::runtime_error("timed out in " + std::string(wc.what) +
+                                 " waiting for rank(s) " + list +
+                                 " in shared memory; those ranks have not reached this op or "
+                                 "are behind. Every rank must call the same collectives in "
+                                 "the same order");
+      }
+      nextCheck = now + std::chrono::milliseconds(20);
+    }
+    if (now < spinUntil) {
+      sched_yield();
+      continue;
+    }
+    // Sleep until someone posts (or 10 ms pass, to run the checks above).
+    const uint32_t seen = header_->epoch.load(std::memory_order_seq_cst);
+    header_->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (behind(nullptr)) {
+      timespec ts{0, 10 * 1000 * 1000};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->epoch), FUTEX_WAIT, seen, &ts,
+              nullptr, 0);
+    }
+    header_->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+void HostWindow::waitAll(uint64_t target, const WaitContext& wc) {
+  std::vector<int> all;
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) all.push_back(r);
+  }
+  waitFor(all, target, wc);
+}
+
+void HostWindow::waitRank(int r, uint64_t target, const WaitContext& wc) {
+  if (r != rank_) waitFor({r}, target, wc);
+}
+
+int HostWindow::acquireHalf(const WaitContext& wc) {
+  const int h = nextHalf_;
+  nextHalf_ ^= 1;
+  waitAll(freeAt_[h], wc);
+  return h;
+}
+
+void HostWindow::releaseHalf(int h) {
+  freeAt_[h] = posted_;
+}
+
+} // namespace transport
+} // namespace tdx

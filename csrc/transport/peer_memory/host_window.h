@@ -1,0 +1,97 @@
+// A shared-memory window among the processes of one host: a header of per-rank signal
+// counters and pids, then one slot per rank. Ranks write their own slot and read any.
+//
+// Signalling: each rank owns a monotonically increasing counter; post() increments it and
+// wakes sleepers (a futex on a shared epoch word). Waiters poll for a while, yielding the
+// core (ranks may outnumber cores), then sleep on the futex. While waiting they check
+// the deadline, the abort flag and whether the ranks they wait for are still alive
+// (pidfd, else kill(pid, 0) and /proc state), so a dead peer is named within
+// milliseconds instead of at the timeout.
+//
+// Lifetime: rank 0 creates the POSIX shm object, every rank maps it, and rank 0 unlinks
+// its name once all have attached, so nothing is left in /dev/shm even if a rank is
+// killed later.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tdx {
+namespace transport {
+
+struct WaitContext {
+  std::chrono::steady_clock::time_point deadline;
+  const std::atomic<bool>* aborted = nullptr;
+  const char* what = "shared-memory op";  // for errors
+};
+
+class HostWindow {
+ public:
+  // Creates (rank 0) or opens the shm object `name` sized for `size` slots of
+  // `slotBytes`. Throws std::runtime_error on failure.
+  static std::unique_ptr<HostWindow> open(const std::string& name, bool create, int rank,
+                                          int size, size_t slotBytes);
+  ~HostWindow();
+  HostWindow(const HostWindow&) = delete;
+  HostWindow& operator=(const HostWindow&) = delete;
+
+  // Removes the name (rank 0, once every rank has attached); the mapping stays valid.
+  void unlinkName();
+
+  int rank() const {
+    return rank_;
+  }
+  int size() const {
+    return size_;
+  }
+  size_t halfBytes() const {
+    return slotBytes_ / 2;
+  }
+  // Half h (0 or 1) of rank r's slot.
+  char* half(int r, int h) const;
+
+  // Signals: bump this rank's counter and wake sleepers.
+  void post();
+  uint64_t posted() const;
+  // Blocks until every rank's counter (or rank r's) reaches `target`.
+  void waitAll(uint64_t target, const WaitContext& wc);
+  void waitRank(int r, uint64_t target, const WaitContext& wc);
+
+  // Alternating halves: the next half to use, waiting until every rank is done with its
+  // previous use; release() marks the current counter as the point it is free again.
+  int acquireHalf(const WaitContext& wc);
+  void releaseHalf(int h);
+
+  // The default slot size (TDX_SHM_SLOT_BYTES).
+  static size_t defaultSlotBytes();
+
+ private:
+  HostWindow() = default;
+  struct Header;
+  std::atomic<uint64_t>& counter(int r) const;
+  // Throws naming `r` when that rank's process has exited.
+  void checkAlive(int r, const WaitContext& wc);
+  void waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc);
+
+  std::string name_;
+  int rank_ = 0;
+  int size_ = 0;
+  size_t slotBytes_ = 0;
+  size_t mapBytes_ = 0;
+  char* base_ = nullptr;
+  Header* header_ = nullptr;
+  char* slots_ = nullptr;
+  bool unlinked_ = false;
+  uint64_t posted_ = 0;
+  int nextHalf_ = 0;
+  uint64_t freeAt_[2] = {0, 0};
+  std::vector<int> pidfds_;  // per rank; -1: not open / unavailable
+};
+
+} // namespace transport
+} // namespace tdx

@@ -1,0 +1,83 @@
+"""Stored cost-model calibrations, one per host.
+
+``python -m torchdist_ext.bench calibrate`` measures the α (per step), β (per byte moved)
+and γ (per byte reduced) terms of each link on this machine and writes them here;
+importing :mod:`torchdist_ext` loads them. Without a file the backend's defaults apply.
+
+The file is ``$TDX_CALIBRATION`` when set, else
+``$XDG_CACHE_HOME/torchdist_ext/calibration-<hostname>.json`` (``~/.cache`` by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+from pathlib import Path
+from typing import Any
+
+from . import _C
+
+__all__ = ["calibration_path", "load", "save", "load_into_backend"]
+
+LINKS = ("net", "shm")
+
+
+def calibration_path() -> Path:
+    """Where this host's calibration lives."""
+    explicit = os.environ.get("TDX_CALIBRATION")
+    if explicit:
+        return Path(explicit)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "torchdist_ext" / f"calibration-{socket.gethostname()}.json"
+
+
+def _valid(links: Any) -> bool:
+    if not isinstance(links, dict):
+        return False
+    for name, terms in links.items():
+        if name not in LINKS or not isinstance(terms, dict):
+            return False
+        for key in ("alpha", "beta", "gamma"):
+            v = terms.get(key)
+            if not isinstance(v, (int, float)) or v < 0:
+                return False
+    return True
+
+
+def load(path: Path | None = None) -> dict[str, Any] | None:
+    """The stored calibration (``{"links": {...}, ...}``), or None when there is none."""
+    path = path or calibration_path()
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"torchdist_ext: ignoring unreadable calibration {path}: {exc}")
+        return None
+    if not _valid(data.get("links")):
+        warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}")
+        return None
+    return data
+
+
+def save(data: dict[str, Any], path: Path | None = None) -> Path:
+    """Write a calibration (with its ``links``) atomically; returns the path."""
+    if not _valid(data.get("links")):
+        raise ValueError("calibration needs links {net|shm: {alpha, beta, gamma}} >= 0")
+    path = path or calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def load_into_backend(path: Path | None = None) -> bool:
+    """Apply the stored calibration to the backend's cost model; False when none."""
+    data = load(path)
+    if data is None:
+        return False
+    _C._set_cost_model(data["links"])
+    return True
