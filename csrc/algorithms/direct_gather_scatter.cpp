@@ -43,6 +43,7 @@ Plan directScatterPlan(const PlanArgs& a) {
 }
 
 Cost directGatherScatterCost(double bytes, int n) {
+  if (n == 1) return {};
   return {1.0, double(n - 1) / n * bytes, 0};
 }
 

@@ -9,7 +9,7 @@
 //      Afterwards new rank i holds the reduction of piece i (of p pieces).
 //   2. all-gather by recursive doubling, log2 p steps: windows double back.
 //   3. fold-out (q > 0), 1 step: odd ranks return the result to their even neighbour.
-// Bytes per active rank: 2(p-1)/p * S, plus S in and S out for folded pairs; reduced:
+// Bytes per active rank: 2(p-1)/p * S each way, plus S each way for folded pairs; reduced:
 // (p-1)/p * S (+ S for the fold). Steps: 2 log2 p (+2).
 // When it wins: small and medium messages at larger N (log steps instead of 2(N-1));
 // power-of-two worlds keep it bandwidth-optimal too.
@@ -102,7 +102,7 @@ Cost rhdAllreduceCost(double bytes, int n) {
   const bool folded = p != n;
   Cost c;
   c.steps = 2.0 * lg + (folded ? 2 : 0);
-  c.bytesMoved = 2.0 * (p - 1) / p * bytes + (folded ? 2 * bytes : 0);
+  c.bytesMoved = 2.0 * (p - 1) / p * bytes + (folded ? bytes : 0);
   c.bytesReduced = double(p - 1) / p * bytes + (folded ? bytes : 0);
   return c;
 }

@@ -1,0 +1,343 @@
+"""Every algorithm of the registry: its plan's invariants without a network, then every
+algorithm x world size 1..8 x counts {0, 1, prime, not divisible} through the backend
+with values that identify their origin.
+
+Plan invariants (worlds 1..16), checked by running all ranks' plans symbolically:
+- every send is paired with a receive of the same size at the same step, in order;
+- a step never sends from memory it receives into (the executor posts them together);
+- every contribution is reduced exactly once (element sets stay disjoint) and the
+  result holds every rank's contribution;
+- data-movement results hold exactly the expected origins;
+- the number of steps with transfers, and the busiest rank's bytes, match the
+  algorithm's declared cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchdist_ext
+from torchdist_ext import _C
+from torchdist_ext.testing import run_ranks
+
+PLANNED = [(a["collective"], a["name"]) for a in _C._algorithms() if a["has_plan"]]
+ALL = [(a["collective"], a["name"]) for a in _C._algorithms()]
+POW2_ONLY = {(a["collective"], a["name"]) for a in _C._algorithms() if a["power_of_two_only"]}
+
+
+def _counts(world: int) -> list[int]:
+    return sorted({0, 1, 13, 3 * world + 1})
+
+
+class Sim:
+    """All ranks' buffers as lists of per-element labels (frozensets of origins)."""
+
+    def __init__(self, coll: str, world: int, count: int, root: int):
+        self.coll, self.n, self.count, self.root = coll, world, count, root
+        self.data = {}
+        self.send = {}
+        self.recv = {}
+        self.scratch = {}
+        b = count  # block elements (elem_size 1: bytes == elements)
+        for r in range(world):
+            if coll == "allreduce":
+                self.data[r] = [frozenset({(r, i)}) for i in range(count)]
+            elif coll == "broadcast":
+                self.data[r] = [frozenset({(r, i)}) for i in range(count)]
+            elif coll == "reduce":
+                self.data[r] = [frozenset({("out", r, i)}) for i in range(count)]
+                self.send[r] = [[frozenset({(r, i)}) for i in range(count)]]
+            elif coll == "allgather":
+                self.recv[r] = [[frozenset({(r, i)}) if q == r else frozenset({("junk", r, q, i)})
+                                 for i in range(b)] for q in range(world)]
+            elif coll == "reduce_scatter":
+                self.send[r] = [[frozenset({(r, q, i)}) for i in range(b)] for q in range(world)]
+                self.recv[r] = [[frozenset({("junk", r, i)}) for i in range(b)]]
+            elif coll == "alltoall":
+                # Uneven splits: rank r sends (r + q) % 3 + count elements to q.
+                self.send[r] = [[frozenset({(r, q, i)}) for i in range(self.split(r, q))]
+                                for q in range(world)]
+                self.recv[r] = [[frozenset({("junk", r, q, i)}) for i in range(self.split(q, r))]
+                                for q in range(world)]
+            elif coll == "gather":
+                self.send[r] = [[frozenset({(r, i)}) for i in range(b)]]
+                self.recv[r] = ([[frozenset({("junk", q, i)}) for i in range(b)] for q in range(world)]
+                                if r == root else [])
+            elif coll == "scatter":
+                self.send[r] = ([[frozenset({(r, q, i)}) for i in range(b)] for q in range(world)]
+                                if r == root else [])
+                self.recv[r] = [[frozenset({("junk", r, i)}) for i in range(b)]]
+            elif coll == "barrier":
+                self.data[r] = []
+            self.scratch[r] = []
+
+    def split(self, src: int, dst: int) -> int:
+        return (src + dst) % 3 + self.count
+
+    def plan_args(self, r: int) -> dict:
+        send = [len(x) for x in self.send.get(r, [])]
+        recv = [len(x) for x in self.recv.get(r, [])]
+        return dict(count=self.count, elem_size=1, send_bytes=send, recv_bytes=recv, root=self.root)
+
+    def region(self, r: int, span) -> tuple[list, int, int]:
+        kind, block, off, nbytes = span
+        buf = {"data": lambda: self.data[r], "scratch": lambda: self.scratch[r],
+               "send": lambda: self.send[r][block], "recv": lambda: self.recv[r][block]}[kind]()
+        assert off + nbytes <= len(buf), f"rank {r}: span {span} outside its buffer ({len(buf)})"
+        return buf, off, nbytes
+
+
+def _overlap(a, b) -> bool:
+    if a[0] != b[0] or a[1] != b[1] or a[3] == 0 or b[3] == 0:
+        return False
+    return a[2] < b[2] + b[3] and b[2] < a[2] + a[3]
+
+
+def simulate(coll: str, name: str, world: int, count: int, root: int = 0):
+    sim = Sim(coll, world, count, root)
+    plans = {}
+    for r in range(world):
+        steps, scratch = _C._plan(coll, name, world, r, **sim.plan_args(r))
+        plans[r] = steps
+        sim.scratch[r] = [frozenset({("junk-scratch", r, i)}) for i in range(scratch)]
+    nsteps = max(len(p) for p in plans.values())
+    assert all(len(p) == nsteps for p in plans.values()), "ranks disagree on the step count"
+    heard = {r: {r} for r in range(world)}  # for the barrier
+    transfer_steps = 0
+    moved = defaultdict(lambda: [0, 0])
+    reduced = defaultdict(int)
+    for s in range(nsteps):
+        sends = defaultdict(list)  # (src, dst) -> [payload]
+        recvs = defaultdict(list)
+        for r in range(world):
+            acts = plans[r][s]
+            for a in acts:
+                if a["verb"] == "send":
+                    for b in acts:
+                        if b["verb"] in ("recv", "recv_reduce"):
+                            assert not _overlap(a["src"], b["dst"]), (
+                                f"{name} rank {r} step {s} sends from memory it receives into")
+                    buf, off, nb = sim.region(r, a["src"])
+                    sends[(r, a["peer"])].append(list(buf[off:off + nb]))
+                    moved[r][0] += nb
+                elif a["verb"] in ("recv", "recv_reduce"):
+                    recvs[(a["peer"], r)].append(a)
+                    moved[r][1] += a["dst"][3]
+        if sends or recvs:
+            transfer_steps += 1
+        assert set(sends) == set(recvs), f"{name} step {s}: unpaired transfers"
+        snapshot_heard = {r: set(h) for r, h in heard.items()}
+        for key, payloads in sends.items():
+            src, dst = key
+            assert len(payloads) == len(recvs[key]), f"{name} step {s} {key}: count mismatch"
+            for payload, a in zip(payloads, recvs[key]):
+                buf, off, nb = sim.region(dst, a["dst"])
+                assert nb == len(payload), f"{name} step {s} {key}: size {len(payload)} into {nb}"
+                for i, lab in enumerate(payload):
+                    if a["verb"] == "recv":
+                        buf[off + i] = lab
+                    else:
+                        assert not (buf[off + i] & lab), (
+                            f"{name} step {s}: rank {dst} reduces a contribution twice")
+                        buf[off + i] = buf[off + i] | lab
+                if a["verb"] == "recv_reduce":
+                    reduced[dst] += nb
+                heard[dst] |= snapshot_heard[src]
+        for r in range(world):
+            for a in plans[r][s]:
+                if a["verb"] in ("copy", "reduce"):
+                    sbuf, soff, snb = sim.region(r, a["src"])
+                    dbuf, doff, dnb = sim.region(r, a["dst"])
+                    assert snb == dnb
+                    vals = list(sbuf[soff:soff + snb])
+                    for i, lab in enumerate(vals):
+                        if a["verb"] == "copy":
+                            dbuf[doff + i] = lab
+                        else:
+                            assert not (dbuf[doff + i] & lab), f"{name}: local reduce twice"
+                            dbuf[doff + i] = dbuf[doff + i] | lab
+                    if a["verb"] == "reduce":
+                        reduced[r] += snb
+    return sim, transfer_steps, moved, reduced, heard
+
+
+def expected_check(sim: Sim, heard) -> None:
+    n, c = sim.n, sim.count
+    for r in range(n):
+        if sim.coll == "allreduce":
+            assert sim.data[r] == [frozenset((q, i) for q in range(n)) for i in range(c)]
+        elif sim.coll == "broadcast":
+            assert sim.data[r] == [frozenset({(sim.root, i)}) for i in range(c)]
+        elif sim.coll == "reduce" and r == sim.root:
+            assert sim.data[r] == [frozenset((q, i) for q in range(n)) for i in range(c)]
+        elif sim.coll == "reduce":
+            assert sim.data[r] == [frozenset({("out", r, i)}) for i in range(c)], "non-root output written"
+        elif sim.coll == "allgather":
+            assert sim.recv[r] == [[frozenset({(q, i)}) for i in range(c)] for q in range(n)]
+        elif sim.coll == "reduce_scatter":
+            assert sim.recv[r] == [[frozenset((q, r, i) for q in range(n)) for i in range(c)]]
+        elif sim.coll == "alltoall":
+            assert sim.recv[r] == [[frozenset({(q, r, i)}) for i in range(sim.split(q, r))]
+                                   for q in range(n)]
+        elif sim.coll == "gather" and r == sim.root:
+            assert sim.recv[r] == [[frozenset({(q, i)}) for i in range(c)] for q in range(n)]
+        elif sim.coll == "scatter":
+            assert sim.recv[r] == [[frozenset({(sim.root, r, i)}) for i in range(c)]]
+        elif sim.coll == "barrier":
+            assert heard[r] == set(range(n)), f"rank {r} may leave before hearing from all"
+
+
+def _total_bytes(coll: str, world: int, count: int) -> float:
+    if coll in ("allgather", "reduce_scatter", "gather", "scatter", "alltoall"):
+        return float(count * world)
+    return float(count)
+
+
+@pytest.mark.parametrize("coll,name", PLANNED, ids=[f"{c}:{n}" for c, n in PLANNED])
+def test_plan_invariants(coll: str, name: str) -> None:
+    for world in range(1, 17):
+        if (coll, name) in POW2_ONLY and world & (world - 1):
+            continue
+        for count in ([0] if coll == "barrier" else _counts(world)):
+            for root in sorted({0, world - 1, world // 2}):
+                if root and coll not in ("broadcast", "reduce", "gather", "scatter"):
+                    continue
+                ctx = f"{coll}:{name} world={world} count={count} root={root}"
+                try:
+                    sim, steps, moved, reduced, heard = simulate(coll, name, world, count, root)
+                    expected_check(sim, heard)
+                except AssertionError as exc:
+                    raise AssertionError(f"{ctx}: {exc}") from None
+                cost = _C._algorithm_cost(coll, name, _total_bytes(coll, world, count), world)
+                if count > 0 or coll == "barrier":
+                    assert steps == cost["steps"], f"{ctx}: {steps} steps, declared {cost['steps']}"
+                if coll == "alltoall" or count == 0:
+                    continue
+                busiest = max(max(v) for v in moved.values()) if moved else 0
+                # Uneven chunks add at most an element per step.
+                assert abs(busiest - cost["bytes_moved"]) <= steps + 1e-9, (
+                    f"{ctx}: busiest rank moves {busiest} B, declared {cost['bytes_moved']}")
+                most_reduced = max(reduced.values()) if reduced else 0
+                assert most_reduced <= cost["bytes_reduced"] + steps + count * (world > 1), (
+                    f"{ctx}: reduces {most_reduced} B, declared {cost['bytes_reduced']}")
+
+
+def test_registry_and_overrides() -> None:
+    algos = torchdist_ext.algorithms()
+    assert {"ring", "rhd", "direct", "shm", "shm_direct"} <= set(algos["allreduce"])
+    with pytest.raises(ValueError, match="unknown allreduce algorithm 'nope'"):
+        torchdist_ext.set_algorithm("allreduce", "nope")
+    with pytest.raises(ValueError, match="unknown collective"):
+        torchdist_ext.set_algorithm("allreduse", "ring")
+    try:
+        torchdist_ext.set_algorithm("allreduce", "ring")
+        assert torchdist_ext.get_algorithm("allreduce") == "ring"
+        assert torchdist_ext.predict("allreduce", 1 << 20, 4)[0] == "ring"
+        torchdist_ext.set_algorithm("allgather", "rd")
+        with pytest.raises(ValueError, match="power-of-two"):
+            torchdist_ext.predict("allgather", 1 << 20, 3)
+        with pytest.raises(ValueError, match="one host"):
+            torchdist_ext.set_algorithm("allreduce", "shm")
+            torchdist_ext.predict("allreduce", 1 << 20, 4, same_host=False)
+    finally:
+        torchdist_ext.set_algorithm("allreduce", "auto")
+        torchdist_ext.set_algorithm("allgather", "auto")
+    # auto: the model's cheapest; the message algorithms across hosts.
+    assert torchdist_ext.predict("allreduce", 1 << 24, 4)[0] in ("shm", "shm_direct")
+    assert torchdist_ext.predict("allreduce", 1 << 24, 4, same_host=False)[0] in ("ring", "rhd")
+    assert torchdist_ext.predict("allreduce", 64, 8, same_host=False)[0] in ("direct", "rhd")
+
+
+def _sweep(rank: int, world: int) -> list[str]:
+    """Runs every algorithm (pinned) on this rank; returns failures."""
+    assert rank == dist.get_rank()
+    failures = []
+
+    def check(label, got, want):
+        if not torch.equal(got, want):
+            bad = (got != want).nonzero()
+            failures.append(f"{label}: rank {rank} first bad index {bad[0].tolist()} "
+                            f"got {got.flatten()[:8].tolist()} want {want.flatten()[:8].tolist()}")
+
+    for coll, name in ALL:
+        if (coll, name) in POW2_ONLY and world & (world - 1):
+            continue
+        torchdist_ext.set_algorithm(coll, name)
+        try:
+            for count in ([0] if coll == "barrier" else _counts(world)):
+                i = torch.arange(count, dtype=torch.int64)
+                label = f"{coll}:{name} world={world} count={count}"
+                # Each rank's contribution sits in its own 4-bit field: a missing or
+                # doubled contribution changes the sum visibly.
+                mine = (i % 7 + 1) << (4 * rank)
+                full = sum((i % 7 + 1) << (4 * q) for q in range(world)) if count else i
+                if coll == "allreduce":
+                    t = mine.clone()
+                    dist.all_reduce(t)
+                    check(label, t, full)
+                    f = (mine.double() * 0.5).float()
+                    dist.all_reduce(f, op=dist.ReduceOp.MAX)
+                    check(label + " max", f, ((i % 7 + 1) << (4 * (world - 1))).double().mul(0.5).float())
+                elif coll == "broadcast":
+                    root = world - 1
+                    t = (i * 10 + rank).clone()
+                    dist.broadcast(t, src=root)
+                    check(label, t, i * 10 + root)
+                elif coll == "reduce":
+                    root = world // 2
+                    t = mine.clone()
+                    dist.reduce(t, dst=root)
+                    check(label, t, full if rank == root else mine)
+                elif coll == "allgather":
+                    out = torch.full((world * count,), -1, dtype=torch.int64)
+                    dist.all_gather_into_tensor(out, i * 10 + rank)
+                    want = torch.cat([i * 10 + q for q in range(world)]) if count else out
+                    check(label, out, want)
+                elif coll == "reduce_scatter":
+                    blocks = torch.cat([(i + 100 * q) << (4 * rank) for q in range(world)]) if count \
+                        else torch.zeros(0, dtype=torch.int64)
+                    out = torch.full((count,), -1, dtype=torch.int64)
+                    dist.reduce_scatter_tensor(out, blocks)
+                    want = sum((i + 100 * rank) << (4 * q) for q in range(world)) if count else out
+                    check(label, out, want)
+                elif coll == "alltoall":
+                    splits = [(rank + q) % 3 + count for q in range(world)]
+                    recv_splits = [(q + rank) % 3 + count for q in range(world)]
+                    src = torch.cat([torch.full((s,), rank * 100 + q, dtype=torch.int64)
+                                     for q, s in enumerate(splits)])
+                    out = torch.full((sum(recv_splits),), -1, dtype=torch.int64)
+                    dist.all_to_all_single(out, src, recv_splits, splits)
+                    want = torch.cat([torch.full((s,), q * 100 + rank, dtype=torch.int64)
+                                      for q, s in enumerate(recv_splits)])
+                    check(label, out, want)
+                elif coll == "barrier":
+                    dist.barrier()
+                elif coll == "gather":
+                    root = world - 1
+                    lst = [torch.full((count,), -1, dtype=torch.int64) for _ in range(world)] \
+                        if rank == root else None
+                    dist.gather(i * 10 + rank, lst, dst=root)
+                    if rank == root:
+                        for q in range(world):
+                            check(f"{label} block {q}", lst[q], i * 10 + q)
+                elif coll == "scatter":
+                    root = 0
+                    out = torch.full((count,), -1, dtype=torch.int64)
+                    lst = [i * 10 + q for q in range(world)] if rank == root else None
+                    dist.scatter(out, lst, src=root)
+                    check(label, out, i * 10 + rank)
+        finally:
+            torchdist_ext.set_algorithm(coll, "auto")
+    return failures
+
+
+@pytest.mark.parametrize("world", range(1, 9))
+def test_every_algorithm_through_the_backend(world: int) -> None:
+    results = run_ranks(_sweep, world, timeout=120)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:20])
