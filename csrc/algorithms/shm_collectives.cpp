@@ -5,8 +5,9 @@
 // posts the same number of times per op, so "all counters >= my counter" means "every
 // rank is at least where I am", and the ranks never need to agree on anything else.
 //
-// Bytes of memory traffic per rank for all_reduce of S bytes (shm): copy in S, reduce
-// (N-1)/N S from other slots, copy out S; signals: 3 per chunk of half a slot. The direct
+// Memory traffic per rank for all_reduce of S bytes (shm): copy in the (N-1)/N S others
+// reduce, reduce (N-1)/N S of theirs into this rank's own piece in place and publish it
+// (S/N), copy out (N-1)/N S; signals: 3 per chunk of half a slot. The direct
 // variant reduces all N slots (N-1) S but needs a single signal per chunk on its
 // critical path, which wins for small messages.
 #include "algorithms/shm_collectives.h"
@@ -42,21 +43,28 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
   for (size_t first = 0; first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     char* src = data + first * elemSize;
+    auto at = [&](int q) { return pieceBegin(cnt, n, q) * elemSize; };
+    auto len = [&](int q) { return pieceCount(cnt, n, q) * elemSize; };
     const int h = w.acquireHalf(wc);
-    std::memcpy(w.half(r, h), src, cnt * elemSize);
+    char* mine = w.half(r, h);
+    // Only the pieces other ranks reduce go into the slot; this rank's own piece is
+    // reduced in place in its buffer.
+    for (int q = 0; q < n; ++q) {
+      if (q != r) std::memcpy(mine + at(q), src + at(q), len(q));
+    }
     w.post();
     w.waitAll(w.posted(), wc);
-    // This rank's piece of the chunk, reduced from every slot into its own slot.
-    const size_t off = pieceBegin(cnt, n, r) * elemSize;
-    const size_t mine = pieceCount(cnt, n, r);
-    for (int q = 0; q < n; ++q) {
-      if (q != r && mine > 0) reduce(w.half(r, h) + off, w.half(q, h) + off, mine);
+    if (len(r) > 0) {
+      for (int q = 0; q < n; ++q) {
+        if (q != r) reduce(src + at(r), w.half(q, h) + at(r), len(r) / elemSize);
+      }
+      // Published for the others; the slot's piece r is not read by anyone until now.
+      std::memcpy(mine + at(r), src + at(r), len(r));
     }
     w.post();
     w.waitAll(w.posted(), wc);
     for (int q = 0; q < n; ++q) {
-      const size_t o = pieceBegin(cnt, n, q) * elemSize;
-      std::memcpy(src + o, w.half(q, h) + o, pieceCount(cnt, n, q) * elemSize);
+      if (q != r) std::memcpy(src + at(q), w.half(q, h) + at(q), len(q));
     }
     w.post();
     w.releaseHalf(h);
@@ -179,7 +187,8 @@ void shmBarrier(HostWindow& w, const WaitContext& wc) {
 
 Cost shmAllreduceCost(double bytes, int n) {
   if (n == 1) return {};
-  return {3 * chunks(bytes, halfBytes()), 2 * bytes, double(n - 1) / n * bytes};
+  return {3 * chunks(bytes, halfBytes()), double(2 * n - 1) / n * bytes,
+          double(n - 1) / n * bytes};
 }
 
 Cost shmDirectAllreduceCost(double bytes, int n) {

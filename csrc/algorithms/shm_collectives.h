@@ -22,7 +22,8 @@ using transport::HostWindow;
 using transport::WaitContext;
 
 // Reduce-scatter then all-gather through the window: each rank reduces 1/N of every
-// chunk from all slots; 3 signals per chunk. For medium and large messages.
+// chunk, from the others' slots into its own buffer, and publishes it; 3 signals per
+// chunk. For medium and large messages.
 void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
                   size_t elemSize, kernels::ReduceFn reduce);
 // Every rank reduces every slot itself, in rank order (identical bits everywhere); one

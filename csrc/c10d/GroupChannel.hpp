@@ -59,6 +59,10 @@ class GroupChannel final : public algorithms::Channel {
   uint32_t stepsDone() const {
     return stepsDone_;
   }
+  // Steps done outside the channel (signals of a shared-memory algorithm).
+  void addSteps(uint32_t n) {
+    stepsDone_ += n;
+  }
 
  private:
   struct Posted {

@@ -28,6 +28,21 @@ void run(GroupChannel& ch, const ProcessGroupTDX::Selected& sel, const PlanArgs&
                       algorithms::defaultSegmentBytes());
 }
 
+// Counts a shared-memory op's signals as its steps (for the flight recorder), also when
+// it fails part way.
+class ShmSteps {
+ public:
+  ShmSteps(GroupChannel& ch, const transport::HostWindow& w) : ch_(ch), w_(w), start_(w.posted()) {}
+  ~ShmSteps() {
+    ch_.addSteps(static_cast<uint32_t>(w_.posted() - start_));
+  }
+
+ private:
+  GroupChannel& ch_;
+  const transport::HostWindow& w_;
+  uint64_t start_;
+};
+
 size_t totalBytes(const std::vector<Block>& blocks) {
   size_t t = 0;
   for (const auto& b : blocks) t += b.bytes;
@@ -41,6 +56,7 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, 
   auto sel = pg.select(Collective::Allreduce, double(count * elemSize), ch, "all_reduce");
   if (ch.size() == 1 || count == 0) return;
   if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
     if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
       algorithms::shmDirectAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
     } else {
@@ -60,6 +76,7 @@ void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, 
   auto sel = pg.select(Collective::Broadcast, double(bytes), ch, "broadcast");
   if (ch.size() == 1) return;
   if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
     algorithms::shmBroadcast(*sel.window, sel.wait, data, bytes, root);
     return;
   }
@@ -75,6 +92,7 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
             size_t elemSize, kernels::ReduceFn fn, int root) {
   auto sel = pg.select(Collective::Reduce, double(count * elemSize), ch, "reduce");
   if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
     algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root);
     return;
   }
@@ -93,6 +111,7 @@ void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& 
   auto sel = pg.select(Collective::Allgather, double(totalBytes(blocks)), ch, "all_gather");
   if (ch.size() == 1) return;
   if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
     algorithms::shmAllgather(*sel.window, sel.wait, blocks[ch.rank()].data, blocks);
     return;
   }
@@ -109,6 +128,7 @@ void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Bloc
                        "reduce_scatter");
   const size_t bytes = inputs[ch.rank()].bytes;
   if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
     algorithms::shmReduceScatter(*sel.window, sel.wait, inputs, output, elemSize, fn);
     return;
   }
@@ -138,6 +158,7 @@ void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
   auto sel = pg.select(Collective::Barrier, 0, ch, "barrier");
   if (ch.size() == 1) return;
   if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
     algorithms::shmBarrier(*sel.window, sel.wait);
     return;
   }

@@ -213,11 +213,17 @@ void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const W
       if (now >= wc.deadline) {
         std::string list;
         for (int r : who) list += (list.empty() ? "" : ", ") + std::to_string(r);
-        throw std::runtime_error("timed out in " + std::string(wc.what) +
-                                 " waiting for rank(s) " + list +
-                                 " in shared memory; those ranks have not reached this op or "
-                                 "are behind. Every rank must call the same collectives in "
-                                 "the same order");
+        std::string reached = std::to_string(rank_);
+        for (int r : ranks) {
+          if (std::find(who.begin(), who.end(), r) == who.end()) {
+            reached += ", " + std::to_string(r);
+          }
+        }
+        throw std::runtime_error("timed out in " + std::string(wc.what) + " waiting for rank" +
+                                 (who.size() > 1 ? "s " : " ") + list +
+                                 " in shared memory (ranks that got this far: " + reached +
+                                 "); the others have not reached this op or are behind. Every "
+                                 "rank must call the same collectives in the same order");
       }
       nextCheck = now + std::chrono::milliseconds(20);
     }
