@@ -149,3 +149,140 @@ def test_options_and_sizes() -> None:
                                       "-f", "4", "-n", "3", "-w", "1", "--backends", "gloo"])
     assert parsed.ops == ("broadcast", "reduce") and parsed.maxbytes == 1 << 20
     assert (parsed.iters, parsed.warmup, parsed.stepfactor) == (3, 1, 4)
+
+
+# ---------------------------------------------------------------------------------------
+# Pinned algorithms (tdx:<algo>), --check-auto, calibrate
+# ---------------------------------------------------------------------------------------
+
+def test_bench_pinned_algorithms(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One spawn of 2 ranks: tdx (auto) and tdx:<algo> labels side by side with gloo.
+
+    Every label gets its own rows and right results; an algorithm an op lacks is left out
+    with a note; the backend log (TDX_DEBUG=INFO, inherited by the ranks) shows that the
+    pinned algorithm really ran; --check-auto prints its verdict per op.
+    """
+    import torchdist_ext
+
+    monkeypatch.setenv("TDX_DEBUG", "INFO")
+    path = tmp_path / "rows.json"
+    rc = bench.main(["--op", "all_reduce,all_gather,broadcast", "--backends",
+                     "tdx,tdx:ring,tdx:rd,tdx:shm,gloo", "--world", "2", "-b", "1K", "-e", "4K",
+                     "-f", "4", "-n", "2", "-w", "1", "--json", str(path), "--no-progress",
+                     "--check-auto"])
+    captured = capfd.readouterr()
+    out, err = captured.out, captured.err
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    assert rc == 0
+    assert doc["meta"]["backends"] == ["tdx", "tdx:ring", "tdx:rd", "tdx:shm", "gloo"]
+    assert doc["meta"]["groups"] == ["tdx", "gloo"]
+    labels = {op: {r["backend"] for r in rows if r["op"] == op} for op in
+              ("all_reduce", "all_gather", "broadcast")}
+    assert labels["all_reduce"] == {"tdx", "tdx:ring", "tdx:shm", "gloo"}  # no rd all_reduce
+    assert labels["all_gather"] == {"tdx", "tdx:ring", "tdx:rd", "tdx:shm", "gloo"}
+    assert labels["broadcast"] == {"tdx", "tdx:shm", "gloo"}
+    notes = " | ".join(doc["meta"]["notes"])
+    assert "tdx:rd left out of all_reduce" in notes and "tdx:ring left out of broadcast" in notes
+    collective = {"all_reduce": "allreduce", "all_gather": "allgather", "broadcast": "broadcast"}
+    for r in rows:
+        where = f"{r['op']} {r['backend']} {r['size']}"
+        assert r["oop_error"] is None and r["ip_error"] is None, where
+        assert r["oop_wrong"] == 0 and r["ip_wrong"] == 0, where
+        assert r["oop_time_us"] > 0 and r["ip_time_us"] > 0, where
+        if r["backend"] == "gloo":
+            assert r["algo"] is None and r["pinned"] is None, where
+        elif r["backend"] == "tdx":
+            assert not r["pinned"], where
+            assert r["algo"] == torchdist_ext.predict(collective[r["op"]], r["size"], 2)[0], where
+            assert r["predicted_us"] > 0, where
+        else:
+            assert r["pinned"] and r["algo"] == r["backend"].split(":")[1], where
+    # rows of one size are back to back, in the order asked for
+    first = [r["backend"] for r in rows if r["op"] == "all_gather" and r["size"] == 1024]
+    assert first == ["tdx", "tdx:ring", "tdx:rd", "tdx:shm", "gloo"]
+    assert " algo " in out and "tdx:shm" in out and "# Wrong elements : 0 OK" in out
+    # the backend's own log: the pinned algorithms ran as pinned
+    for name in ("ring", "rd", "shm"):
+        assert f"B: {name} (predicted" in err and ", pinned)" in err, name
+    for op in ("all_reduce", "all_gather", "broadcast"):
+        assert f"# check-auto {op}: auto " in out, op
+    assert "tdx vs gloo" in out and "tdx vs tdx:ring" not in out
+
+
+def test_labels_for_op_and_backend_options() -> None:
+    """Which tdx:<algo> labels run an op, and the notes for those left out (no spawn)."""
+    from torchdist_ext.bench import core
+
+    labels, notes = core.labels_for_op("all_gather", ("tdx", "tdx:rd", "tdx:ring", "gloo"), 3,
+                                       True)
+    assert [lb.label for lb in labels] == ["tdx", "tdx:ring", "gloo"]
+    assert len(notes) == 1 and "tdx:rd" in notes[0] and "power-of-two" in notes[0]
+    labels, notes = core.labels_for_op("all_reduce", ("tdx:all",), 2, False)
+    assert [lb.algo for lb in labels] == ["ring", "rhd", "direct"]
+    assert len(notes) == 2 and all("one host" in n for n in notes)
+    labels, _ = core.labels_for_op("broadcast", ("tdx", "tdx:all"), 4, True)
+    assert [lb.label for lb in labels] == ["tdx", "tdx:tree", "tdx:shm"]
+    assert core.unusable("all_reduce", "direct", 64 << 20, 2, True)  # scratch limit
+    assert core.unusable("all_reduce", "direct", 1 << 20, 2, True) == ""
+    assert Options(backends="TDX:Ring, tdx:auto,gloo").backends == ("tdx:ring", "tdx", "gloo")
+    assert Options(backends="tdx:ring,gloo").groups == ("tdx", "gloo")
+    assert Options(backends="gloo", check_auto="report").backends == ("tdx", "gloo", "tdx:all")
+    for bad in ("gloo:ring", "tdx:bogus", "tdx:"):
+        with pytest.raises(ValueError):
+            Options(backends=bad)
+    assert Options(sizes="4K,1K,4K").sizes == (1024, 4096)
+    assert bench.sizes_for(bench.OPS["all_reduce"], Options(sizes=(8, 16)), 2) == [(8, 2),
+                                                                                   (16, 4)]
+
+
+def _row(op: str, backend: str, size: int, t: float | None, algo: str | None) -> dict:
+    ok = t is not None
+    return {"op": op, "backend": backend, "size": size, "algo": algo,
+            "oop_time_us": t, "oop_error": None if ok else "x",
+            "ip_time_us": t, "ip_error": None if ok else "x"}
+
+
+def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--check-auto on made-up rows: within, lost, noise; strict makes main fail."""
+    from torchdist_ext.bench import cli, report
+
+    rows = [
+        # all_reduce: auto within 5% at 1K, loses 50% at 2K by picking ring over shm
+        _row("all_reduce", "tdx", 1024, 105.0, "shm"),
+        _row("all_reduce", "tdx:ring", 1024, 200.0, "ring"),
+        _row("all_reduce", "tdx:shm", 1024, 100.0, "shm"),
+        _row("all_reduce", "tdx", 2048, 150.0, "ring"),
+        _row("all_reduce", "tdx:ring", 2048, 140.0, "ring"),
+        _row("all_reduce", "tdx:shm", 2048, 100.0, "shm"),
+        _row("all_reduce", "gloo", 2048, 50.0, None),  # other backends do not count
+        # broadcast: slower than its own pinned run (same algorithm): noise, not a loss
+        _row("broadcast", "tdx", 1024, 130.0, "shm"),
+        _row("broadcast", "tdx:shm", 1024, 100.0, "shm"),
+        _row("broadcast", "tdx:tree", 1024, 300.0, "tree"),
+        # all_gather: nothing pinned
+        _row("all_gather", "tdx", 1024, 10.0, "shm"),
+    ]
+    assert report.auto_losses(rows) == {"all_reduce": [2048], "broadcast": [],
+                                        "all_gather": []}
+    assert report.auto_losses(rows, tolerance=0.6) == {"all_reduce": [], "broadcast": [],
+                                                       "all_gather": []}
+    entry = report.compare_auto(rows)["all_reduce"][1]
+    assert entry["best"] == "tdx:shm" and entry["loss"] == pytest.approx(0.5) and entry["lost"]
+    text = "\n".join(report.check_auto_lines(rows))
+    assert "# check-auto all_reduce: auto lost by >10% at 1 of 2 sizes: 2048 B (+50.0%: " \
+           "picked ring, best shm)" in text
+    assert "# check-auto broadcast: auto picked the fastest algorithm" in text
+    assert "timing noise" in text
+    assert "# check-auto all_gather: no pinned tdx:<algorithm> rows" in text
+    good = [r for r in rows if r["size"] == 1024 and r["op"] == "all_reduce"]
+    assert "auto within 5.0% of best at every size" in "\n".join(report.check_auto_lines(good))
+
+    for r in rows:
+        r.update(oop_wrong=0, ip_wrong=0)
+    monkeypatch.setattr(cli, "run", lambda opts: rows)
+    assert cli.main(["--backends", "tdx,tdx:all", "--check-auto"]) == 0
+    assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict"]) == 1
+    assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict",
+                     "--auto-tolerance", "60"]) == 0

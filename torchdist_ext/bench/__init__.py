@@ -4,8 +4,9 @@ Every backend under test gets its own group (``dist.new_group(backend=...)``) in
 same processes, so one run puts, say, tdx and gloo side by side on the same machine. Each
 row is checked against the exact result of known inputs (``#wrong`` counts bad elements)
 and timed: a barrier, then ``iters`` back-to-back ops; the reported time is the maximum
-over ranks of the mean time per op, combined over a separate gloo CPU group so the
-bookkeeping never runs on the backend under test. ``algbw = size / time`` with the buffer
+over ranks of the mean time per op (``--stat median``: of the median of the iterations
+timed one by one), combined over a separate gloo CPU group so the bookkeeping never runs
+on the backend under test. ``algbw = size / time`` with the buffer
 size nccl-tests reports for the op; ``busbw = algbw * factor`` with nccl-tests' factors:
 all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, reduce 1.
 
@@ -26,6 +27,25 @@ Usage::
     # under torchrun the ranks come from the environment; rank 0 prints
     torchrun --nproc-per-node 4 -m torchdist_ext.bench --op all --dtype bfloat16
 
+    # tdx with each algorithm pinned, next to auto: is auto within 10% of the best?
+    python -m torchdist_ext.bench --backends tdx,tdx:ring,tdx:rhd,tdx:shm,gloo --check-auto
+    python -m torchdist_ext.bench --op all --backends tdx,tdx:all --check-auto=strict
+
+Backends: ``tdx``, ``gloo``, ``nccl``, and ``tdx:<algorithm>`` (``torchdist_ext.algorithms()``
+lists them per collective): tdx with that algorithm pinned (``set_algorithm``, on every
+rank, right before the label's rows; the previous choice, normally auto, comes back right
+after). All tdx labels share one tdx group. ``tdx:all`` is every algorithm of each op. An
+op without that algorithm, or one it cannot run at this world size or placement (``rd``
+at 3 ranks, ``shm`` across hosts), is left out with a note; a size it cannot run (direct
+all_reduce's scratch limit) is a skipped row. Each label is its own group of rows, its
+own ``Avg bus bandwidth`` entry and its own line in ``--plot``.
+
+``--check-auto`` compares, per op and size, plain tdx (auto) with the fastest pinned
+algorithm (in-place times; out-of-place for all_to_all) and prints a verdict per op;
+auto loses a size when it is more than ``--auto-tolerance`` (10%) slower and picked a
+different algorithm (slower while running the fastest algorithm itself is reported as
+timing noise). ``--check-auto=strict`` exits 1 when auto lost anywhere.
+
 From Python::
 
     from torchdist_ext.bench import Options, run
@@ -39,12 +59,16 @@ alone. all_gather's in-place form passes this rank's chunk of the output as the 
 reduce_scatter's passes this rank's chunk of the input as the output. all_to_all has no
 in-place form. Out-of-place ops also count elements of their input that changed as wrong.
 
-Each row (``run``'s result and ``--json``'s ``rows``) holds: op, backend, world, device,
-size (bytes), count (elements), dtype, redop, root, and for ``oop_`` (out-of-place) and
-``ip_`` (in-place, None where there is none): ``time_us``, ``algbw_gb_s``,
-``busbw_gb_s`` (GB/s = 1e9 bytes/s), ``wrong`` (None with --check 0) and ``error``
-(None, or why the op failed on that backend); then iters, warmup, host, torch_version,
-tdx_version, ucx_version, date.
+Each row (``run``'s result and ``--json``'s ``rows``) holds: op, backend (the label, e.g.
+``tdx:ring``), world, device, size (bytes), count (elements), dtype, redop, root; for tdx
+labels ``algo`` (the pinned algorithm, or the one auto picks as ``torchdist_ext.predict``
+says; None for auto on CUDA tensors), ``pinned`` and ``predicted_us`` (the cost model's
+time; None for other backends); for ``oop_`` (out-of-place) and ``ip_`` (in-place, None
+where there is none): ``time_us``, ``algbw_gb_s``, ``busbw_gb_s`` (GB/s = 1e9 bytes/s),
+``wrong`` (None with --check 0) and ``error`` (None, or why the op failed or was
+skipped on that backend); then iters, warmup, stat, host, torch_version, tdx_version,
+ucx_version, date. ``--json``'s ``meta`` lists the labels as ``backends`` and the groups
+created as ``groups``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
                         "default all_reduce")
     p.add_argument("--backends", default="tdx,gloo",
-                   help="comma-separated backends under test (tdx, gloo, nccl); default tdx,gloo")
+                   help="comma-separated backends under test (tdx, gloo, nccl); tdx:ALGO pins "
+                        "a tdx algorithm for each op (tdx:ring, tdx:shm, ...; "
+                        "torchdist_ext.algorithms() lists them), tdx:all every algorithm of "
+                        "each op; default tdx,gloo")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="tensor device; with cuda rank r uses cuda:(r %% device_count)")
@@ -46,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5,
                    help="untimed iterations before timing (default 5)")
+    p.add_argument("--stat", choices=("mean", "median"), default="mean",
+                   help="per-op time: mean over the timed loop (default), or median of each "
+                        "iteration timed alone (steadier on a busy machine)")
     p.add_argument("-d", "--dtype", default="float32",
                    help="any torch dtype name (default float32)")
     p.add_argument("-o", "--redop", default="sum", help=f"{', '.join(REDOPS)} (default sum)")
@@ -57,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plot busbw vs size, one line per backend (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="process-group timeout in seconds (default 300)")
+    p.add_argument("--check-auto", nargs="?", const="report", choices=("report", "strict"),
+                   help="compare tdx (auto) with the fastest pinned tdx:ALGO at every size "
+                        "and print a verdict per op (adds tdx and tdx:all to --backends when "
+                        "they have no plain tdx or no tdx:ALGO); =strict: exit 1 when auto "
+                        "lost")
+    p.add_argument("--auto-tolerance", type=float, default=10.0, metavar="PCT",
+                   help="--check-auto: how much slower than the best auto may be, in "
+                        "percent (default 10)")
     p.add_argument("-q", "--quiet", action="store_true", help="print no tables")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress indicator on stderr")
@@ -73,7 +87,8 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
                        iters=a.iters, warmup=a.warmup, dtype=a.dtype, redop=a.redop,
                        root=a.root, check=bool(a.check), json_path=a.json_path,
                        plot_path=a.plot_path, timeout=a.timeout, quiet=a.quiet,
-                       progress=a.progress)
+                       progress=a.progress, stat=a.stat, check_auto=a.check_auto,
+                       auto_tolerance=a.auto_tolerance / 100.0)
     except ValueError as exc:
         parser.error(str(exc))
     if opts.plot_path and (why := report.matplotlib_missing()):
@@ -82,9 +97,13 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: 0 when every checked element was right, 1 otherwise."""
-    rows = run(options_from_args(argv))
+    """Entry point: 0 when every checked element was right (and, with
+    ``--check-auto=strict``, auto never lost), 1 otherwise."""
+    opts = options_from_args(argv)
+    rows = run(opts)
     wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
+    if opts.check_auto == "strict" and any(report.auto_losses(rows, opts.auto_tolerance).values()):
+        return 1
     return 0 if wrong == 0 else 1
 
 

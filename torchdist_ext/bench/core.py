@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 __all__ = [
     "ALL_OPS",
     "BACKENDS",
+    "COLLECTIVES",
+    "Label",
     "REDOPS",
     "OpSpec",
     "Options",
@@ -23,12 +25,15 @@ __all__ = [
     "canonical_op",
     "count_wrong",
     "expected_output",
+    "labels_for_op",
     "make_input",
+    "parse_backend",
     "parse_dtype",
     "parse_size",
     "poison",
     "sizes_for",
     "sweep",
+    "unusable",
 ]
 
 KNOWN_BACKENDS = ("tdx", "gloo", "nccl")
@@ -135,6 +140,96 @@ def canonical_op(name: str) -> str:
     return key
 
 
+# The tdx registry's collective for each op (torchdist_ext.algorithms(), set_algorithm()).
+COLLECTIVES = {
+    "all_reduce": "allreduce",
+    "all_gather": "allgather",
+    "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "all_to_all": "alltoall",
+}
+
+TDX = "tdx"
+ALL_ALGORITHMS = "all"
+
+
+def parse_backend(label: str) -> tuple[str, str | None]:
+    """``("tdx", None)`` from ``"tdx"`` (or ``"tdx:auto"``), ``("tdx", "ring")`` from
+    ``"tdx:ring"``, ``("gloo", None)`` from ``"gloo"``. Only tdx takes an algorithm."""
+    base, sep, algo = label.strip().lower().partition(":")
+    if not sep:
+        return base, None
+    algo = algo.strip()
+    if base != TDX:
+        raise ValueError(f"{label!r}: only tdx takes an algorithm (tdx:<algorithm>)")
+    if not algo:
+        raise ValueError(f"{label!r}: no algorithm after 'tdx:'")
+    return base, None if algo == "auto" else algo
+
+
+def _label(base: str, algo: str | None) -> str:
+    return base if algo is None else f"{base}:{algo}"
+
+
+@dataclass(frozen=True)
+class Label:
+    """One column group of the tables: a backend, and for tdx optionally a pinned algorithm."""
+
+    label: str
+    backend: str
+    algo: str | None = None
+
+
+def _tdx_algorithms() -> dict[str, list[str]]:
+    import torchdist_ext
+
+    return torchdist_ext.algorithms()
+
+
+def unusable(op: str, algo: str, nbytes: int, world: int, same_host: bool) -> str:
+    """Why tdx cannot run ``op`` of ``nbytes`` at ``world`` ranks with ``algo`` pinned
+    (``""`` when it can): a power-of-two-only algorithm, a shared-memory one without every
+    rank on one host, or a size limit."""
+    from torchdist_ext import _C
+
+    info = _C._algorithm_cost(COLLECTIVES[op], algo, float(nbytes), int(world))
+    if info["unusable"]:
+        return str(info["unusable"])
+    if info["link"] == "shm" and not same_host:
+        return "needs every rank of the group on one host"
+    return ""
+
+
+def labels_for_op(op: str, labels: tuple[str, ...], world: int,
+                  same_host: bool) -> tuple[list[Label], list[str]]:
+    """The labels that run ``op`` (``tdx:all`` expanded into every algorithm of the op), and
+    a note for each pinned algorithm left out: it does not exist for the op, or it cannot
+    run at any size at this world size / placement."""
+    known = _tdx_algorithms().get(COLLECTIVES[op], []) if any(
+        parse_backend(lb)[0] == TDX for lb in labels) else []
+    out: dict[str, Label] = {}
+    notes: list[str] = []
+    for lb in labels:
+        base, algo = parse_backend(lb)
+        if algo is None:
+            out.setdefault(base, Label(base, base))
+            continue
+        algos = known if algo == ALL_ALGORITHMS else [algo]
+        for a in algos:
+            name = _label(base, a)
+            if a not in known:
+                notes.append(f"{name} left out of {op}: tdx has no {op} algorithm {a!r} "
+                             f"(it has {', '.join(known) or 'none'})")
+                continue
+            why = unusable(op, a, 0, world, same_host)
+            if why:
+                notes.append(f"{name} left out of {op}: {a} {why}")
+                continue
+            out.setdefault(name, Label(name, base, a))
+    return list(out.values()), notes
+
+
 def _split(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
@@ -150,6 +245,15 @@ class Options:
     whole gathered / scattered buffer for all_gather, reduce_scatter and all_to_all).
     ``world`` is ignored when the process group comes from the environment (torchrun) or
     is already initialised.
+
+    A backend ``tdx:<algorithm>`` runs tdx with that algorithm pinned for each op
+    (``set_algorithm``); ``tdx:all`` stands for every algorithm of each op. ``check_auto``
+    (``"report"`` or ``"strict"``) compares plain tdx (auto) with the fastest pinned
+    algorithm per size, adding ``tdx`` and ``tdx:all`` to ``backends`` when they have no
+    plain tdx or no pinned algorithm; auto loses at a size when it is slower by more than
+    ``auto_tolerance`` (a fraction). ``sizes``, when given, replaces the minbytes .. maxbytes
+    sweep. ``stat="median"`` times each iteration on its own and reports the median, which
+    a busy machine's stalls barely move (``"mean"``: the whole loop over ``iters``).
     """
 
     ops: tuple[str, ...] = ("all_reduce",)
@@ -170,6 +274,10 @@ class Options:
     timeout: float = 300.0
     quiet: bool = False
     progress: bool = True
+    stat: str = "mean"
+    check_auto: str | None = None
+    auto_tolerance: float = 0.10
+    sizes: tuple[int, ...] | None = None
     _corrupt: bool = field(default=False, repr=False)  # test hook: spoil results before checking
 
     def __post_init__(self) -> None:
@@ -177,11 +285,35 @@ class Options:
         if any(o.lower() == "all" for o in ops):
             ops = ALL_OPS
         ops = tuple(dict.fromkeys(canonical_op(o) for o in ops))
-        backends = tuple(dict.fromkeys(b.lower() for b in _split(self.backends)))
+        backends = tuple(dict.fromkeys(_label(*parse_backend(b)) for b in _split(self.backends)))
         if not ops:
             raise ValueError("no op given")
         if not backends:
             raise ValueError("no backend given")
+        if self.check_auto not in (None, "report", "strict"):
+            raise ValueError(f"check_auto must be None, 'report' or 'strict', not "
+                             f"{self.check_auto!r}")
+        if self.check_auto:
+            # comparing auto needs auto and pinned algorithms: add what is missing
+            pinned = [b for b in backends if parse_backend(b)[1] is not None]
+            backends = ((() if TDX in backends else (TDX,)) + backends
+                        + (() if pinned else (f"{TDX}:{ALL_ALGORITHMS}",)))
+        pinned_algos = {parse_backend(b)[1] for b in backends} - {None, ALL_ALGORITHMS}
+        if pinned_algos:
+            everything = {a for names in _tdx_algorithms().values() for a in names}
+            unknown = sorted(a for a in pinned_algos if a not in everything)
+            if unknown:
+                raise ValueError(f"unknown tdx algorithm(s) {', '.join(unknown)}; choose from "
+                                 f"{', '.join(sorted(everything))}, all or auto")
+        if self.stat not in ("mean", "median"):
+            raise ValueError(f"stat must be mean or median, not {self.stat!r}")
+        if not 0 <= self.auto_tolerance:
+            raise ValueError(f"auto_tolerance must be >= 0, got {self.auto_tolerance}")
+        sizes = None
+        if self.sizes is not None:
+            sizes = tuple(sorted({parse_size(x) for x in _split_sizes(self.sizes)}))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"sizes must be positive byte counts, got {self.sizes!r}")
         redop = _REDOP_ALIASES.get(self.redop.lower(), self.redop.lower())
         if redop not in REDOPS:
             raise ValueError(f"unknown redop {self.redop!r}; choose from {', '.join(REDOPS)}")
@@ -201,13 +333,25 @@ class Options:
             raise ValueError(f"root must be a rank, got {self.root}")
         for name, value in (("ops", ops), ("backends", backends), ("redop", redop),
                             ("dtype", dtype_name(dtype)), ("minbytes", minbytes),
-                            ("maxbytes", maxbytes)):
+                            ("maxbytes", maxbytes), ("sizes", sizes)):
             object.__setattr__(self, name, value)
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The backends that need a group: ``backends`` without algorithms, deduplicated."""
+        return tuple(dict.fromkeys(parse_backend(b)[0] for b in self.backends))
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The element type as a ``torch.dtype``."""
         return parse_dtype(self.dtype)
+
+
+def _split_sizes(value: Any) -> list[str | int]:
+    if isinstance(value, (str, int)):
+        value = str(value).split(",")
+    return [v.strip() if isinstance(v, str) else v for v in value
+            if not isinstance(v, str) or v.strip()]
 
 
 def sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
@@ -220,11 +364,12 @@ def sweep(minbytes: int, maxbytes: int, factor: int) -> list[int]:
 
 
 def sizes_for(spec: OpSpec, opts: Options, world: int) -> list[tuple[int, int]]:
-    """(bytes, count) per row for one op; counts round down to a multiple of world where the
-    op splits the buffer into per-rank chunks, as nccl-tests does; empty rows are dropped."""
+    """(bytes, count) per row for one op (``opts.sizes`` when given, else the sweep); counts
+    round down to a multiple of world where the op splits the buffer into per-rank chunks,
+    as nccl-tests does; empty rows are dropped."""
     elsize = opts.torch_dtype.itemsize
     rows: dict[int, int] = {}
-    for size in sweep(opts.minbytes, opts.maxbytes, opts.stepfactor):
+    for size in opts.sizes or sweep(opts.minbytes, opts.maxbytes, opts.stepfactor):
         count = size // elsize
         if spec.divisible:
             count -= count % world

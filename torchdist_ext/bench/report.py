@@ -12,11 +12,17 @@ from .core import OPS, OpSpec
 
 __all__ = [
     "SKIPPED",
+    "UNUSABLE",
     "Progress",
+    "auto_losses",
+    "check_auto_lines",
+    "compare_auto",
     "error_lines",
     "avg_busbw_lines",
     "format_row",
     "header_lines",
+    "is_skipped",
+    "lead_columns",
     "matplotlib_missing",
     "ratio_lines",
     "table_header",
@@ -25,12 +31,29 @@ __all__ = [
 ]
 
 SKIPPED = "skipped after an earlier error"
+UNUSABLE = "skipped, the pinned algorithm cannot run this size"
 _LEAD = (("backend", 8), ("size", 12), ("count", 12), ("type", 9), ("redop", 6), ("root", 5))
 _BLOCK = (("time", 10), ("algbw", 7), ("busbw", 7), ("#wrong", 7))
 _UNITS = {"size": "(B)", "count": "(elements)", "time": "(us)", "algbw": "(GB/s)",
           "busbw": "(GB/s)"}
-_LEAD_W = sum(w + 1 for _, w in _LEAD)
 _BLOCK_W = sum(w + 1 for _, w in _BLOCK)
+
+
+def is_skipped(error: str | None) -> bool:
+    """An error that only says the op did not run (after an earlier error, or a pinned
+    algorithm that cannot run the size), as opposed to a failure."""
+    return bool(error) and (error.startswith(SKIPPED) or error.startswith(UNUSABLE))
+
+
+def lead_columns(labels: Iterable[str]) -> tuple[tuple[str, int], ...]:
+    """The columns before the timing blocks: the backend column fits the longest label, and
+    an ``algo`` column (which tdx algorithm ran) follows it when a label is tdx."""
+    labels = list(labels)
+    width = max([8] + [len(lb) for lb in labels])
+    cols = [("backend", width)]
+    if any(lb.split(":")[0] == "tdx" for lb in labels):
+        cols.append(("algo", 10))
+    return tuple(cols) + _LEAD[1:]
 
 
 def _line(cells: Iterable[tuple[str, int]]) -> str:
@@ -63,8 +86,8 @@ def header_lines(meta: dict[str, Any], rank_lines: Sequence[str], opts: Any,
         f"date {meta['date']}",
         f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {opts.stepfactor}(factor) "
         f"warmup iters: {opts.warmup} iters: {opts.iters} validation: {int(opts.check)}",
-        "# time: max over ranks of the mean per-op time; algbw = size / time; "
-        "busbw = algbw * factor (nccl-tests)",
+        f"# time: max over ranks of the {getattr(opts, 'stat', 'mean')} per-op time; "
+        "algbw = size / time; busbw = algbw * factor (nccl-tests)",
         "#",
         "# Using devices",
     ]
@@ -73,12 +96,12 @@ def header_lines(meta: dict[str, Any], rank_lines: Sequence[str], opts: Any,
     return lines
 
 
-def table_header(spec: OpSpec) -> list[str]:
-    """Column titles for one op's table."""
+def table_header(spec: OpSpec, lead: Sequence[tuple[str, int]] = _LEAD) -> list[str]:
+    """Column titles for one op's table (``lead``: :func:`lead_columns`)."""
     blocks = ["out-of-place"] + (["in-place"] if spec.in_place else [])
-    titles = " " * _LEAD_W + "".join(f"{b:^{_BLOCK_W}}" for b in blocks)
-    names = _line(_LEAD) + " " + " ".join(_line(_BLOCK) for _ in blocks)
-    units = _line((_UNITS.get(n, ""), w) for n, w in _LEAD) + " " + " ".join(
+    titles = " " * sum(w + 1 for _, w in lead) + "".join(f"{b:^{_BLOCK_W}}" for b in blocks)
+    names = _line(lead) + " " + " ".join(_line(_BLOCK) for _ in blocks)
+    units = _line((_UNITS.get(n, ""), w) for n, w in lead) + " " + " ".join(
         _line((_UNITS.get(n, ""), w) for n, w in _BLOCK) for _ in blocks)
     note = {
         "all_reduce": "out-of-place = copy into the output buffer + in-place all_reduce",
@@ -101,7 +124,7 @@ def table_header(spec: OpSpec) -> list[str]:
 def _block(row: dict[str, Any], prefix: str) -> str:
     err = row.get(f"{prefix}error")
     if err:
-        word = "skipped" if err.startswith(SKIPPED) else "error (see below)"
+        word = "skipped" if is_skipped(err) else "error (see below)"
         return f"{word:>{_BLOCK_W - 1}}"
     wrong = row.get(f"{prefix}wrong")
     return _line((
@@ -117,19 +140,21 @@ def error_lines(row: dict[str, Any]) -> list[str]:
     out = []
     for prefix, form in (("oop_", "out-of-place"), ("ip_", "in-place")):
         err = row.get(f"{prefix}error")
-        if err and not err.startswith(SKIPPED):
+        if err and not is_skipped(err):
             out.append(f"#   {row['backend']} {row['op']} {form} failed, later sizes skipped: "
                        f"{err}")
     return out
 
 
-def format_row(row: dict[str, Any]) -> str:
-    """One backend's row in nccl-tests layout."""
+def format_row(row: dict[str, Any], lead: Sequence[tuple[str, int]] = _LEAD) -> str:
+    """One backend's row in nccl-tests layout (``lead``: :func:`lead_columns`)."""
     spec = OPS[row["op"]]
-    root = str(row["root"]) if row["root"] is not None else "-"
-    lead = _line(((row["backend"], 8), (str(row["size"]), 12), (str(row["count"]), 12),
-                  (row["dtype"], 9), (row["redop"], 6), (root, 5)))
-    parts = [lead, _block(row, "oop_")]
+    values = {
+        "backend": row["backend"], "algo": row.get("algo") or "-", "size": str(row["size"]),
+        "count": str(row["count"]), "type": row["dtype"], "redop": row["redop"],
+        "root": str(row["root"]) if row["root"] is not None else "-",
+    }
+    parts = [_line((values[name], w) for name, w in lead), _block(row, "oop_")]
     if spec.in_place:
         parts.append(_block(row, "ip_"))
     return ("  " + " ".join(parts)).rstrip()
@@ -159,13 +184,14 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def ratio_lines(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> list[str]:
-    """Per size: busbw and time of tdx (or the first backend) relative to each other one."""
+    """Per size: busbw and time of tdx (or the first backend) relative to each other
+    backend (tdx with pinned algorithms is compared by :func:`check_auto_lines` instead)."""
     if len(backends) < 2:
         return []
     base = "tdx" if "tdx" in backends else backends[0]
     index = {(r["op"], r["backend"], r["size"]): r for r in rows}
     out: list[str] = []
-    for other in (b for b in backends if b != base):
+    for other in (b for b in backends if b.split(":")[0] != base.split(":")[0]):
         out += [
             "#",
             f"# {base} vs {other}: busbw ratio {base}/{other} (>1: {base} faster), "
@@ -191,6 +217,118 @@ def ratio_lines(rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> list
                 ]
             out.append("  " + _line(cells))
     return out
+
+
+def _op_time(row: dict[str, Any]) -> float | None:
+    """The time check-auto compares: in-place (the op alone) where the op has that form."""
+    prefix = "ip_" if OPS[row["op"]].in_place else "oop_"
+    return row[f"{prefix}time_us"] if _ok(row, prefix) else None
+
+
+def compare_auto(rows: Sequence[dict[str, Any]],
+                 tolerance: float = 0.10) -> dict[str, list[dict[str, Any]]]:
+    """Per op and size: plain tdx (auto) against the fastest pinned ``tdx:<algorithm>``.
+
+    Each entry: size, auto_algo, auto_us, best (label), best_algo, best_us, loss
+    (``auto_us / best_us - 1``), lost (loss > tolerance and auto picked another algorithm
+    than the fastest), noise (loss > tolerance although auto picked the fastest algorithm:
+    the same algorithm measured twice, so the gap is timing noise). Entries whose auto or
+    pinned rows did not run have None times.
+    """
+    out: dict[str, list[dict[str, Any]]] = {}
+    for op in dict.fromkeys(r["op"] for r in rows):
+        sizes = dict.fromkeys(r["size"] for r in rows if r["op"] == op)
+        entries = []
+        for size in sizes:
+            mine = [r for r in rows if r["op"] == op and r["size"] == size]
+            auto = next((r for r in mine if r["backend"] == "tdx"), None)
+            pinned = [(t, r) for r in mine if r["backend"].startswith("tdx:")
+                      and (t := _op_time(r)) is not None]
+            e: dict[str, Any] = {"size": size, "auto_algo": auto.get("algo") if auto else None,
+                                 "auto_us": _op_time(auto) if auto else None, "best": None,
+                                 "best_algo": None, "best_us": None, "loss": None,
+                                 "lost": False, "noise": False}
+            if pinned:
+                t, best = min(pinned, key=lambda p: p[0])
+                e.update(best=best["backend"], best_algo=best.get("algo"), best_us=t)
+            if e["auto_us"] is not None and e["best_us"]:
+                e["loss"] = e["auto_us"] / e["best_us"] - 1.0
+                if e["loss"] > tolerance:
+                    e["noise"] = e["auto_algo"] is not None and e["auto_algo"] == e["best_algo"]
+                    e["lost"] = not e["noise"]
+            entries.append(e)
+        out[op] = entries
+    return out
+
+
+def auto_losses(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) -> dict[str, list[int]]:
+    """Per op, the sizes where auto lost by more than ``tolerance`` to a pinned algorithm
+    (``--check-auto=strict`` fails when any op has one)."""
+    return {op: [e["size"] for e in entries if e["lost"]]
+            for op, entries in compare_auto(rows, tolerance).items()}
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) -> list[str]:
+    """The ``--check-auto`` table and one summary line per op."""
+    tol = f"{tolerance * 100:g}%"
+    out = [
+        "#",
+        "# check-auto: tdx (auto) vs the fastest pinned tdx:<algorithm> per size; time: "
+        "in-place (out-of-place for all_to_all), loss = auto / best - 1",
+        "# " + _line((("op", 15), ("size", 12), ("auto algo", 10), ("auto us", 10),
+                      ("best", 16), ("best us", 10), ("loss", 8))),
+    ]
+    summary = []
+    for op, entries in compare_auto(rows, tolerance).items():
+        for e in entries:
+            out.append("  " + _line((
+                (op, 15), (str(e["size"]), 12), (e["auto_algo"] or "-", 10),
+                (_fmt_time(e["auto_us"]) if e["auto_us"] is not None else "n/a", 10),
+                (e["best"] or "-", 16),
+                (_fmt_time(e["best_us"]) if e["best_us"] is not None else "n/a", 10),
+                (_pct(e["loss"]) if e["loss"] is not None else "n/a", 8),
+            )) + ("  LOST" if e["lost"] else "  (same algorithm: noise)" if e["noise"] else ""))
+        compared = [e for e in entries if e["loss"] is not None]
+        head = f"# check-auto {op}:"
+        if not any(e["best"] for e in entries):
+            summary.append(f"{head} no pinned tdx:<algorithm> rows to compare with "
+                           "(add e.g. tdx:all to --backends)")
+            continue
+        if not compared:
+            summary.append(f"{head} no tdx (auto) rows to compare (add tdx to --backends)")
+            continue
+        lost = [e for e in compared if e["lost"]]
+        noise = [e for e in compared if e["noise"]]
+        missing = len(entries) - len(compared)
+        if lost:
+            text = ", ".join(f"{e['size']} B ({_pct(e['loss'])}: picked {e['auto_algo']}, "
+                             f"best {e['best_algo']})" for e in lost)
+            line = f"{head} auto lost by >{tol} at {len(lost)} of {len(compared)} sizes: {text}"
+        else:
+            worst = max(compared, key=lambda e: e["loss"])
+            if noise:
+                line = (f"{head} auto picked the fastest algorithm or was within {tol} of it "
+                        f"at every size ({len(compared)} sizes)")
+            elif worst["loss"] <= 0:
+                line = (f"{head} auto at least as fast as the best pinned algorithm at every "
+                        f"size ({len(compared)} sizes)")
+            else:
+                line = (f"{head} auto within {worst['loss'] * 100:.1f}% of best at every size "
+                        f"({len(compared)} sizes, worst {worst['size']} B)")
+        if noise:
+            line += ("; slower by >" + tol + " but running the fastest algorithm (timing "
+                     "noise; raise -n) at " + ", ".join(f"{e['size']} B" for e in noise))
+        if missing:
+            line += f"; {missing} size(s) not compared (a row did not run)"
+        summary.append(line)
+    if rows and all(r.get("world") == 1 for r in rows):
+        summary.append("# check-auto: one rank: every algorithm only copies locally, so these "
+                       "differences are noise")
+    return out + ["#"] + summary
 
 
 def write_json(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:

@@ -5,7 +5,9 @@ carries the benchmark's own bookkeeping (barriers, the MAX of the times, the sum
 wrong counts, error agreement), so timing never depends on a backend under test. Each
 backend under test gets its own group from ``dist.new_group(backend=...)`` in the same
 processes, and the loop runs op -> size -> backend, so the rows of all backends for one
-size are taken back to back on the same machine.
+size are taken back to back on the same machine. ``tdx:<algorithm>`` labels share the one
+tdx group: every rank pins the algorithm right before that label's row and restores the
+previous choice (normally auto) right after it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import platform
 import queue
 import shutil
 import socket
+import statistics
 import tempfile
 import time
 import traceback
@@ -30,18 +33,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torchdist_ext
+from torchdist_ext import _C
 
 from . import report
 from .core import (
+    COLLECTIVES,
     OPS,
+    TDX,
+    Label,
     OpSpec,
     Options,
     count_wrong,
     dtype_name,
     expected_output,
+    labels_for_op,
     make_input,
+    parse_backend,
     poison,
     sizes_for,
+    unusable,
 )
 
 __all__ = ["rank_main", "run"]
@@ -206,9 +216,9 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
 
 def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
              count: int) -> tuple[float | None, int | None, str | None]:
-    """(max-over-ranks mean µs per op, wrong elements summed over ranks, error)."""
+    """(max-over-ranks mean (or median) µs per op, wrong elements summed over ranks, error)."""
     o = ctx.opts
-    error, wrong, case = None, 0, None
+    error, wrong, case, per_op = None, 0, None, 0.0
     try:
         case = build_case(spec, in_place, group, ctx, count)
         case.call()  # the checked run, on freshly filled buffers
@@ -220,27 +230,74 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
     error = ctx.agree(error)
     if error or case is None:
         return None, None, error
-    elapsed = 0.0
     try:
         for _ in range(o.warmup):
             case.call()
         ctx.sync()
         dist.barrier(group=ctx.side)
-        start = time.perf_counter()
-        for _ in range(o.iters):
-            case.call()
-        ctx.sync()
-        elapsed = time.perf_counter() - start
+        if o.stat == "median":
+            times = []
+            for _ in range(o.iters):
+                start = time.perf_counter()
+                case.call()
+                ctx.sync()
+                times.append(time.perf_counter() - start)
+            per_op = statistics.median(times)
+        else:
+            start = time.perf_counter()
+            for _ in range(o.iters):
+                case.call()
+            ctx.sync()
+            per_op = (time.perf_counter() - start) / o.iters
     except Exception as exc:  # noqa: BLE001
         error = _short(exc)
     error = ctx.agree(error)
     if error:
         return None, None, error
-    stats = torch.tensor([elapsed / o.iters * 1e6], dtype=torch.float64)
+    stats = torch.tensor([per_op * 1e6], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=ctx.side)
     total_wrong = torch.tensor([wrong], dtype=torch.int64)
     dist.all_reduce(total_wrong, group=ctx.side)
     return float(stats), (int(total_wrong) if o.check else None), None
+
+
+def _label_order(asked: tuple[str, ...], ran: list[str]) -> list[str]:
+    """The labels that ran, in the order they were asked for; each ``tdx:all`` stands for
+    the labels it expanded into."""
+    ran = list(dict.fromkeys(ran))
+    out: list[str] = []
+    for a in asked:
+        if a in ran:
+            out.append(a)
+        elif parse_backend(a) == (TDX, "all"):
+            out += [r for r in ran if r.startswith(f"{TDX}:") and r not in asked]
+    out += ran
+    return list(dict.fromkeys(out))
+
+
+def _algo_fields(lb: Label, collective: str, nbytes: int, world: int, same_host: bool,
+                 device: str) -> dict[str, Any]:
+    """``algo`` (which tdx algorithm runs the row: the pinned one, or what auto picks, as
+    ``torchdist_ext.predict`` says), ``pinned`` and ``predicted_us`` (the cost model's
+    time for that algorithm); None for other backends, and for auto on CUDA tensors, where
+    the same-host GPU path does not go through the algorithm registry."""
+    out: dict[str, Any] = {"algo": None, "pinned": None, "predicted_us": None}
+    if lb.backend != TDX:
+        return out
+    out["pinned"] = lb.algo is not None
+    name = lb.algo
+    if name is None and device == "cuda":
+        return out
+    try:
+        if name is None:
+            # predict() answers for the current pin (TDX_ALGO) too, as the op would
+            name, seconds = torchdist_ext.predict(collective, nbytes, world, same_host)
+        else:
+            seconds = _C._algorithm_cost(collective, name, float(nbytes), world)["seconds"]
+    except (RuntimeError, ValueError):  # a pin that cannot run this op
+        return out
+    out["algo"], out["predicted_us"] = name, float(seconds) * 1e6
+    return out
 
 
 def _skip_reason(backend: str, device: str, local_world: int) -> str | None:
@@ -257,7 +314,10 @@ def _skip_reason(backend: str, device: str, local_world: int) -> str | None:
 
 
 def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Rank 0's machine description (same on every rank) and one line per rank."""
+    """Rank 0's machine description (same on every rank) and one line per rank.
+
+    ``same_host``: every rank on one host (and ``TDX_SHM`` not 0), so tdx's shared-memory
+    algorithms can run."""
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
     mine = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
             "device": str(ctx.device), "gpu": gpu}
@@ -275,6 +335,8 @@ def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
         "world": ctx.world,
         "device": ctx.opts.device,
         "backends": backends,
+        "same_host": (len({r["host"] for r in ranks}) == 1
+                      and os.environ.get("TDX_SHM", "1").strip() != "0"),
     }
     box = [meta]
     dist.broadcast_object_list(box, src=0, group=ctx.side)
@@ -318,13 +380,13 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
 
     # Which backends run: every rank must agree, so reasons are gathered.
     reasons: dict[str, str | None] = {}
-    for b in opts.backends:
+    for b in opts.groups:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, _skip_reason(b, opts.device, local_world), group=side)
         reasons[b] = next((g for g in gathered if g), None)
     groups: dict[str, Any] = {}
     notes = [r for r in reasons.values() if r]
-    for b in (b for b in opts.backends if not reasons[b]):
+    for b in (b for b in opts.groups if not reasons[b]):
         error = None
         try:
             groups[b] = dist.new_group(backend=b, timeout=timedelta(seconds=opts.timeout))
@@ -334,12 +396,27 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
         if error:
             groups.pop(b, None)
             notes.append(f"{b} skipped: could not create its group: {error}")
-    backends = list(groups)
-    meta, rank_lines = _meta(ctx, backends)
-    meta["notes"] = notes
+    meta, rank_lines = _meta(ctx, list(groups))
+    same_host = bool(meta["same_host"])
 
-    plan = [(OPS[op], sizes_for(OPS[op], opts, world)) for op in opts.ops]
-    total = sum(len(sizes) for _, sizes in plan) * len(backends)
+    # Labels per op: a backend, or tdx with an algorithm pinned. tdx:<algo> labels share
+    # the one tdx group; the algorithm is pinned around each of their rows.
+    labelled = tuple(lb for lb in opts.backends if parse_backend(lb)[0] in groups)
+    plan: list[tuple[OpSpec, list[tuple[int, int]], list[Label]]] = []
+    for op in opts.ops:
+        op_labels, op_notes = labels_for_op(op, labelled, world, same_host)
+        notes += op_notes
+        plan.append((OPS[op], sizes_for(OPS[op], opts, world), op_labels))
+    backends = _label_order(opts.backends, [lb.label for _, _, labels in plan for lb in labels])
+    if opts.device == "cuda" and any(b.startswith(f"{TDX}:") for b in backends):
+        notes.append("with --device cuda, tdx's GPU path among ranks of one host does not use "
+                     "the algorithm registry: tdx:<algo> pins only change staged ops")
+    meta["backends"] = backends
+    meta["groups"] = list(groups)
+    meta["notes"] = notes
+    original = {c: torchdist_ext.get_algorithm(c) for c in set(COLLECTIVES.values())}
+
+    total = sum(len(sizes) * len(labels) for _, sizes, labels in plan)
     progress = report.Progress(total, enabled=lead and opts.progress)
     show = lead and not opts.quiet
 
@@ -351,47 +428,69 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
         emit(line)
     rows: list[dict[str, Any]] = []
     broken: dict[tuple[str, str, bool], str] = {}
+    told: set[tuple[str, str, str]] = set()
     try:
-        for spec, sizes in plan:
-            progress.note(f"{spec.name}: {len(sizes)} sizes x {len(backends)} backends")
-            for line in report.table_header(spec):
+        for spec, sizes, labels in plan:
+            progress.note(f"{spec.name}: {len(sizes)} sizes x {len(labels)} backends")
+            lead_cols = report.lead_columns(lb.label for lb in labels)
+            for line in report.table_header(spec, lead_cols):
                 emit(line)
             factor = spec.bus_factor(world)
+            collective = COLLECTIVES[spec.name]
             for nbytes, count in sizes:
-                for b in backends:
-                    progress.step(f"{spec.name} {b} {nbytes} B")
+                for lb in labels:
+                    progress.step(f"{spec.name} {lb.label} {nbytes} B")
                     row: dict[str, Any] = {
-                        "op": spec.name, "backend": b, "world": world, "device": opts.device,
-                        "size": nbytes, "count": count, "dtype": dtype_name(opts.torch_dtype),
+                        "op": spec.name, "backend": lb.label, "world": world,
+                        "device": opts.device, "size": nbytes, "count": count,
+                        "dtype": dtype_name(opts.torch_dtype),
                         "redop": opts.redop if spec.reduces else "none",
                         "root": opts.root if spec.rooted else None,
                     }
-                    for prefix, in_place in (("oop_", False), ("ip_", True)):
-                        t = wrong = error = None
-                        if in_place and not spec.in_place:
-                            pass
-                        elif (spec.name, b, in_place) in broken:
-                            error = f"{report.SKIPPED}: {broken[(spec.name, b, in_place)]}"
-                        else:
-                            t, wrong, error = _measure(spec, in_place, groups[b], ctx, count)
-                            if error:
-                                broken[(spec.name, b, in_place)] = error
-                        algbw = nbytes / (t * 1e-6) / 1e9 if t else None
-                        row[f"{prefix}time_us"] = t
-                        row[f"{prefix}algbw_gb_s"] = algbw
-                        row[f"{prefix}busbw_gb_s"] = algbw * factor if algbw else None
-                        row[f"{prefix}wrong"] = wrong
-                        row[f"{prefix}error"] = error
-                    row.update(iters=opts.iters, warmup=opts.warmup, host=meta["host"],
+                    row.update(_algo_fields(lb, collective, nbytes, world, same_host,
+                                            opts.device))
+                    why = unusable(spec.name, lb.algo, nbytes, world, same_host) if lb.algo else ""
+                    if lb.algo and not why:
+                        torchdist_ext.set_algorithm(collective, lb.algo)
+                    try:
+                        for prefix, in_place in (("oop_", False), ("ip_", True)):
+                            t = wrong = error = None
+                            key = (spec.name, lb.label, in_place)
+                            if in_place and not spec.in_place:
+                                pass
+                            elif why:
+                                error = f"{report.UNUSABLE}: {why}"
+                            elif key in broken:
+                                error = f"{report.SKIPPED}: {broken[key]}"
+                            else:
+                                t, wrong, error = _measure(spec, in_place, groups[lb.backend],
+                                                           ctx, count)
+                                if error:
+                                    broken[key] = error
+                            algbw = nbytes / (t * 1e-6) / 1e9 if t else None
+                            row[f"{prefix}time_us"] = t
+                            row[f"{prefix}algbw_gb_s"] = algbw
+                            row[f"{prefix}busbw_gb_s"] = algbw * factor if algbw else None
+                            row[f"{prefix}wrong"] = wrong
+                            row[f"{prefix}error"] = error
+                    finally:
+                        if lb.algo and not why:
+                            torchdist_ext.set_algorithm(collective, original[collective])
+                    row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
+                               host=meta["host"],
                                torch_version=meta["torch_version"],
                                tdx_version=meta["tdx_version"],
                                ucx_version=meta["ucx_version"], date=meta["date"])
                     rows.append(row)
                     progress.advance()
-                    emit(report.format_row(row))
+                    emit(report.format_row(row, lead_cols))
                     for line in report.error_lines(row):
                         emit(line)
-            for line in report.avg_busbw_lines(rows, spec.name, backends):
+                    if why and (spec.name, lb.label, why) not in told:
+                        told.add((spec.name, lb.label, why))
+                        emit(f"#   {lb.label} {spec.name} skipped from {nbytes} B: "
+                             f"{lb.algo} {why}")
+            for line in report.avg_busbw_lines(rows, spec.name, [lb.label for lb in labels]):
                 emit(line)
     finally:
         progress.close()
@@ -404,9 +503,12 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
     emit("#")
     emit(f"# Wrong elements : {bad} {'OK' if bad == 0 else 'FAILED'}")
     failed = sum(1 for r in rows for p in ("oop_", "ip_")
-                 if r[f"{p}error"] and not r[f"{p}error"].startswith(report.SKIPPED))
+                 if r[f"{p}error"] and not report.is_skipped(r[f"{p}error"]))
     if failed:
         emit(f"# Failed ops     : {failed} (an op, form and backend each; reasons above)")
+    if opts.check_auto:
+        for line in report.check_auto_lines(rows, opts.auto_tolerance):
+            emit(line)
     if lead and opts.json_path:
         report.write_json(opts.json_path, meta, rows)
     if lead and opts.plot_path:
