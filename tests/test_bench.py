@@ -286,3 +286,62 @@ def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict"]) == 1
     assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict",
                      "--auto-tolerance", "60"]) == 0
+
+
+def test_nnls_recovers_known_terms() -> None:
+    """The calibration fit on synthetic points: exact terms back, never a negative one."""
+    import numpy as np
+
+    from torchdist_ext import _C
+    from torchdist_ext.bench import calibrate
+
+    truth = {"alpha": 7e-6, "beta": 3e-10, "gamma": 5e-10}
+    points = []
+    for coll, name in (("allreduce", "ring"), ("allreduce", "direct"), ("allgather", "ring"),
+                       ("broadcast", "tree"), ("reduce_scatter", "ring")):
+        for world in (2, 4):
+            for size in (4096, 65536, 1 << 20, 16 << 20):
+                c = _C._algorithm_cost(coll, name, float(size), world)
+                p = {k: c[k] for k in ("steps", "bytes_moved", "bytes_reduced")}
+                p["measured_s"] = calibrate.predict(truth, p)
+                points.append(p)
+    terms, kept = calibrate.fit_link(points)
+    assert kept == []
+    for k, v in truth.items():
+        assert terms[k] == pytest.approx(v, rel=1e-6), k
+    # no point reduces anything: gamma keeps the current value
+    gathers = [p for p in points if p["bytes_reduced"] == 0]
+    terms, kept = calibrate.fit_link(gathers, {"alpha": 1, "beta": 1, "gamma": 0.25})
+    assert kept == ["gamma"] and terms["gamma"] == 0.25
+    assert terms["alpha"] == pytest.approx(truth["alpha"], rel=1e-6)
+    # data that wants a negative coefficient: the best non-negative fit, here x = (0, 1)
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    x, r = calibrate.nnls(a, a @ np.array([-1.0, 1.5]))
+    assert np.all(x >= 0) and x[0] == 0
+    assert x[1] == pytest.approx(np.dot(a[:, 1], a @ [-1.0, 1.5]) / np.dot(a[:, 1], a[:, 1]))
+    x, r = calibrate.nnls(a, np.array([-1.0, -2.0, -3.0]))
+    assert np.all(x == 0) and r == pytest.approx(14.0)
+
+
+def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """One spawn of 2 ranks, 2 sizes, 3 ops: both links fitted, non-negative, nothing
+    saved; the result is what calibration.save accepts."""
+    from torchdist_ext import calibration
+
+    out, js = tmp_path / "cal.json", tmp_path / "fit.json"
+    rc = bench.main(["calibrate", "--world", "2", "--sizes", "4K,256K", "--ops",
+                     "all_reduce,all_gather,broadcast", "-n", "3", "-w", "1", "--dry-run",
+                     "--out", str(out), "--json", str(js), "--no-progress"])
+    text = capfd.readouterr().out
+    assert rc == 0 and not out.exists()
+    data = json.loads(js.read_text())
+    assert set(data["links"]) == {"net", "shm"} and data["world"] == 2
+    for link, terms in data["links"].items():
+        assert set(terms) == {"alpha", "beta", "gamma"}
+        assert all(v >= 0 and v == v and v != float("inf") for v in terms.values()), link
+    algos = {(p["link"], p["op"], p["algo"]) for p in data["points"]}
+    assert ("net", "all_reduce", "ring") in algos and ("shm", "all_reduce", "shm_direct") in algos
+    assert ("net", "broadcast", "tree") in algos and ("shm", "all_gather", "shm") in algos
+    assert all(p["measured_s"] > 0 and "rel_error" in p for p in data["points"])
+    assert "dry run: nothing saved" in text and " net: alpha " in text and " shm: alpha " in text
+    assert calibration.load(calibration.save(data, out))["links"] == data["links"]

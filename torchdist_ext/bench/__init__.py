@@ -31,6 +31,9 @@ Usage::
     python -m torchdist_ext.bench --backends tdx,tdx:ring,tdx:rhd,tdx:shm,gloo --check-auto
     python -m torchdist_ext.bench --op all --backends tdx,tdx:all --check-auto=strict
 
+    # fit tdx's cost model to this machine (see torchdist_ext.bench.calibrate)
+    python -m torchdist_ext.bench calibrate --world 2
+
 Backends: ``tdx``, ``gloo``, ``nccl``, and ``tdx:<algorithm>`` (``torchdist_ext.algorithms()``
 lists them per collective): tdx with that algorithm pinned (``set_algorithm``, on every
 rank, right before the label's rows; the previous choice, normally auto, comes back right

@@ -1,4 +1,5 @@
-"""Command line: ``python -m torchdist_ext.bench --help``."""
+"""Command line: ``python -m torchdist_ext.bench --help``; ``python -m torchdist_ext.bench
+calibrate --help`` for the cost-model calibration."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="nccl-tests-style tables for torch.distributed collectives, several "
                     "backends side by side in one run.",
         epilog="Under torchrun (RANK and WORLD_SIZE set) the ranks come from the environment "
-               "and --world is ignored.",
+               "and --world is ignored. 'python -m torchdist_ext.bench calibrate --help': "
+               "fit tdx's cost model to this machine.",
     )
     p.add_argument("--op", default="all_reduce",
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
@@ -98,7 +100,13 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 when every checked element was right (and, with
-    ``--check-auto=strict``, auto never lost), 1 otherwise."""
+    ``--check-auto=strict``, auto never lost), 1 otherwise. ``calibrate`` as the first
+    argument runs :func:`torchdist_ext.bench.calibrate.main` on the rest."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "calibrate":
+        from . import calibrate
+
+        return calibrate.main(argv[1:])
     opts = options_from_args(argv)
     rows = run(opts)
     wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)

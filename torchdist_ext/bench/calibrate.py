@@ -1,0 +1,384 @@
+"""``python -m torchdist_ext.bench calibrate``: fit tdx's cost model to this machine.
+
+tdx picks an algorithm per op from a model of its time on each link (``net``: UCX between
+ranks, ``shm``: a shared-memory window on one host)::
+
+    t = alpha * steps + beta * bytes_moved + gamma * bytes_reduced
+
+where each algorithm states its own steps and bytes (``torchdist_ext._C._algorithm_cost``).
+Calibration spawns ranks with the benchmark's runner, times every algorithm of all_reduce,
+all_gather, broadcast and reduce_scatter pinned in turn (``tdx:<algorithm>``) at a few
+sizes, and fits alpha, beta, gamma per link by non-negative least squares on the relative
+error (each point weighted by 1 / its measured time, so small sizes count as much as large
+ones). The time of a point is the in-place one (the op alone), the median of its
+iterations timed one by one, so a stall of a busy machine does not move it. The result goes to
+:func:`torchdist_ext.calibration.save` (``calibration_path()``, read by every later
+``import torchdist_ext``) unless ``--dry-run``.
+
+Usage::
+
+    python -m torchdist_ext.bench calibrate                      # world 2, 4K .. 16M
+    python -m torchdist_ext.bench calibrate --world 4 --sizes 1K,64K,4M --dry-run
+    python -m torchdist_ext.bench calibrate --out /tmp/cal.json --json fit.json
+
+A term that no point depends on (say gamma when only all_gather ran) keeps its current
+value. Shared-memory algorithms need every rank on one host, as spawned ranks are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+import torchdist_ext
+from torchdist_ext import _C, calibration
+
+from .core import COLLECTIVES, OPS, Options, canonical_op, parse_size
+from .runner import run
+
+__all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "build_parser", "calibrate", "fit_link",
+           "main", "nnls", "points_from_rows", "report_lines"]
+
+TERMS = ("alpha", "beta", "gamma")
+_COLUMNS = ("steps", "bytes_moved", "bytes_reduced")  # what each term multiplies
+LINKS = ("net", "shm")
+DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
+DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4K, 16K, ..., 16M
+
+
+# ---------------------------------------------------------------------------------------
+# Fitting
+# ---------------------------------------------------------------------------------------
+
+def nnls(a: Any, b: Any) -> tuple[np.ndarray, float]:
+    """Non-negative least squares: ``x >= 0`` minimising ``|a x - b|^2``, and that residual.
+
+    With three unknowns, every subset of the columns is solved unconstrained (columns scaled
+    to unit norm first; steps and bytes differ by orders of magnitude) and the best
+    solution with no negative entry wins. The NNLS optimum is among them: it is the
+    unconstrained optimum of the columns it leaves positive. Smaller subsets are tried
+    first and a larger one must fit strictly better, so a term the points do not need
+    stays 0.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.shape != (a.shape[0],):
+        raise ValueError(f"nnls: need a (m, n) matrix and m values, got {a.shape}, {b.shape}")
+    n = a.shape[1]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    an = a / scale
+    best_x, best_r = np.zeros(n), float(b @ b)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub = an[:, cols]
+            sol = np.linalg.lstsq(sub, b, rcond=None)[0]
+            if np.any(sol < 0):
+                continue
+            r = float(np.sum((sub @ sol - b) ** 2))
+            if r < best_r * (1 - 1e-9) - 1e-300:
+                best_x = np.zeros(n)
+                best_x[list(cols)] = sol
+                best_r = r
+    return best_x / scale, best_r
+
+
+def fit_link(points: Sequence[dict[str, Any]],
+             current: dict[str, float] | None = None) -> tuple[dict[str, float], list[str]]:
+    """alpha, beta, gamma for one link from its points (each with steps, bytes_moved,
+    bytes_reduced and measured_s), minimising the relative error. Terms that no point
+    depends on keep ``current``'s value (0 without one); their names come back second."""
+    if not points:
+        raise ValueError("no points to fit")
+    a = np.array([[p[c] for c in _COLUMNS] for p in points], dtype=np.float64)
+    t = np.array([p["measured_s"] for p in points], dtype=np.float64)
+    if np.any(t <= 0) or not np.all(np.isfinite(t)):
+        raise ValueError("measured times must be positive")
+    used = [i for i in range(len(_COLUMNS)) if np.any(a[:, i] != 0)]
+    x, _ = nnls(a[:, used] / t[:, None], np.ones(len(t)))
+    terms = {name: float((current or {}).get(name, 0.0)) for name in TERMS}
+    for i, value in zip(used, x, strict=True):
+        terms[TERMS[i]] = float(value)
+    kept = [TERMS[i] for i in range(len(TERMS)) if i not in used]
+    return terms, kept
+
+
+def predict(terms: dict[str, float], point: dict[str, Any]) -> float:
+    """Seconds the model ``terms`` gives a point."""
+    return sum(terms[t] * point[c] for t, c in zip(TERMS, _COLUMNS, strict=True))
+
+
+# ---------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------
+
+def points_from_rows(rows: Iterable[dict[str, Any]],
+                     links: Sequence[str] = LINKS) -> list[dict[str, Any]]:
+    """One point per benchmark row of a pinned tdx algorithm that ran: the model's terms
+    for it (``_C._algorithm_cost``) and its measured seconds (in-place time where the op
+    has that form)."""
+    out = []
+    for r in rows:
+        algo = r.get("algo")
+        if not r.get("pinned") or not algo:
+            continue
+        prefix = "ip_" if OPS[r["op"]].in_place else "oop_"
+        t = r.get(f"{prefix}time_us")
+        if r.get(f"{prefix}error") or not t:
+            continue
+        cost = _C._algorithm_cost(COLLECTIVES[r["op"]], algo, float(r["size"]), r["world"])
+        if cost["link"] not in links:
+            continue
+        out.append({
+            "link": cost["link"], "op": r["op"], "algo": algo, "size": r["size"],
+            "world": r["world"], "steps": cost["steps"], "bytes_moved": cost["bytes_moved"],
+            "bytes_reduced": cost["bytes_reduced"], "measured_s": t * 1e-6,
+        })
+    return out
+
+
+def _labels(ops: Sequence[str], links: Sequence[str]) -> list[str]:
+    """``tdx:<name>`` for every algorithm of these ops on these links."""
+    names: dict[str, None] = {}
+    for a in _C._algorithms():
+        if a["link"] in links and a["collective"] in {COLLECTIVES[o] for o in ops}:
+            names.setdefault(a["name"])
+    return [f"tdx:{n}" for n in names]
+
+
+def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
+              ops: Sequence[str] = DEFAULT_OPS, links: Sequence[str] = LINKS,
+              iters: int = 20, warmup: int = 3, stat: str = "median", timeout: float = 300.0,
+              progress: bool = True) -> dict[str, Any]:
+    """Measure and fit; returns the calibration (what :func:`calibration.save` takes):
+    ``links`` (the fitted terms), ``previous`` (the model before), ``kept`` (terms per link
+    that no point determined), ``points`` (with ``model_s`` and ``rel_error`` under the fit),
+    ``host``, ``date``, ``world``, sizes, ops, iters and versions.
+
+    Under torchrun every rank measures; all return the same result."""
+    ops = [canonical_op(o) for o in ops]
+    opts = Options(ops=tuple(ops), backends=tuple(_labels(ops, links)), world=world,
+                   sizes=tuple(sizes), iters=iters, warmup=warmup, stat=stat, timeout=timeout,
+                   quiet=True, progress=progress)
+    rows = run(opts)
+    points = points_from_rows(rows, links)
+    previous = torchdist_ext.cost_model()
+    fitted: dict[str, dict[str, float]] = {}
+    kept: dict[str, list[str]] = {}
+    for link in links:
+        mine = [p for p in points if p["link"] == link]
+        if mine:
+            fitted[link], kept[link] = fit_link(mine, previous.get(link))
+    for p in points:
+        terms = fitted.get(p["link"])
+        if terms:
+            p["model_s"] = predict(terms, p)
+            p["rel_error"] = p["model_s"] / p["measured_s"] - 1.0
+    world_run = rows[0]["world"] if rows else world
+    notes = sorted({f"{link}: no points (shared memory needs every rank on one host and "
+                    "TDX_SHM not 0)" for link in links if link not in fitted})
+    return {
+        "links": fitted,
+        "previous": previous,
+        "kept": kept,
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "world": world_run,
+        "ops": list(ops),
+        "sizes": sorted({p["size"] for p in points}),
+        "iters": iters,
+        "warmup": warmup,
+        "stat": stat,
+        "tdx_version": torchdist_ext.__version__,
+        "ucx_version": torchdist_ext.ucx_version(),
+        "notes": notes,
+        "points": points,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------
+
+def _terms_text(t: dict[str, float]) -> str:
+    def gbs(s: float) -> str:
+        return f"{1e-9 / s:.2f} GB/s" if s > 0 else "inf"
+
+    return (f"alpha {t['alpha']:.3e} s ({t['alpha'] * 1e6:.1f} us/step)  "
+            f"beta {t['beta']:.3e} s/B ({gbs(t['beta'])})  "
+            f"gamma {t['gamma']:.3e} s/B ({gbs(t['gamma'])})")
+
+
+def _choices(points: Sequence[dict[str, Any]], model: dict[str, dict[str, float]]
+             ) -> list[tuple[str, int, str, float, str, float]]:
+    """Per (op, size): the algorithm ``model`` picks among the measured ones, its measured
+    time, and the fastest measured algorithm and its time."""
+    out = []
+    keys = dict.fromkeys((p["op"], p["size"]) for p in points)
+    for op, size in keys:
+        mine = [p for p in points if p["op"] == op and p["size"] == size
+                and p["link"] in model]
+        if not mine:
+            continue
+        pick = min(mine, key=lambda p: predict(model[p["link"]], p))
+        best = min(mine, key=lambda p: p["measured_s"])
+        out.append((op, size, pick["algo"], pick["measured_s"], best["algo"],
+                    best["measured_s"]))
+    return out
+
+
+def report_lines(data: dict[str, Any]) -> list[str]:
+    """The fitted model, every point's relative error, and which algorithm the fitted (and
+    the previous) model would pick at each measured op and size."""
+    points = data["points"]
+    lines = [
+        f"# tdx cost-model calibration on {data['host']}: world {data['world']}, "
+        f"ops {', '.join(data['ops'])}, {len(data['sizes'])} sizes, {len(points)} points, "
+        f"{data['iters']} iters ({data['stat']})",
+        "# model: t = alpha * steps + beta * bytes_moved + gamma * bytes_reduced, per link; "
+        "fit: non-negative least squares on the relative error",
+        "#",
+    ]
+    for link, terms in data["links"].items():
+        mine = [p for p in points if p["link"] == link]
+        errs = [abs(p["rel_error"]) for p in mine]
+        worst = max(mine, key=lambda p: abs(p["rel_error"]))
+        rms = math.sqrt(sum(e * e for e in errs) / len(errs))
+        lines.append(f"# {link:>4}: {_terms_text(terms)}")
+        lines.append(f"#       was   {_terms_text(data['previous'][link])}")
+        lines.append(f"#       {len(mine)} points; relative error rms {rms * 100:.1f}%, max "
+                     f"{abs(worst['rel_error']) * 100:.1f}% ({worst['op']} {worst['algo']} "
+                     f"{worst['size']} B)")
+        if data["kept"].get(link):
+            lines.append(f"#       kept (no point depends on them): "
+                         f"{', '.join(data['kept'][link])}")
+    for note in data.get("notes", []):
+        lines.append(f"# note: {note}")
+    lines += [
+        "#",
+        "# " + " ".join(f"{h:>{w}}" for h, w in (
+            ("link", 4), ("op", 14), ("algo", 10), ("size", 10), ("steps", 6),
+            ("moved (B)", 11), ("reduced (B)", 11), ("measured us", 11), ("model us", 10),
+            ("error", 8))),
+    ]
+    for p in sorted(points, key=lambda p: (p["link"], p["op"], p["algo"], p["size"])):
+        lines.append("  " + " ".join(f"{v:>{w}}" for v, w in (
+            (p["link"], 4), (p["op"], 14), (p["algo"], 10), (p["size"], 10),
+            (f"{p['steps']:g}", 6), (f"{p['bytes_moved']:.0f}", 11),
+            (f"{p['bytes_reduced']:.0f}", 11), (f"{p['measured_s'] * 1e6:.1f}", 11),
+            (f"{p['model_s'] * 1e6:.1f}" if "model_s" in p else "-", 10),
+            (f"{p['rel_error'] * 100:+.1f}%" if "rel_error" in p else "-", 8))))
+    for name, model in (("fitted", data["links"]), ("previous", data["previous"])):
+        picks = _choices(points, model)
+        if not picks:
+            continue
+        right = sum(1 for *_, a, ta, b, tb in picks if tb >= ta or a == b)
+        losses = [(ta / tb - 1.0, op, size, a, b) for op, size, a, ta, b, tb in picks]
+        worst = max(losses)
+        lines += ["#", f"# with the {name} model, auto would pick the fastest measured "
+                       f"algorithm at {right} of {len(picks)} op/sizes; worst: "
+                       f"{worst[1]} {worst[2]} B picks {worst[3]}, "
+                       f"{worst[0] * 100:+.1f}% vs {worst[4]}"]
+        if name == "fitted":
+            lines.append("# " + " ".join(f"{h:>{w}}" for h, w in (
+                ("op", 14), ("size", 10), ("picks", 10), ("its us", 10), ("fastest", 10),
+                ("its us", 10), ("loss", 8))))
+            for op, size, a, ta, b, tb in picks:
+                lines.append("  " + " ".join(f"{v:>{w}}" for v, w in (
+                    (op, 14), (size, 10), (a, 10), (f"{ta * 1e6:.1f}", 10), (b, 10),
+                    (f"{tb * 1e6:.1f}", 10), (f"{(ta / tb - 1) * 100:+.1f}%", 8))))
+    return lines
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(parse_size(s) for s in text.split(",") if s.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"need positive sizes, got {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchdist_ext.bench calibrate",
+        description="Time every tdx algorithm of a few collectives pinned in turn, fit the "
+                    "cost model's alpha (per step), beta (per byte moved) and gamma (per "
+                    "byte reduced) per link, and save them for this host.",
+        epilog=f"Saved to {calibration.calibration_path()} (TDX_CALIBRATION overrides); "
+               "every later 'import torchdist_ext' loads it.",
+    )
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+                   help="comma-separated sizes, K/M/G allowed (default 4K,16K,64K,256K,1M,4M,16M)")
+    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
+                   help=f"ops to time (default {','.join(DEFAULT_OPS)})")
+    p.add_argument("--links", default=",".join(LINKS),
+                   help="links to fit: net, shm or both (default net,shm)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
+    p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations (default 3)")
+    p.add_argument("--stat", choices=("mean", "median"), default="median",
+                   help="per-op time of a point: median of the iterations (default), or "
+                        "their mean")
+    p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
+    p.add_argument("--json", dest="json_path", metavar="PATH",
+                   help="also write the fit with every point here (even with --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="fit and print, save nothing")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress indicator on stderr")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Calibrate, print, save; 0 on success, 1 when no link could be fitted."""
+    import json
+
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    links = [x.strip() for x in a.links.split(",") if x.strip()]
+    if not links or any(x not in LINKS for x in links):
+        parser.error(f"--links takes net, shm or both, not {a.links!r}")
+    try:
+        ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if a.world < 1 or a.iters < 1 or a.warmup < 0:
+        parser.error("need --world >= 1, -n >= 1, -w >= 0")
+    data = calibrate(world=a.world, sizes=a.sizes, ops=ops, links=links, iters=a.iters,
+                     warmup=a.warmup, stat=a.stat, timeout=a.timeout, progress=a.progress)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
+        return 0
+    for line in report_lines(data):
+        print(line)
+    if a.json_path:
+        Path(a.json_path).write_text(json.dumps(data, indent=1) + "\n")
+    if not data["links"]:
+        print("# nothing fitted: no point ran", file=sys.stderr)
+        return 1
+    target = Path(a.out) if a.out else calibration.calibration_path()
+    if a.dry_run:
+        print(f"# dry run: nothing saved (would write {target})")
+    else:
+        path = calibration.save(data, target)
+        print(f"# saved to {path}; processes that import torchdist_ext from now on use it")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
