@@ -64,9 +64,11 @@ in-place form. Out-of-place ops also count elements of their input that changed 
 
 Each row (``run``'s result and ``--json``'s ``rows``) holds: op, backend (the label, e.g.
 ``tdx:ring``), world, device, size (bytes), count (elements), dtype, redop, root; for tdx
-labels ``algo`` (the pinned algorithm, or the one auto picks as ``torchdist_ext.predict``
-says; None for auto on CUDA tensors), ``pinned`` and ``predicted_us`` (the cost model's
-time; None for other backends); for ``oop_`` (out-of-place) and ``ip_`` (in-place, None
+labels ``algo`` (the algorithm that ran, as the group's flight recorder names it, e.g.
+``ring``, ``shm`` or ``cuda-peer``; where it names none, the pinned one or
+``torchdist_ext.predict``'s choice), ``algo_from`` (which of the three said so),
+``pinned`` and ``predicted_us`` (the cost model's time for ``algo``), all None for other
+backends; for ``oop_`` (out-of-place) and ``ip_`` (in-place, None
 where there is none): ``time_us``, ``algbw_gb_s``, ``busbw_gb_s`` (GB/s = 1e9 bytes/s),
 ``wrong`` (None with --check 0) and ``error`` (None, or why the op failed or was
 skipped on that backend); then iters, warmup, stat, host, torch_version, tdx_version,

@@ -124,12 +124,12 @@ def predict(terms: dict[str, float], point: dict[str, Any]) -> float:
 def points_from_rows(rows: Iterable[dict[str, Any]],
                      links: Sequence[str] = LINKS) -> list[dict[str, Any]]:
     """One point per benchmark row of a pinned tdx algorithm that ran: the model's terms
-    for it (``_C._algorithm_cost``) and its measured seconds (in-place time where the op
-    has that form)."""
+    for the algorithm that ran (``_C._algorithm_cost``; the row's ``algo``, normally the
+    pinned one) and its measured seconds (in-place time where the op has that form)."""
     out = []
     for r in rows:
-        algo = r.get("algo")
-        if not r.get("pinned") or not algo:
+        algo = r.get("algo")  # what ran, as the flight recorder says
+        if not r.get("pinned") or r.get("predicted_us") is None:
             continue
         prefix = "ip_" if OPS[r["op"]].in_place else "oop_"
         t = r.get(f"{prefix}time_us")

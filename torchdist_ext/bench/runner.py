@@ -275,28 +275,47 @@ def _label_order(asked: tuple[str, ...], ran: list[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def _ran_algorithm(group: Any, collective: str) -> str | None:
+    """The algorithm of the group's latest op as its flight recorder names it
+    (``cuda-peer`` for the same-host GPU path), or None where the recorder does not say."""
+    try:
+        entries = torchdist_ext.flight_recorder(group)
+    except (RuntimeError, ValueError):
+        return None
+    if not entries:
+        return None
+    name = str(entries[-1].get("path", "")).removeprefix("staged ").strip()
+    if name == "cuda-peer" or name in torchdist_ext.algorithms(collective)[collective]:
+        return name
+    return None
+
+
 def _algo_fields(lb: Label, collective: str, nbytes: int, world: int, same_host: bool,
-                 device: str) -> dict[str, Any]:
-    """``algo`` (which tdx algorithm runs the row: the pinned one, or what auto picks, as
-    ``torchdist_ext.predict`` says), ``pinned`` and ``predicted_us`` (the cost model's
-    time for that algorithm); None for other backends, and for auto on CUDA tensors, where
-    the same-host GPU path does not go through the algorithm registry."""
-    out: dict[str, Any] = {"algo": None, "pinned": None, "predicted_us": None}
+                 group: Any = None) -> dict[str, Any]:
+    """For tdx rows: ``algo``, the algorithm that ran (the flight recorder's, when ``group``
+    is given and names one; else the pinned one, or what auto picks as
+    ``torchdist_ext.predict`` says), ``algo_from`` (``flight recorder``, ``pinned`` or
+    ``predict``), ``pinned``, and ``predicted_us`` (the cost model's time for ``algo``).
+    All None for other backends."""
+    out: dict[str, Any] = {"algo": None, "algo_from": None, "pinned": None,
+                           "predicted_us": None}
     if lb.backend != TDX:
         return out
     out["pinned"] = lb.algo is not None
-    name = lb.algo
-    if name is None and device == "cuda":
-        return out
-    try:
-        if name is None:
-            # predict() answers for the current pin (TDX_ALGO) too, as the op would
-            name, seconds = torchdist_ext.predict(collective, nbytes, world, same_host)
-        else:
-            seconds = _C._algorithm_cost(collective, name, float(nbytes), world)["seconds"]
-    except (RuntimeError, ValueError):  # a pin that cannot run this op
-        return out
-    out["algo"], out["predicted_us"] = name, float(seconds) * 1e6
+    source = "flight recorder"
+    name = _ran_algorithm(group, collective) if group is not None else None
+    if name is None:
+        name, source = lb.algo, "pinned"
+    if name is None:
+        source = "predict"
+        try:  # predict() answers for a pin set outside the bench (TDX_ALGO) too
+            name = torchdist_ext.predict(collective, nbytes, world, same_host)[0]
+        except (RuntimeError, ValueError):  # a pin that cannot run this op
+            return out
+    out["algo"], out["algo_from"] = name, source
+    if name in torchdist_ext.algorithms(collective)[collective]:
+        cost = _C._algorithm_cost(collective, name, float(nbytes), world)
+        out["predicted_us"] = float(cost["seconds"]) * 1e6
     return out
 
 
@@ -409,8 +428,9 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
         plan.append((OPS[op], sizes_for(OPS[op], opts, world), op_labels))
     backends = _label_order(opts.backends, [lb.label for _, _, labels in plan for lb in labels])
     if opts.device == "cuda" and any(b.startswith(f"{TDX}:") for b in backends):
-        notes.append("with --device cuda, tdx's GPU path among ranks of one host does not use "
-                     "the algorithm registry: tdx:<algo> pins only change staged ops")
+        notes.append("with --device cuda, tdx's GPU path among ranks of one host (algo "
+                     "cuda-peer) does not use the algorithm registry: tdx:<algo> pins only "
+                     "change staged ops")
     meta["backends"] = backends
     meta["groups"] = list(groups)
     meta["notes"] = notes
@@ -447,8 +467,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         "redop": opts.redop if spec.reduces else "none",
                         "root": opts.root if spec.rooted else None,
                     }
-                    row.update(_algo_fields(lb, collective, nbytes, world, same_host,
-                                            opts.device))
+                    row.update(_algo_fields(lb, collective, nbytes, world, same_host))
                     why = unusable(spec.name, lb.algo, nbytes, world, same_host) if lb.algo else ""
                     if lb.algo and not why:
                         torchdist_ext.set_algorithm(collective, lb.algo)
@@ -476,6 +495,10 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                     finally:
                         if lb.algo and not why:
                             torchdist_ext.set_algorithm(collective, original[collective])
+                    if lb.backend == TDX and (row["oop_time_us"] or row["ip_time_us"]):
+                        # what the last timed op really ran
+                        row.update(_algo_fields(lb, collective, nbytes, world, same_host,
+                                                groups[lb.backend]))
                     row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
                                host=meta["host"],
                                torch_version=meta["torch_version"],
