@@ -270,6 +270,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
                                             "create a new one");
     }
     queue_.push_back(std::move(task));
+    queued_.fetch_add(1, std::memory_order_release);
   }
   queueCv_.notify_one();
   registerWork(work);
@@ -286,12 +287,23 @@ void ProcessGroupTDX::runLoop() {
       if (peer_ && peer_->hasPending()) {
         // Device work may be waiting on peers: wake up now and then to watch it.
         queueCv_.wait_for(lock, std::chrono::milliseconds(200), ready);
-      } else {
+      } else if (!ready()) {
+        // Back-to-back ops (a training step's buckets, a benchmark loop) arrive within
+        // microseconds: poll briefly, yielding the core, before paying for a sleep and a
+        // wake-up.
+        lock.unlock();
+        static const auto spin = std::chrono::microseconds(env::getInt("TDX_SPIN_US"));
+        const auto until = Clock::now() + spin;
+        while (queued_.load(std::memory_order_acquire) == 0 && Clock::now() < until) {
+          std::this_thread::yield();
+        }
+        lock.lock();
         queueCv_.wait(lock, ready);
       }
       if (!queue_.empty()) {
         task = std::move(queue_.front());
         queue_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_release);
         have = true;
       } else if (stopping_) {
         return;

@@ -225,6 +225,7 @@ class ProcessGroupTDX : public c10d::Backend {
   std::mutex queueMu_;
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
+  std::atomic<int> queued_{0};  // queue_.size(), readable without the lock
   bool stopping_ = false;
   std::thread worker_;
   std::mutex shutdownMu_;

@@ -1,10 +1,14 @@
 #include "c10d/WorkTDX.hpp"
 
 #include "c10d/Completion.hpp"
+#include "common/env.h"
 
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+
+#include <chrono>
+#include <thread>
 
 namespace tdx {
 
@@ -70,6 +74,17 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
   // kNoTimeout means "the group's timeout": ops never wait forever.
   const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
   std::unique_lock<std::mutex> lock(mutex_);
+  if (!completed_) {
+    // Small ops finish within microseconds: poll briefly (yielding the core) before
+    // sleeping, as a wake-up costs tens of microseconds on a busy host.
+    static const auto spin = std::chrono::microseconds(env::getInt("TDX_SPIN_US"));
+    const auto until = std::chrono::steady_clock::now() + spin;
+    while (!completed_ && std::chrono::steady_clock::now() < until) {
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+  }
   if (!cv_.wait_for(lock, limit, [&] { return completed_; })) {
     lock.unlock();
     std::function<void()> onTimeout;
@@ -100,6 +115,8 @@ std::vector<at::Tensor> WorkTDX::result() {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkTDX::getFuture() {
+  std::lock_guard<std::mutex> lock(futureMu_);
+  futureShared_ = true;
   return future_;
 }
 
@@ -143,6 +160,10 @@ void WorkTDX::setOnTimeout(std::function<void()> fn) {
 
 void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
   addPart();
+  {
+    std::lock_guard<std::mutex> lock(child->futureMu_);
+    child->futureShared_ = true;
+  }
   auto self = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
   child->future_->addCallback([self](c10::ivalue::Future& f) {
     self->finishPart(f.hasError() ? f.exception_ptr() : nullptr);
@@ -165,6 +186,13 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
 void WorkTDX::complete(std::exception_ptr error) {
   // Off the calling thread (a group's worker or the transport's progress thread): the
   // future runs user callbacks inline, and they may wait for further collectives.
+  {
+    std::lock_guard<std::mutex> lock(futureMu_);
+    if (!futureShared_) {
+      completeNow(error);
+      return;
+    }
+  }
   auto self = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
   postCompletion([self, error] { self->completeNow(error); });
 }

@@ -74,6 +74,12 @@ class WorkTDX : public c10d::Work {
   std::exception_ptr firstError_;
   std::atomic<int> sourceRank_{-1};
   std::mutex timeoutMu_;
+  // Whether anyone may have attached callbacks to the future (getFuture() was called, or
+  // a coalesced parent listens). Until then completion runs on the finishing thread
+  // itself, saving a thread hop; futureMu_ makes getFuture() wait for such a completion,
+  // so a callback never runs on a group's worker.
+  std::mutex futureMu_;
+  bool futureShared_ = false;
   std::function<void()> onTimeout_;
   std::shared_ptr<c10::Event> deviceDone_;
   std::optional<c10::Stream> deviceStream_;

@@ -13,8 +13,8 @@ const std::vector<Knob>& knobs() {
       {"TDX_DEBUG", "WARN",
        "log level: ERROR, WARN, INFO (init, algorithm choices), DETAIL (every op)"},
       {"TDX_SPIN_US", "50",
-       "microseconds a waiting thread polls UCX before sleeping; lower it when ranks "
-       "outnumber cores"},
+       "microseconds a waiting thread polls (UCX, a group's queue, an op's completion) "
+       "before sleeping; lower it when ranks outnumber cores"},
       {"TDX_FLIGHT_OPS", "64", "how many recent ops of each group the flight recorder keeps"},
       {"TDX_DUMP_DIR", "",
        "directory where a failed or timed-out op writes its group's flight record "
