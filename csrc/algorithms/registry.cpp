@@ -117,14 +117,20 @@ Registry::Registry() : model_(CostModel::defaults()) {
        "same host: each rank reduces its block from every slot"},
       {C::Alltoall, "pairwise", L::Net, false, inf, pairwiseAlltoallPlan, pairwiseAlltoallCost,
        "pairwise exchange, N-1 steps, uneven splits"},
+      {C::Alltoall, "shm", L::Shm, false, inf, nullptr, shmAlltoallCost,
+       "same host: every rank reads its block from every slot"},
       {C::Barrier, "dissemination", L::Net, false, inf, disseminationBarrierPlan,
        disseminationBarrierCost, "dissemination, ceil(log2 N) rounds of empty messages"},
       {C::Barrier, "shm", L::Shm, false, inf, nullptr, shmBarrierCost,
        "same host: one signal through a shared-memory window"},
       {C::Gather, "direct", L::Net, false, inf, directGatherPlan, directGatherScatterCost,
        "every rank sends to the root in one step"},
+      {C::Gather, "shm", L::Shm, false, inf, nullptr, shmGatherScatterCost,
+       "same host: the root reads every slot"},
       {C::Scatter, "direct", L::Net, false, inf, directScatterPlan, directGatherScatterCost,
        "the root sends to every rank in one step"},
+      {C::Scatter, "shm", L::Shm, false, inf, nullptr, shmGatherScatterCost,
+       "same host: every rank reads its block from the root's slot"},
   };
   applyOverrides(env::get("TDX_ALGO"));
 }

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace tdx {
 namespace algorithms {
@@ -29,6 +31,55 @@ double halfBytes() {
   return static_cast<double>(HostWindow::defaultSlotBytes() / 2);
 }
 
+enum Kind : uint64_t {
+  kAllreduce = 1,
+  kDirectAllreduce,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kReduceScatter,
+  kAlltoall,
+  kGather,
+  kScatter,
+  kBarrier,
+};
+
+const char* kindName(uint64_t k) {
+  static const char* const names[] = {"?",       "all_reduce (shm)", "all_reduce (shm_direct)",
+                                      "broadcast", "reduce",         "all_gather",
+                                      "reduce_scatter", "all_to_all", "gather",
+                                      "scatter",   "barrier"};
+  return k < sizeof(names) / sizeof(names[0]) ? names[k] : "?";
+}
+
+std::string describe(const HostWindow::OpInfo& i) {
+  std::string d = std::string(kindName(i.kind)) + " of " + std::to_string(i.bytes) + " bytes";
+  if (i.root >= 0) d += " (root " + std::to_string(i.root) + ")";
+  return d;
+}
+
+// First chunk of an op, before its first post: say what this rank called.
+void announce(HostWindow& w, int h, uint64_t kind, uint64_t bytes, int root = -1) {
+  w.setOpInfo(h, HostWindow::OpInfo{kind, root, bytes});
+}
+
+// After the first wait: every rank in `peers` (all others when empty) must have called
+// the same op on the same size.
+void verify(HostWindow& w, int h, int only = -1) {
+  const HostWindow::OpInfo mine = w.opInfo(w.rank(), h);
+  for (int q = 0; q < w.size(); ++q) {
+    if (q == w.rank() || (only >= 0 && q != only)) continue;
+    const HostWindow::OpInfo theirs = w.opInfo(q, h);
+    if (theirs.kind != mine.kind || theirs.bytes != mine.bytes || theirs.root != mine.root) {
+      throw std::runtime_error("collective mismatch: rank " + std::to_string(q) + " called " +
+                               describe(theirs) + " but this rank (" +
+                               std::to_string(w.rank()) + ") called " + describe(mine) +
+                               ". Every rank must call the same collectives with tensors of "
+                               "the same size and dtype, and the same root and algorithm");
+    }
+  }
+}
+
 // Whole elements per half.
 size_t chunkElems(const HostWindow& w, size_t elemSize) {
   return std::max<size_t>(1, w.halfBytes() / elemSize);
@@ -40,12 +91,13 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
                   size_t elemSize, kernels::ReduceFn reduce) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
-  for (size_t first = 0; first < count; first += per) {
+  for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     char* src = data + first * elemSize;
     auto at = [&](int q) { return pieceBegin(cnt, n, q) * elemSize; };
     auto len = [&](int q) { return pieceCount(cnt, n, q) * elemSize; };
     const int h = w.acquireHalf(wc);
+    if (first == 0) announce(w, h, kAllreduce, count * elemSize);
     char* mine = w.half(r, h);
     // Only the pieces other ranks reduce go into the slot; this rank's own piece is
     // reduced in place in its buffer.
@@ -54,6 +106,7 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
     }
     w.post();
     w.waitAll(w.posted(), wc);
+    if (first == 0) verify(w, h);
     if (len(r) > 0) {
       for (int q = 0; q < n; ++q) {
         if (q != r) reduce(src + at(r), w.half(q, h) + at(r), len(r) / elemSize);
@@ -75,13 +128,20 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t
                         size_t elemSize, kernels::ReduceFn reduce) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
-  for (size_t first = 0; first < count; first += per) {
+  for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     char* dst = data + first * elemSize;
     const int h = w.acquireHalf(wc);
+    if (first == 0) announce(w, h, kDirectAllreduce, count * elemSize);
     std::memcpy(w.half(r, h), dst, cnt * elemSize);
     w.post();
     w.waitAll(w.posted(), wc);
+    if (first == 0) verify(w, h);
+    if (cnt == 0) {
+      w.post();
+      w.releaseHalf(h);
+      continue;
+    }
     // Rank order, from slot 0, on every rank: the same bits everywhere.
     std::memcpy(dst, w.half(0, h), cnt * elemSize);
     for (int q = 1; q < n; ++q) reduce(dst, w.half(q, h), cnt);
@@ -93,13 +153,15 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t
 void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root) {
   const int r = w.rank();
   const size_t per = w.halfBytes();
-  for (size_t off = 0; off < bytes; off += per) {
+  for (size_t off = 0; off == 0 || off < bytes; off += per) {
     const size_t len = std::min(per, bytes - off);
     const int h = w.acquireHalf(wc);
+    if (off == 0) announce(w, h, kBroadcast, bytes, root);
     if (r == root) std::memcpy(w.half(r, h), data + off, len);
     w.post();
     if (r != root) {
       w.waitRank(root, w.posted(), wc);
+      if (off == 0) verify(w, h, root);
       std::memcpy(data + off, w.half(root, h), len);
     }
     w.post();
@@ -111,12 +173,14 @@ void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* ou
                size_t count, size_t elemSize, kernels::ReduceFn reduce, int root) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
-  for (size_t first = 0; first < count; first += per) {
+  for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     const int h = w.acquireHalf(wc);
+    if (first == 0) announce(w, h, kReduce, count * elemSize, root);
     std::memcpy(w.half(r, h), input + first * elemSize, cnt * elemSize);
     w.post();
     w.waitAll(w.posted(), wc);
+    if (first == 0) verify(w, h);
     const size_t off = pieceBegin(cnt, n, r) * elemSize;
     const size_t mine = pieceCount(cnt, n, r);
     for (int q = 0; q < n; ++q) {
@@ -141,12 +205,14 @@ void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
   const int n = w.size(), r = w.rank();
   const size_t bytes = blocks[r].bytes;
   const size_t per = w.halfBytes();
-  for (size_t off = 0; off < bytes; off += per) {
+  for (size_t off = 0; off == 0 || off < bytes; off += per) {
     const size_t len = std::min(per, bytes - off);
     const int h = w.acquireHalf(wc);
+    if (off == 0) announce(w, h, kAllgather, bytes);
     std::memcpy(w.half(r, h), mine + off, len);
     w.post();
     w.waitAll(w.posted(), wc);
+    if (off == 0) verify(w, h);
     for (int q = 0; q < n; ++q) {
       if (q != r) std::memcpy(blocks[q].data + off, w.half(q, h), len);
     }
@@ -161,15 +227,17 @@ void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Bl
   const size_t count = inputs[r].bytes / elemSize;
   // Each chunk carries the same range of all N blocks.
   const size_t per = std::max<size_t>(1, w.halfBytes() / n / elemSize);
-  for (size_t first = 0; first < count; first += per) {
+  for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     const size_t len = cnt * elemSize;
     const int h = w.acquireHalf(wc);
+    if (first == 0) announce(w, h, kReduceScatter, count * elemSize);
     for (int i = 0; i < n; ++i) {
       std::memcpy(w.half(r, h) + i * len, inputs[i].data + first * elemSize, len);
     }
     w.post();
     w.waitAll(w.posted(), wc);
+    if (first == 0) verify(w, h);
     char* out = output + first * elemSize;
     std::memcpy(out, w.half(r, h) + r * len, len);
     for (int q = 0; q < n; ++q) {
@@ -180,9 +248,118 @@ void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Bl
   }
 }
 
+void shmAlltoall(HostWindow& w, const WaitContext& wc, const std::vector<Block>& sends,
+                 const std::vector<Block>& recvs) {
+  const int n = w.size(), r = w.rank();
+  // Splits may be uneven and are known only to their sender: first every rank publishes
+  // its send sizes, so all agree on how many rounds the largest block needs.
+  uint64_t largest = 0;
+  {
+    const int h = w.acquireHalf(wc);
+    announce(w, h, kAlltoall, 0);
+    auto* mine = reinterpret_cast<uint64_t*>(w.half(r, h));
+    for (int q = 0; q < n; ++q) mine[q] = sends[q].bytes;
+    w.post();
+    w.waitAll(w.posted(), wc);
+    verify(w, h);
+    for (int q = 0; q < n; ++q) {
+      const auto* theirs = reinterpret_cast<const uint64_t*>(w.half(q, h));
+      for (int p = 0; p < n; ++p) largest = std::max<uint64_t>(largest, theirs[p]);
+      if (theirs[r] != recvs[q].bytes) {
+        throw std::runtime_error("rank " + std::to_string(q) + " sends " +
+                                 std::to_string(theirs[r]) + " bytes to this rank, which expects " +
+                                 std::to_string(recvs[q].bytes) +
+                                 ": the ranks' split sizes do not match");
+      }
+    }
+    w.post();
+    w.releaseHalf(h);
+  }
+  if (sends[r].bytes > 0 && sends[r].data != recvs[r].data) {
+    std::memmove(recvs[r].data, sends[r].data, sends[r].bytes);
+  }
+  // Each round moves up to `per` bytes of every (sender, receiver) block.
+  const size_t per = std::max<size_t>(64, w.halfBytes() / n / 64 * 64);
+  for (uint64_t off = 0; off < largest; off += per) {
+    const int h = w.acquireHalf(wc);
+    for (int q = 0; q < n; ++q) {
+      if (q == r || sends[q].bytes <= off) continue;
+      std::memcpy(w.half(r, h) + q * per, sends[q].data + off,
+                  std::min<size_t>(per, sends[q].bytes - off));
+    }
+    w.post();
+    w.waitAll(w.posted(), wc);
+    for (int q = 0; q < n; ++q) {
+      if (q == r || recvs[q].bytes <= off) continue;
+      std::memcpy(recvs[q].data + off, w.half(q, h) + r * per,
+                  std::min<size_t>(per, recvs[q].bytes - off));
+    }
+    w.post();
+    w.releaseHalf(h);
+  }
+}
+
+void shmGather(HostWindow& w, const WaitContext& wc, const Block& mine,
+               const std::vector<Block>& rootBlocks, int root) {
+  const int n = w.size(), r = w.rank();
+  const size_t per = w.halfBytes();
+  if (r == root && mine.bytes > 0 && rootBlocks[r].data != mine.data) {
+    std::memmove(rootBlocks[r].data, mine.data, mine.bytes);
+  }
+  for (size_t off = 0; off == 0 || off < mine.bytes; off += per) {
+    const size_t len = std::min(per, mine.bytes - off);
+    const int h = w.acquireHalf(wc);
+    if (off == 0) announce(w, h, kGather, mine.bytes, root);
+    if (r != root) std::memcpy(w.half(r, h), mine.data + off, len);
+    w.post();
+    if (r == root) {
+      w.waitAll(w.posted(), wc);
+      if (off == 0) verify(w, h);
+      for (int q = 0; q < n; ++q) {
+        if (q != r) std::memcpy(rootBlocks[q].data + off, w.half(q, h), len);
+      }
+    }
+    w.post();
+    w.releaseHalf(h);
+  }
+}
+
+void shmScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& rootBlocks,
+                const Block& mine, int root) {
+  const int n = w.size(), r = w.rank();
+  const size_t per = std::max<size_t>(64, w.halfBytes() / n / 64 * 64);
+  if (r == root && mine.bytes > 0 && rootBlocks[r].data != mine.data) {
+    std::memmove(mine.data, rootBlocks[r].data, mine.bytes);
+  }
+  for (size_t off = 0; off == 0 || off < mine.bytes; off += per) {
+    const size_t len = std::min(per, mine.bytes - off);
+    const int h = w.acquireHalf(wc);
+    if (off == 0) announce(w, h, kScatter, mine.bytes, root);
+    if (r == root) {
+      for (int q = 0; q < n; ++q) {
+        if (q != r) std::memcpy(w.half(r, h) + q * per, rootBlocks[q].data + off, len);
+      }
+    }
+    w.post();
+    if (r != root) {
+      w.waitRank(root, w.posted(), wc);
+      if (off == 0) verify(w, h, root);
+      std::memcpy(mine.data + off, w.half(root, h) + r * per, len);
+    }
+    w.post();
+    w.releaseHalf(h);
+  }
+}
+
 void shmBarrier(HostWindow& w, const WaitContext& wc) {
+  const int h = w.acquireHalf(wc);
+  announce(w, h, kBarrier, 0);
   w.post();
   w.waitAll(w.posted(), wc);
+  verify(w, h);
+  // Done reading the others' op info: only now may they reuse this half.
+  w.post();
+  w.releaseHalf(h);
 }
 
 Cost shmAllreduceCost(double bytes, int n) {
@@ -214,6 +391,17 @@ Cost shmAllgatherCost(double bytes, int n) {
 Cost shmReduceScatterCost(double bytes, int n) {
   if (n == 1) return {};
   return {chunks(bytes, halfBytes()), double(n + 1) / n * bytes, double(n - 1) / n * bytes};
+}
+
+Cost shmAlltoallCost(double bytes, int n) {
+  if (n == 1) return {};
+  const double per = std::max(64.0, halfBytes() / n);
+  return {1 + chunks(bytes / n / n, per), 2.0 * (n - 1) / n * bytes, 0};
+}
+
+Cost shmGatherScatterCost(double bytes, int n) {
+  if (n == 1) return {};
+  return {chunks(bytes / n, halfBytes() / n), 2.0 * (n - 1) / n * bytes, 0};
 }
 
 Cost shmBarrierCost(double /*bytes*/, int n) {

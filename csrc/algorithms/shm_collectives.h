@@ -42,6 +42,15 @@ void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
 // alias inputs[rank].
 void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& inputs,
                       char* output, size_t elemSize, kernels::ReduceFn reduce);
+// sends[i] goes to rank i, recvs[i] comes from rank i (uneven sizes allowed; the
+// ranks' split sizes are checked against each other first).
+void shmAlltoall(HostWindow& w, const WaitContext& wc, const std::vector<Block>& sends,
+                 const std::vector<Block>& recvs);
+// rootBlocks: the root's list (empty elsewhere); blocks all of `mine.bytes`.
+void shmGather(HostWindow& w, const WaitContext& wc, const Block& mine,
+               const std::vector<Block>& rootBlocks, int root);
+void shmScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& rootBlocks,
+                const Block& mine, int root);
 void shmBarrier(HostWindow& w, const WaitContext& wc);
 
 // Cost terms (collectives.h conventions); `half` is the window's chunk size.
@@ -51,6 +60,8 @@ Cost shmBroadcastCost(double bytes, int n);
 Cost shmReduceCost(double bytes, int n);
 Cost shmAllgatherCost(double bytes, int n);
 Cost shmReduceScatterCost(double bytes, int n);
+Cost shmAlltoallCost(double bytes, int n);
+Cost shmGatherScatterCost(double bytes, int n);
 Cost shmBarrierCost(double bytes, int n);
 
 } // namespace algorithms

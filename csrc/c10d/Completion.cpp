@@ -57,4 +57,16 @@ void postCompletion(std::function<void()> fn) {
   pool->post(std::move(fn));
 }
 
+namespace {
+thread_local bool tGroupWorker = false;
+} // namespace
+
+void markGroupWorkerThread() {
+  tGroupWorker = true;
+}
+
+bool onGroupWorkerThread() {
+  return tGroupWorker;
+}
+
 } // namespace tdx

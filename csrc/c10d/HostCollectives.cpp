@@ -54,7 +54,7 @@ size_t totalBytes(const std::vector<Block>& blocks) {
 void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, size_t elemSize,
                kernels::ReduceFn reduce) {
   auto sel = pg.select(Collective::Allreduce, double(count * elemSize), ch, "all_reduce");
-  if (ch.size() == 1 || count == 0) return;
+  if (ch.size() == 1) return;
   if (sel.window) {
     ShmSteps steps(ch, *sel.window);
     if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
@@ -144,7 +144,15 @@ void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Bloc
 
 void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,
               const std::vector<Block>& recvs) {
-  auto sel = pg.select(Collective::Alltoall, double(totalBytes(sends)), ch, "all_to_all");
+  // Uneven splits give ranks different totals, and every rank must make the same choice:
+  // it is made for an empty message (latency only), which picks shared memory on one
+  // host and pairwise exchange across hosts.
+  auto sel = pg.select(Collective::Alltoall, 0, ch, "all_to_all");
+  if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
+    algorithms::shmAlltoall(*sel.window, sel.wait, sends, recvs);
+    return;
+  }
   PlanArgs a = argsFor(ch);
   for (const auto& blk : sends) a.sendBytes.push_back(blk.bytes);
   for (const auto& blk : recvs) a.recvBytes.push_back(blk.bytes);
@@ -168,6 +176,11 @@ void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
 void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
             const std::vector<Block>& rootBlocks, int root) {
   auto sel = pg.select(Collective::Gather, double(mine.bytes) * ch.size(), ch, "gather");
+  if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
+    algorithms::shmGather(*sel.window, sel.wait, mine, rootBlocks, root);
+    return;
+  }
   PlanArgs a = argsFor(ch);
   a.root = root;
   a.sendBytes = {mine.bytes};
@@ -181,6 +194,11 @@ void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
 void scatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& rootBlocks,
              const Block& mine, int root) {
   auto sel = pg.select(Collective::Scatter, double(mine.bytes) * ch.size(), ch, "scatter");
+  if (sel.window) {
+    ShmSteps steps(ch, *sel.window);
+    algorithms::shmScatter(*sel.window, sel.wait, rootBlocks, mine, root);
+    return;
+  }
   PlanArgs a = argsFor(ch);
   a.root = root;
   a.recvBytes = {mine.bytes};

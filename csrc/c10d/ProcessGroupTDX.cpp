@@ -21,6 +21,7 @@
 
 #include "algorithms/collectives.h"
 
+#include "c10d/Completion.hpp"
 #include "c10d/Validation.hpp"
 #include "common/env.h"
 #include "common/logging.h"
@@ -278,6 +279,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
 }
 
 void ProcessGroupTDX::runLoop() {
+  markGroupWorkerThread();
   for (;;) {
     Task task;
     bool have = false;
@@ -405,6 +407,32 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   return sel;
 }
 
+std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key,
+                                                     const transport::WaitContext& wc) {
+  // Short store waits, so a rank that died before publishing `key` (or an abort, or the
+  // op's deadline) is reported instead of blocking for the store's own timeout.
+  for (;;) {
+    try {
+      store_->wait({key}, std::chrono::milliseconds(100));
+      return store_->get(key);
+    } catch (const c10::Error&) {
+      if (wc.aborted && wc.aborted->load()) {
+        throw std::runtime_error("the process group was aborted while setting up shared memory");
+      }
+      const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
+      if (!lost.empty()) {
+        throw std::runtime_error("a rank of the group was lost while setting up shared memory" +
+                                 lost);
+      }
+      if (Clock::now() >= wc.deadline) {
+        throw std::runtime_error("timed out setting up shared memory for " +
+                                 std::string(wc.what) + ": waiting for store key " + key +
+                                 "; a rank has not reached this op");
+      }
+    }
+  }
+}
+
 transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext& wc) {
   if (windowState_ != 0) return window_.get();
   // Collective: every rank gets here in the same op. Rank 0 creates the object and
@@ -425,7 +453,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
     }
     store_->set(base + "name", bytesOf(window_ ? name + "|" + std::to_string(slot) : ""));
   } else {
-    const auto v = store_->get(base + "name");
+    const auto v = storeGetWithin(base + "name", wc);
     const std::string text(v.begin(), v.end());
     const auto bar = text.find('|');
     if (bar == std::string::npos) {
@@ -442,7 +470,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
   store_->set(base + "ok/" + std::to_string(rank_), bytesOf(window_ ? "1" : "0"));
   bool all = true;
   for (int r = 0; r < size_; ++r) {
-    const auto v = store_->get(base + "ok/" + std::to_string(r));
+    const auto v = storeGetWithin(base + "ok/" + std::to_string(r), wc);
     all = all && v.size() == 1 && v[0] == '1';
   }
   if (window_ && rank_ == 0) window_->unlinkName();
@@ -453,7 +481,6 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
                             << "; using message algorithms for this group";
     return nullptr;
   }
-  (void)wc;
   windowState_ = 1;
   TDX_LOG(Info, prefix()) << "shared-memory window ready (" << window_->halfBytes() * 2
                           << " bytes per rank)";

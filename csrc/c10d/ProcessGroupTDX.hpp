@@ -210,6 +210,7 @@ class ProcessGroupTDX : public c10d::Backend {
   bool sameHost_ = false;
   algorithms::CostModel costModel_;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
+  std::vector<uint8_t> storeGetWithin(const std::string& key, const transport::WaitContext& wc);
   std::unique_ptr<transport::HostWindow> window_;
   int windowState_ = 0;  // 0: not tried, 1: ready, -1: unavailable
 

@@ -188,7 +188,7 @@ void WorkTDX::complete(std::exception_ptr error) {
   // future runs user callbacks inline, and they may wait for further collectives.
   {
     std::lock_guard<std::mutex> lock(futureMu_);
-    if (!futureShared_) {
+    if (!futureShared_ && onGroupWorkerThread()) {
       completeNow(error);
       return;
     }

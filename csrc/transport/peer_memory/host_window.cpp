@@ -80,8 +80,9 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   w->rank_ = rank;
   w->size_ = size;
   w->slotBytes_ = roundUp(slotBytes, 8192);
+  // Header, pids, one counter line per rank, two op-info lines per rank.
   const size_t headerBytes = roundUp(sizeof(Header) + size * sizeof(int32_t), kLine) +
-                             size * kLine;
+                             size * kLine + 2 * size * kLine;
   const size_t slotsOffset = roundUp(headerBytes, 4096);
   w->mapBytes_ = slotsOffset + size * w->slotBytes_;
 
@@ -143,6 +144,22 @@ char* HostWindow::half(int r, int h) const {
 std::atomic<uint64_t>& HostWindow::counter(int r) const {
   const size_t pidsEnd = roundUp(sizeof(Header) + size_ * sizeof(int32_t), kLine);
   return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + pidsEnd + r * kLine);
+}
+
+HostWindow::OpInfo* HostWindow::opInfoSlot(int r, int h) const {
+  const size_t countersEnd = roundUp(sizeof(Header) + size_ * sizeof(int32_t), kLine) +
+                             size_ * kLine;
+  static_assert(sizeof(OpInfo) <= kLine, "op info fits a line");
+  return reinterpret_cast<OpInfo*>(base_ + countersEnd + (2 * r + h) * kLine);
+}
+
+void HostWindow::setOpInfo(int h, const OpInfo& info) {
+  // Published by the post() that follows (a seq_cst store of the counter).
+  *opInfoSlot(rank_, h) = info;
+}
+
+HostWindow::OpInfo HostWindow::opInfo(int r, int h) const {
+  return *opInfoSlot(r, h);
 }
 
 void HostWindow::post() {

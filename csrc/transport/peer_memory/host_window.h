@@ -67,6 +67,17 @@ class HostWindow {
   int acquireHalf(const WaitContext& wc);
   void releaseHalf(int h);
 
+  // What a rank called, published with the first chunk of each op in the half it uses
+  // (valid until every rank has released that half), so ranks that called different
+  // ops or sizes find out at their first signal instead of reading garbage.
+  struct OpInfo {
+    uint64_t kind = 0;
+    int64_t root = -1;
+    uint64_t bytes = 0;
+  };
+  void setOpInfo(int h, const OpInfo& info);
+  OpInfo opInfo(int r, int h) const;
+
   // The default slot size (TDX_SHM_SLOT_BYTES).
   static size_t defaultSlotBytes();
 
@@ -74,6 +85,7 @@ class HostWindow {
   HostWindow() = default;
   struct Header;
   std::atomic<uint64_t>& counter(int r) const;
+  OpInfo* opInfoSlot(int r, int h) const;
   // Throws naming `r` when that rank's process has exited.
   void checkAlive(int r, const WaitContext& wc);
   void waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc);
