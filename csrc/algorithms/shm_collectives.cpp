@@ -105,19 +105,23 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
       if (q != r) std::memcpy(mine + at(q), src + at(q), len(q));
     }
     w.post();
-    w.waitAll(w.posted(), wc);
-    if (first == 0) verify(w, h);
-    if (len(r) > 0) {
-      for (int q = 0; q < n; ++q) {
-        if (q != r) reduce(src + at(r), w.half(q, h) + at(r), len(r) / elemSize);
-      }
-      // Published for the others; the slot's piece r is not read by anyone until now.
-      std::memcpy(mine + at(r), src + at(r), len(r));
+    // Each peer is taken as soon as it has signalled, not after all have: with more
+    // ranks than cores, whoever is running makes progress.
+    const uint64_t copied = w.posted();
+    for (int k = 1; k < n; ++k) {
+      const int q = (r + k) % n;
+      w.waitRank(q, copied, wc);
+      if (first == 0) verify(w, h, q);
+      if (len(r) > 0) reduce(src + at(r), w.half(q, h) + at(r), len(r) / elemSize);
     }
+    // Published for the others; the slot's piece r is not read by anyone until now.
+    std::memcpy(mine + at(r), src + at(r), len(r));
     w.post();
-    w.waitAll(w.posted(), wc);
-    for (int q = 0; q < n; ++q) {
-      if (q != r) std::memcpy(src + at(q), w.half(q, h) + at(q), len(q));
+    const uint64_t reduced = w.posted();
+    for (int k = 1; k < n; ++k) {
+      const int q = (r + k) % n;
+      w.waitRank(q, reduced, wc);
+      std::memcpy(src + at(q), w.half(q, h) + at(q), len(q));
     }
     w.post();
     w.releaseHalf(h);
@@ -211,10 +215,12 @@ void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
     if (off == 0) announce(w, h, kAllgather, bytes);
     std::memcpy(w.half(r, h), mine + off, len);
     w.post();
-    w.waitAll(w.posted(), wc);
-    if (off == 0) verify(w, h);
-    for (int q = 0; q < n; ++q) {
-      if (q != r) std::memcpy(blocks[q].data + off, w.half(q, h), len);
+    const uint64_t copied = w.posted();
+    for (int k = 1; k < n; ++k) {  // each peer as soon as it is ready
+      const int q = (r + k) % n;
+      w.waitRank(q, copied, wc);
+      if (off == 0) verify(w, h, q);
+      std::memcpy(blocks[q].data + off, w.half(q, h), len);
     }
     w.post();
     w.releaseHalf(h);
@@ -232,16 +238,21 @@ void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Bl
     const size_t len = cnt * elemSize;
     const int h = w.acquireHalf(wc);
     if (first == 0) announce(w, h, kReduceScatter, count * elemSize);
+    // Only the blocks others reduce go into the slot.
     for (int i = 0; i < n; ++i) {
-      std::memcpy(w.half(r, h) + i * len, inputs[i].data + first * elemSize, len);
+      if (i != r) std::memcpy(w.half(r, h) + i * len, inputs[i].data + first * elemSize, len);
     }
     w.post();
-    w.waitAll(w.posted(), wc);
-    if (first == 0) verify(w, h);
+    // The output may be this rank's own input block (in place): start from it.
     char* out = output + first * elemSize;
-    std::memcpy(out, w.half(r, h) + r * len, len);
-    for (int q = 0; q < n; ++q) {
-      if (q != r) reduce(out, w.half(q, h) + r * len, cnt);
+    const char* own = inputs[r].data + first * elemSize;
+    if (out != own && len > 0) std::memmove(out, own, len);
+    const uint64_t copied = w.posted();
+    for (int k = 1; k < n; ++k) {  // each peer as soon as it is ready
+      const int q = (r + k) % n;
+      w.waitRank(q, copied, wc);
+      if (first == 0) verify(w, h, q);
+      if (cnt > 0) reduce(out, w.half(q, h) + r * len, cnt);
     }
     w.post();
     w.releaseHalf(h);

@@ -42,9 +42,9 @@ const std::vector<Knob>& knobs() {
       {"TDX_SHM_SLOT_BYTES", "2097152",
        "bytes of a rank's shared-memory slot (two halves used alternately); larger slots "
        "mean fewer signals per op, smaller ones stay in cache"},
-      {"TDX_SHM_SPIN_US", "100",
+      {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
-       "sleeps on a futex"},
+       "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs, else 0"},
   };
   return kKnobs;
 }

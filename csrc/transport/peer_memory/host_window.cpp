@@ -121,6 +121,18 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   auto* pids = reinterpret_cast<int32_t*>(w->base_ + sizeof(Header));
   pids[rank] = static_cast<int32_t>(getpid());
   w->pidfds_.assign(size, -1);
+  // Polling pays only while every rank has a core of its own; when ranks outnumber the
+  // CPUs this process may run on, a spinning rank steals the core a peer needs to reach
+  // the signal it is waiting for, so it sleeps at once instead.
+  const std::string spin = env::get("TDX_SHM_SPIN_US");
+  if (spin == "auto") {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    w->spinUs_ = size <= cpus ? 100 : 0;
+  } else {
+    w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
+  }
   return w;
 }
 
@@ -213,7 +225,7 @@ void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const W
     return any;
   };
   if (!behind(nullptr)) return;
-  static const int64_t spinUs = env::getInt("TDX_SHM_SPIN_US");
+  const int64_t spinUs = spinUs_;
   using Clock = std::chrono::steady_clock;
   const auto spinUntil = Clock::now() + std::chrono::microseconds(spinUs);
   auto nextCheck = Clock::now() + std::chrono::milliseconds(20);

@@ -103,6 +103,7 @@ class HostWindow {
   int nextHalf_ = 0;
   uint64_t freeAt_[2] = {0, 0};
   std::vector<int> pidfds_;  // per rank; -1: not open / unavailable
+  int64_t spinUs_ = 0;
 };
 
 } // namespace transport
