@@ -44,6 +44,7 @@ void bindAlgorithms(py::module& m) {
       d["link"] = linkName(a.link);
       d["power_of_two_only"] = a.powerOfTwoOnly;
       d["has_plan"] = a.plan != nullptr;
+      d["needs_cross_memory"] = a.needsCrossMemory;
       d["summary"] = a.summary;
       out.append(d);
     }

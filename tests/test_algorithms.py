@@ -248,7 +248,7 @@ def test_registry_and_overrides() -> None:
         torchdist_ext.set_algorithm("allreduce", "auto")
         torchdist_ext.set_algorithm("allgather", "auto")
     # auto: the model's cheapest; the message algorithms across hosts.
-    assert torchdist_ext.predict("allreduce", 1 << 24, 4)[0] in ("shm", "shm_direct")
+    assert torchdist_ext.predict("allreduce", 1 << 24, 4)[0] in ("shm", "shm_direct", "cma")
     assert torchdist_ext.predict("allreduce", 1 << 24, 4, same_host=False)[0] in ("ring", "rhd")
     assert torchdist_ext.predict("allreduce", 64, 8, same_host=False)[0] in ("direct", "rhd")
 

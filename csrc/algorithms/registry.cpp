@@ -85,51 +85,53 @@ Registry::Registry() : model_(CostModel::defaults()) {
   using L = Link;
   const double inf = 0;
   algorithms_ = {
-      {C::Allreduce, "ring", L::Net, false, inf, ringAllreducePlan, ringAllreduceCost,
+      {C::Allreduce, "ring", L::Net, false, inf, false, ringAllreducePlan, ringAllreduceCost,
        "reduce-scatter + all-gather around a ring; bandwidth-optimal, 2(N-1) steps"},
-      {C::Allreduce, "rhd", L::Net, false, inf, rhdAllreducePlan, rhdAllreduceCost,
+      {C::Allreduce, "rhd", L::Net, false, inf, false, rhdAllreducePlan, rhdAllreduceCost,
        "recursive halving-doubling (Rabenseifner), fold-in/out for non-powers of two"},
-      {C::Allreduce, "direct", L::Net, false, 64.0 * (1 << 20), directAllreducePlan,
+      {C::Allreduce, "direct", L::Net, false, 64.0 * (1 << 20), false, directAllreducePlan,
        directAllreduceCost, "one step: everyone sends everything to everyone"},
-      {C::Allreduce, "shm", L::Shm, false, inf, nullptr, shmAllreduceCost,
+      {C::Allreduce, "shm", L::Shm, false, inf, false, nullptr, shmAllreduceCost,
        "same host: reduce-scatter + all-gather through a shared-memory window"},
-      {C::Allreduce, "shm_direct", L::Shm, false, inf, nullptr, shmDirectAllreduceCost,
+      {C::Allreduce, "cma", L::Shm, false, inf, true, nullptr, cmaAllreduceCost,
+       "same host: ranks read each other's buffers in place (process_vm_readv), 3 signals"},
+      {C::Allreduce, "shm_direct", L::Shm, false, inf, false, nullptr, shmDirectAllreduceCost,
        "same host: every rank reduces every slot of a shared-memory window"},
-      {C::Broadcast, "tree", L::Net, false, inf, treeBroadcastPlan, treeBroadcastCost,
+      {C::Broadcast, "tree", L::Net, false, inf, false, treeBroadcastPlan, treeBroadcastCost,
        "binomial tree, ceil(log2 N) steps"},
-      {C::Broadcast, "shm", L::Shm, false, inf, nullptr, shmBroadcastCost,
+      {C::Broadcast, "shm", L::Shm, false, inf, false, nullptr, shmBroadcastCost,
        "same host: the root's slot, read by every rank"},
-      {C::Reduce, "tree", L::Net, false, inf, treeReducePlan, treeReduceCost,
+      {C::Reduce, "tree", L::Net, false, inf, false, treeReducePlan, treeReduceCost,
        "binomial tree, ceil(log2 N) steps"},
-      {C::Reduce, "shm", L::Shm, false, inf, nullptr, shmReduceCost,
+      {C::Reduce, "shm", L::Shm, false, inf, false, nullptr, shmReduceCost,
        "same host: ranks reduce 1/N each through a shared-memory window"},
-      {C::Allgather, "ring", L::Net, false, inf, ringAllgatherPlan, ringAllgatherCost,
+      {C::Allgather, "ring", L::Net, false, inf, false, ringAllgatherPlan, ringAllgatherCost,
        "ring, N-1 steps, any block sizes"},
-      {C::Allgather, "rd", L::Net, true, inf, rdAllgatherPlan, rdAllgatherCost,
+      {C::Allgather, "rd", L::Net, true, inf, false, rdAllgatherPlan, rdAllgatherCost,
        "recursive doubling, log2 N steps (power-of-two worlds)"},
-      {C::Allgather, "shm", L::Shm, false, inf, nullptr, shmAllgatherCost,
+      {C::Allgather, "shm", L::Shm, false, inf, false, nullptr, shmAllgatherCost,
        "same host: every rank reads every slot"},
-      {C::ReduceScatter, "ring", L::Net, false, inf, ringReduceScatterPlan,
+      {C::ReduceScatter, "ring", L::Net, false, inf, false, ringReduceScatterPlan,
        ringReduceScatterCost, "ring, N-1 steps"},
-      {C::ReduceScatter, "rh", L::Net, true, inf, rhReduceScatterPlan, rhReduceScatterCost,
+      {C::ReduceScatter, "rh", L::Net, true, inf, false, rhReduceScatterPlan, rhReduceScatterCost,
        "recursive halving, log2 N steps (power-of-two worlds)"},
-      {C::ReduceScatter, "shm", L::Shm, false, inf, nullptr, shmReduceScatterCost,
+      {C::ReduceScatter, "shm", L::Shm, false, inf, false, nullptr, shmReduceScatterCost,
        "same host: each rank reduces its block from every slot"},
-      {C::Alltoall, "pairwise", L::Net, false, inf, pairwiseAlltoallPlan, pairwiseAlltoallCost,
+      {C::Alltoall, "pairwise", L::Net, false, inf, false, pairwiseAlltoallPlan, pairwiseAlltoallCost,
        "pairwise exchange, N-1 steps, uneven splits"},
-      {C::Alltoall, "shm", L::Shm, false, inf, nullptr, shmAlltoallCost,
+      {C::Alltoall, "shm", L::Shm, false, inf, false, nullptr, shmAlltoallCost,
        "same host: every rank reads its block from every slot"},
-      {C::Barrier, "dissemination", L::Net, false, inf, disseminationBarrierPlan,
+      {C::Barrier, "dissemination", L::Net, false, inf, false, disseminationBarrierPlan,
        disseminationBarrierCost, "dissemination, ceil(log2 N) rounds of empty messages"},
-      {C::Barrier, "shm", L::Shm, false, inf, nullptr, shmBarrierCost,
+      {C::Barrier, "shm", L::Shm, false, inf, false, nullptr, shmBarrierCost,
        "same host: one signal through a shared-memory window"},
-      {C::Gather, "direct", L::Net, false, inf, directGatherPlan, directGatherScatterCost,
+      {C::Gather, "direct", L::Net, false, inf, false, directGatherPlan, directGatherScatterCost,
        "every rank sends to the root in one step"},
-      {C::Gather, "shm", L::Shm, false, inf, nullptr, shmGatherScatterCost,
+      {C::Gather, "shm", L::Shm, false, inf, false, nullptr, shmGatherScatterCost,
        "same host: the root reads every slot"},
-      {C::Scatter, "direct", L::Net, false, inf, directScatterPlan, directGatherScatterCost,
+      {C::Scatter, "direct", L::Net, false, inf, false, directScatterPlan, directGatherScatterCost,
        "the root sends to every rank in one step"},
-      {C::Scatter, "shm", L::Shm, false, inf, nullptr, shmGatherScatterCost,
+      {C::Scatter, "shm", L::Shm, false, inf, false, nullptr, shmGatherScatterCost,
        "same host: every rank reads its block from the root's slot"},
   };
   applyOverrides(env::get("TDX_ALGO"));
@@ -142,11 +144,16 @@ const Algorithm* Registry::find(Collective c, const std::string& name) const {
   return nullptr;
 }
 
-std::string Registry::unusable(const Algorithm& a, double bytes, int n, bool sameHost) const {
+std::string Registry::unusable(const Algorithm& a, double bytes, int n, bool sameHost,
+                               bool crossMemory) const {
   if (a.powerOfTwoOnly && !isPowerOfTwo(n)) {
     return "needs a power-of-two world size, this group has " + std::to_string(n) + " ranks";
   }
   if (a.link == Link::Shm && !sameHost) return "needs every rank of the group on one host";
+  if (a.needsCrossMemory && !crossMemory) {
+    return "needs cross-memory attach (process_vm_readv), which this host does not allow "
+           "between the group's ranks (Yama ptrace_scope, seccomp)";
+  }
   if (a.maxBytesTimesWorld > 0 && bytes * n > a.maxBytesTimesWorld) {
     return "holds every rank's buffer in scratch, limited to " +
            std::to_string(static_cast<long long>(a.maxBytesTimesWorld)) +
@@ -162,12 +169,12 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const CostMode
 }
 
 Choice Registry::cheapest(Collective c, double bytes, int n, bool sameHost,
-                          const CostModel& model, const Link* only) const {
+                          const CostModel& model, const Link* only, bool crossMemory) const {
   Choice best;
   best.predicted = std::numeric_limits<double>::infinity();
   for (const auto& a : algorithms_) {
     if (a.collective != c || (only && a.link != *only)) continue;
-    if (!unusable(a, bytes, n, sameHost).empty()) continue;
+    if (!unusable(a, bytes, n, sameHost, crossMemory).empty()) continue;
     const double t = predict(a, bytes, n, model);
     // Ties (e.g. one rank, where every algorithm costs nothing) go to the first listed.
     if (best.algorithm == nullptr || t < best.predicted) {
@@ -179,11 +186,11 @@ Choice Registry::cheapest(Collective c, double bytes, int n, bool sameHost,
 }
 
 Choice Registry::choose(Collective c, double bytes, int n, bool sameHost,
-                        const CostModel& model) const {
+                        const CostModel& model, bool crossMemory) const {
   const std::string pinned = override(c);
-  if (pinned.empty()) return cheapest(c, bytes, n, sameHost, model);
+  if (pinned.empty()) return cheapest(c, bytes, n, sameHost, model, nullptr, crossMemory);
   const Algorithm* a = find(c, pinned);
-  const std::string why = unusable(*a, bytes, n, sameHost);
+  const std::string why = unusable(*a, bytes, n, sameHost, crossMemory);
   if (!why.empty()) {
     throw std::invalid_argument(std::string(collectiveName(c)) + " is pinned to '" + pinned +
                                 "', which " + why +

@@ -67,6 +67,8 @@ struct Algorithm {
   // Largest bytes * world the algorithm takes (0: no limit); direct all_reduce holds
   // every rank's buffer in scratch.
   double maxBytesTimesWorld;
+  // Reads peers' buffers in place (cross-memory attach), which the host may forbid.
+  bool needsCrossMemory;
   Plan (*plan)(const PlanArgs&);  // null for shared-memory algorithms
   Cost (*cost)(double bytes, int n);
   const char* summary;
@@ -88,16 +90,20 @@ class Registry {
   const Algorithm* find(Collective c, const std::string& name) const;
 
   // Why `a` cannot run this op ("" when it can).
-  std::string unusable(const Algorithm& a, double bytes, int n, bool sameHost) const;
+  // `crossMemory`: ranks may read each other's memory (known once the group's window
+  // exists; assumed until then).
+  std::string unusable(const Algorithm& a, double bytes, int n, bool sameHost,
+                       bool crossMemory = true) const;
   double predict(const Algorithm& a, double bytes, int n, const CostModel& model) const;
 
   // The algorithm for an op; throws std::invalid_argument when a pinned algorithm cannot
   // run it (naming why and what can).
-  Choice choose(Collective c, double bytes, int n, bool sameHost, const CostModel& model) const;
+  Choice choose(Collective c, double bytes, int n, bool sameHost, const CostModel& model,
+                bool crossMemory = true) const;
   // The cheapest usable algorithm ignoring overrides (what `auto` would pick), optionally
   // restricted to one link.
   Choice cheapest(Collective c, double bytes, int n, bool sameHost, const CostModel& model,
-                  const Link* only = nullptr) const;
+                  const Link* only = nullptr, bool crossMemory = true) const;
 
   // "auto" clears the override. Throws std::invalid_argument for unknown names.
   void setOverride(Collective c, const std::string& name);

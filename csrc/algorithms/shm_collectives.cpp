@@ -42,13 +42,14 @@ enum Kind : uint64_t {
   kGather,
   kScatter,
   kBarrier,
+  kCmaAllreduce,
 };
 
 const char* kindName(uint64_t k) {
   static const char* const names[] = {"?",       "all_reduce (shm)", "all_reduce (shm_direct)",
                                       "broadcast", "reduce",         "all_gather",
                                       "reduce_scatter", "all_to_all", "gather",
-                                      "scatter",   "barrier"};
+                                      "scatter",   "barrier",        "all_reduce (cma)"};
   return k < sizeof(names) / sizeof(names[0]) ? names[k] : "?";
 }
 
@@ -152,6 +153,48 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t
     w.post();
     w.releaseHalf(h);
   }
+}
+
+void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
+                  size_t elemSize, kernels::ReduceFn reduce) {
+  const int n = w.size(), r = w.rank();
+  auto at = [&](int q) { return pieceBegin(count, n, q) * elemSize; };
+  auto len = [&](int q) { return pieceCount(count, n, q) * elemSize; };
+  // The window's half carries only the op info (with this rank's buffer address).
+  const int h = w.acquireHalf(wc);
+  w.setOpInfo(h, HostWindow::OpInfo{kCmaAllreduce, -1, count * elemSize,
+                                    reinterpret_cast<uint64_t>(data)});
+  w.post();
+  const uint64_t published = w.posted();
+  // Peers' pieces land in a small staging buffer that stays in cache, and are reduced
+  // into this rank's own piece of its buffer.
+  static thread_local std::vector<char> staging;
+  const size_t stage = std::max(elemSize, (size_t{256} << 10) / elemSize * elemSize);
+  if (staging.size() < stage) staging.resize(stage);
+  for (int k = 1; k < n; ++k) {
+    const int q = (r + k) % n;
+    w.waitRank(q, published, wc);
+    verify(w, h, q);
+    const char* theirs = reinterpret_cast<const char*>(w.opInfo(q, h).address);
+    for (size_t off = 0; off < len(r); off += stage) {
+      const size_t b = std::min(stage, len(r) - off);
+      w.readFrom(q, theirs + at(r) + off, staging.data(), b, wc);
+      reduce(data + at(r) + off, staging.data(), b / elemSize);
+    }
+  }
+  w.post();
+  const uint64_t reduced = w.posted();
+  for (int k = 1; k < n; ++k) {
+    const int q = (r + k) % n;
+    w.waitRank(q, reduced, wc);
+    const char* theirs = reinterpret_cast<const char*>(w.opInfo(q, h).address);
+    if (len(q) > 0) w.readFrom(q, theirs + at(q), data + at(q), len(q), wc);
+  }
+  // Others may still be reading this rank's buffer: it is the caller's again only when
+  // every rank is done.
+  w.post();
+  w.waitAll(w.posted(), wc);
+  w.releaseHalf(h);
 }
 
 void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root) {
@@ -382,6 +425,11 @@ Cost shmAllreduceCost(double bytes, int n) {
 Cost shmDirectAllreduceCost(double bytes, int n) {
   if (n == 1) return {};
   return {chunks(bytes, halfBytes()), 2 * bytes, (n - 1) * bytes};
+}
+
+Cost cmaAllreduceCost(double bytes, int n) {
+  if (n == 1) return {};
+  return {3, 2.0 * (n - 1) / n * bytes, double(n - 1) / n * bytes};
 }
 
 Cost shmBroadcastCost(double bytes, int n) {

@@ -30,6 +30,12 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
 // signal on the critical path per chunk. For small messages.
 void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
                         size_t elemSize, kernels::ReduceFn reduce);
+// Ranks read each other's buffers in place (cross-memory attach) instead of copying
+// through the window: each reduces its 1/N piece from the others' buffers, then reads
+// the others' finished pieces. 3 signals per op, whatever its size, and no copies into
+// or out of the window. Needs HostWindow::crossMemory().
+void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
+                  size_t elemSize, kernels::ReduceFn reduce);
 void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root);
 // `input` is never written; `output` (root only) receives the result.
 void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
@@ -56,6 +62,7 @@ void shmBarrier(HostWindow& w, const WaitContext& wc);
 // Cost terms (collectives.h conventions); `half` is the window's chunk size.
 Cost shmAllreduceCost(double bytes, int n);
 Cost shmDirectAllreduceCost(double bytes, int n);
+Cost cmaAllreduceCost(double bytes, int n);
 Cost shmBroadcastCost(double bytes, int n);
 Cost shmReduceCost(double bytes, int n);
 Cost shmAllgatherCost(double bytes, int n);

@@ -57,7 +57,9 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, 
   if (ch.size() == 1) return;
   if (sel.window) {
     ShmSteps steps(ch, *sel.window);
-    if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
+    if (std::strcmp(sel.algorithm->name, "cma") == 0) {
+      algorithms::cmaAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
+    } else if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
       algorithms::shmDirectAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
     } else {
       algorithms::shmAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);

@@ -396,6 +396,8 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
     if (sel.window == nullptr) {
       const algorithms::Link net = algorithms::Link::Net;
       choice = reg.cheapest(c, bytes, size_, sameHost_, costModel_, &net);
+    } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
+      choice = reg.choose(c, bytes, size_, sameHost_, costModel_, /*crossMemory=*/false);
     }
   }
   sel.algorithm = choice.algorithm;
@@ -467,6 +469,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
       }
     }
   }
+  if (window_) window_->publishProbe();
   store_->set(base + "ok/" + std::to_string(rank_), bytesOf(window_ ? "1" : "0"));
   bool all = true;
   for (int r = 0; r < size_; ++r) {
@@ -481,9 +484,19 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
                             << "; using message algorithms for this group";
     return nullptr;
   }
+  // Can every rank read every other's memory in place? All must agree.
+  store_->set(base + "cma/" + std::to_string(rank_),
+              bytesOf(window_->probeCrossMemory() ? "1" : "0"));
+  bool cma = true;
+  for (int r = 0; r < size_; ++r) {
+    const auto v = storeGetWithin(base + "cma/" + std::to_string(r), wc);
+    cma = cma && v.size() == 1 && v[0] == '1';
+  }
+  window_->setCrossMemory(cma);
   windowState_ = 1;
   TDX_LOG(Info, prefix()) << "shared-memory window ready (" << window_->halfBytes() * 2
-                          << " bytes per rank)";
+                          << " bytes per rank; cross-memory reads "
+                          << (cma ? "available" : "unavailable") << ")";
   return window_.get();
 }
 

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -172,6 +173,50 @@ void HostWindow::setOpInfo(int h, const OpInfo& info) {
 
 HostWindow::OpInfo HostWindow::opInfo(int r, int h) const {
   return *opInfoSlot(r, h);
+}
+
+namespace {
+constexpr uint64_t kProbeMagic = 0x7464785f636d6121ull;  // "tdx_cma!"
+const volatile uint64_t kProbeWord = kProbeMagic;
+} // namespace
+
+void HostWindow::publishProbe() {
+  OpInfo info;
+  info.address = reinterpret_cast<uint64_t>(&kProbeWord);
+  setOpInfo(0, info);
+}
+
+bool HostWindow::probeCrossMemory() const {
+  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    uint64_t got = 0;
+    iovec local{&got, sizeof(got)};
+    iovec remote{reinterpret_cast<void*>(opInfo(r, 0).address), sizeof(got)};
+    if (process_vm_readv(pids[r], &local, 1, &remote, 1, 0) != sizeof(got) || got != kProbeMagic) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
+                          const WaitContext& wc) const {
+  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
+  size_t done = 0;
+  while (done < bytes) {
+    iovec l{static_cast<char*>(local) + done, bytes - done};
+    iovec rm{const_cast<char*>(static_cast<const char*>(remote)) + done, bytes - done};
+    const ssize_t n = process_vm_readv(pids[r], &l, 1, &rm, 1, 0);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      throw std::runtime_error(std::string("reading rank ") + std::to_string(r) +
+                               "'s buffer in place failed during " + wc.what + ": " +
+                               (n < 0 ? std::strerror(errno) : "no progress") +
+                               (errno == ESRCH ? " (that rank has exited)" : ""));
+    }
+    done += static_cast<size_t>(n);
+  }
 }
 
 void HostWindow::post() {

@@ -74,9 +74,25 @@ class HostWindow {
     uint64_t kind = 0;
     int64_t root = -1;
     uint64_t bytes = 0;
+    uint64_t address = 0;  // the rank's buffer, for algorithms that read it in place
   };
   void setOpInfo(int h, const OpInfo& info);
   OpInfo opInfo(int r, int h) const;
+
+  // Cross-memory attach (process_vm_readv): whether this rank can read every peer's
+  // memory. probeCrossMemory() publishes a probe word (before the group's attach
+  // agreement) and, once all have attached, tries each peer's; the group then decides
+  // for all with setCrossMemory(). Yama's ptrace_scope or a seccomp filter can forbid it.
+  void publishProbe();
+  bool probeCrossMemory() const;
+  void setCrossMemory(bool ok) {
+    crossMemory_ = ok;
+  }
+  bool crossMemory() const {
+    return crossMemory_;
+  }
+  // Copies `bytes` at `remote` in rank r's address space to `local`; throws naming r.
+  void readFrom(int r, const void* remote, void* local, size_t bytes, const WaitContext& wc) const;
 
   // The default slot size (TDX_SHM_SLOT_BYTES).
   static size_t defaultSlotBytes();
@@ -104,6 +120,7 @@ class HostWindow {
   uint64_t freeAt_[2] = {0, 0};
   std::vector<int> pidfds_;  // per rank; -1: not open / unavailable
   int64_t spinUs_ = 0;
+  bool crossMemory_ = false;
 };
 
 } // namespace transport
