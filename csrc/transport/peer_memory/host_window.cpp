@@ -201,7 +201,7 @@ bool HostWindow::probeCrossMemory() const {
 }
 
 void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
-                          const WaitContext& wc) const {
+                          const WaitContext& wc) {
   const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
   size_t done = 0;
   while (done < bytes) {
@@ -210,6 +210,7 @@ void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
     const ssize_t n = process_vm_readv(pids[r], &l, 1, &rm, 1, 0);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == ESRCH) checkAlive(r, wc);  // names every rank that is gone
       throw std::runtime_error(std::string("reading rank ") + std::to_string(r) +
                                "'s buffer in place failed during " + wc.what + ": " +
                                (n < 0 ? std::strerror(errno) : "no progress") +
@@ -232,29 +233,39 @@ uint64_t HostWindow::posted() const {
   return posted_;
 }
 
-void HostWindow::checkAlive(int r, const WaitContext& wc) {
+bool HostWindow::exited(int r) {
   const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
   const pid_t pid = pids[r];
-  if (pid <= 0) return;
-  bool gone = false;
+  if (pid <= 0) return false;
   if (pidfds_[r] == -1) {
     pidfds_[r] = pidfdOpen(pid);
     if (pidfds_[r] < 0) {
       pidfds_[r] = -2;  // unavailable: fall back to /proc
-      gone = errno == ESRCH;
+      if (errno == ESRCH) return true;
     }
   }
   if (pidfds_[r] >= 0) {
     pollfd pfd{pidfds_[r], POLLIN, 0};
-    gone = poll(&pfd, 1, 0) > 0;
-  } else if (!gone) {
-    gone = processGone(pid);
+    return poll(&pfd, 1, 0) > 0;
   }
-  if (gone) {
-    throw std::runtime_error("rank " + std::to_string(r) + " (pid " + std::to_string(pid) +
-                             ") exited during " + wc.what +
-                             " while this rank waited for it in shared memory");
+  return processGone(pid);
+}
+
+void HostWindow::checkAlive(int r, const WaitContext& wc) {
+  if (!exited(r)) return;
+  // Name every rank that is gone: the first to die need not be the one waited for (a
+  // survivor that gave up on it may have exited since).
+  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
+  std::string gone;
+  int count = 0;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_ || (q != r && !exited(q))) continue;
+    gone += std::string(count++ ? " and " : "") + "rank " + std::to_string(q) + " (pid " +
+            std::to_string(pids[q]) + ")";
   }
+  throw std::runtime_error(gone + " exited during " + wc.what +
+                           " while this rank waited for rank " + std::to_string(r) +
+                           " in shared memory");
 }
 
 void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc) {

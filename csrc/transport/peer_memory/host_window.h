@@ -92,7 +92,7 @@ class HostWindow {
     return crossMemory_;
   }
   // Copies `bytes` at `remote` in rank r's address space to `local`; throws naming r.
-  void readFrom(int r, const void* remote, void* local, size_t bytes, const WaitContext& wc) const;
+  void readFrom(int r, const void* remote, void* local, size_t bytes, const WaitContext& wc);
 
   // The default slot size (TDX_SHM_SLOT_BYTES).
   static size_t defaultSlotBytes();
@@ -104,6 +104,7 @@ class HostWindow {
   OpInfo* opInfoSlot(int r, int h) const;
   // Throws naming `r` when that rank's process has exited.
   void checkAlive(int r, const WaitContext& wc);
+  bool exited(int r);
   void waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc);
 
   std::string name_;
