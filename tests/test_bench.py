@@ -216,7 +216,7 @@ def test_labels_for_op_and_backend_options() -> None:
     assert len(notes) == 1 and "tdx:rd" in notes[0] and "power-of-two" in notes[0]
     labels, notes = core.labels_for_op("all_reduce", ("tdx:all",), 2, False)
     assert [lb.algo for lb in labels] == ["ring", "rhd", "direct"]
-    assert len(notes) == 2 and all("one host" in n for n in notes)
+    assert len(notes) == 3 and all("one host" in n for n in notes)
     labels, _ = core.labels_for_op("broadcast", ("tdx", "tdx:all"), 4, True)
     assert [lb.label for lb in labels] == ["tdx", "tdx:tree", "tdx:shm"]
     assert core.unusable("all_reduce", "direct", 64 << 20, 2, True)  # scratch limit
@@ -330,7 +330,7 @@ def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) ->
     text = capfd.readouterr().out
     assert rc == 0 and not out.exists()
     data = json.loads(js.read_text())
-    assert set(data["links"]) == {"net", "shm"} and data["world"] == 2
+    assert set(data["links"]) == {"net", "shm", "cma"} and data["world"] == 2
     for link, terms in data["links"].items():
         assert set(terms) == {"alpha", "beta", "gamma"}
         assert all(v >= 0 and v == v and v != float("inf") for v in terms.values()), link

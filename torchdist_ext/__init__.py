@@ -134,8 +134,9 @@ def get_algorithm(collective: str) -> str:
 
 
 def cost_model() -> dict[str, dict[str, float]]:
-    """This process's cost model: per link (``net``, ``shm``) the seconds per step
-    (``alpha``), per byte moved (``beta``) and per byte reduced (``gamma``).
+    """This process's cost model: per link (``net`` messages, ``shm`` window copies,
+    ``cma`` in-place reads of peers' memory) the seconds per step (``alpha``), per byte
+    moved (``beta``) and per byte reduced (``gamma``).
 
     Groups created afterwards use rank 0's model, so all ranks choose alike.
     """

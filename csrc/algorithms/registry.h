@@ -37,8 +37,11 @@ enum class Collective : uint8_t {
 };
 constexpr int kNumCollectives = 9;
 
-enum class Link : uint8_t { Net, Shm };
-constexpr int kNumLinks = 2;
+// Net: messages over the transport. Shm: copies through a shared-memory window. Cma:
+// reads of peers' memory in place (process_vm_readv), whose per-byte cost differs from
+// memcpy's (the kernel pins pages per call), so it has terms of its own.
+enum class Link : uint8_t { Net, Shm, Cma };
+constexpr int kNumLinks = 3;
 
 const char* collectiveName(Collective c);
 // Throws std::invalid_argument listing the valid names.
@@ -54,7 +57,7 @@ struct LinkCost {
 struct CostModel {
   LinkCost links[kNumLinks];
   static CostModel defaults();
-  // "net:alpha,beta,gamma;shm:alpha,beta,gamma" (seconds), for the store exchange.
+  // "net:alpha,beta,gamma;shm:...;cma:..." (seconds), for the store exchange.
   std::string serialize() const;
   static CostModel parse(const std::string& text);
 };

@@ -391,7 +391,7 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   Selected sel;
   sel.wait = transport::WaitContext{ch.deadline(), &ch.abortedFlag(), what};
   algorithms::Choice choice = reg.choose(c, bytes, size_, sameHost_, costModel_);
-  if (choice.algorithm->link == algorithms::Link::Shm) {
+  if (choice.algorithm->link != algorithms::Link::Net) {
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
       const algorithms::Link net = algorithms::Link::Net;

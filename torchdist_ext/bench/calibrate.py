@@ -50,7 +50,7 @@ __all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "build_parser", "calibrate",
 
 TERMS = ("alpha", "beta", "gamma")
 _COLUMNS = ("steps", "bytes_moved", "bytes_reduced")  # what each term multiplies
-LINKS = ("net", "shm")
+LINKS = ("net", "shm", "cma")
 DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4K, 16K, ..., 16M
 
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", default=",".join(DEFAULT_OPS),
                    help=f"ops to time (default {','.join(DEFAULT_OPS)})")
     p.add_argument("--links", default=",".join(LINKS),
-                   help="links to fit: net, shm or both (default net,shm)")
+                   help="links to fit, any of net, shm, cma (default all)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations (default 3)")
     p.add_argument("--stat", choices=("mean", "median"), default="median",
@@ -353,7 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
     links = [x.strip() for x in a.links.split(",") if x.strip()]
     if not links or any(x not in LINKS for x in links):
-        parser.error(f"--links takes net, shm or both, not {a.links!r}")
+        parser.error(f"--links takes net, shm and/or cma, not {a.links!r}")
     try:
         ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
     except ValueError as exc:

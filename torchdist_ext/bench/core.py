@@ -196,7 +196,7 @@ def unusable(op: str, algo: str, nbytes: int, world: int, same_host: bool) -> st
     info = _C._algorithm_cost(COLLECTIVES[op], algo, float(nbytes), int(world))
     if info["unusable"]:
         return str(info["unusable"])
-    if info["link"] == "shm" and not same_host:
+    if info["link"] != "net" and not same_host:
         return "needs every rank of the group on one host"
     return ""
 
