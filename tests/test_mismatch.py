@@ -1,12 +1,22 @@
 """Mismatch detection (TDX_DEBUG=DETAIL): ranks that call different collectives, dtypes,
-shapes, roots or reduce ops get an error naming both calls, not a hang or corruption."""
+shapes, roots or reduce ops, or pinned different algorithms, get an error naming both
+calls, not a hang or corruption."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+import torchdist_ext
 from torchdist_ext.testing import run_ranks
+
+
+def _pinned_differently(rank: int, g) -> None:
+    torchdist_ext.set_algorithm("allreduce", "ring" if rank == 0 else "rhd")
+    try:
+        dist.all_reduce(torch.ones(10), group=g)
+    finally:
+        torchdist_ext.set_algorithm("allreduce", "auto")
 
 
 def _mismatches(rank: int, n: int) -> dict:
@@ -19,6 +29,7 @@ def _mismatches(rank: int, n: int) -> dict:
             torch.ones(10), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX, group=g),
         "op": lambda g: (dist.all_reduce(torch.ones(10), group=g) if rank == 0
                          else dist.broadcast(torch.ones(10), src=0, group=g)),
+        "algorithm": lambda g: _pinned_differently(rank, g),
     }
     groups = {name: dist.new_group(backend="tdx") for name in cases}
     out = {}
@@ -39,7 +50,7 @@ def test_mismatched_calls_raise_naming_both_ranks() -> None:
     results = run_ranks(_mismatches, 2, timeout=60, env={"TDX_DEBUG": "DETAIL"})
     for rank, res in enumerate(results):
         assert res["ok"] == [1.0] * 4, res["ok"]
-        for name in ("shape", "dtype", "root", "redop", "op"):
+        for name in ("shape", "dtype", "root", "redop", "op", "algorithm"):
             msg = res[name]
             assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
             assert "rank 0" in msg and "rank 1" in msg, (rank, name, msg)

@@ -228,6 +228,16 @@ std::string Registry::override(Collective c) const {
   return overrides_[static_cast<int>(c)];
 }
 
+std::string Registry::overrides() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string out;
+  for (int i = 0; i < kNumCollectives; ++i) {
+    if (overrides_[i].empty()) continue;
+    out += (out.empty() ? "" : ",") + std::string(kCollectiveNames[i]) + ":" + overrides_[i];
+  }
+  return out;
+}
+
 void Registry::applyOverrides(const std::string& spec) {
   std::stringstream ss(spec);
   std::string item;

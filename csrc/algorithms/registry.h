@@ -111,6 +111,9 @@ class Registry {
   // "auto" clears the override. Throws std::invalid_argument for unknown names.
   void setOverride(Collective c, const std::string& name);
   std::string override(Collective c) const;
+  // Every pinned algorithm, "allreduce:ring,broadcast:tree" ("" when none), so ranks can
+  // compare their pins.
+  std::string overrides() const;
   // TDX_ALGO syntax: "allreduce:ring,broadcast:tree".
   void applyOverrides(const std::string& spec);
 

@@ -252,7 +252,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   } else {
     task.body = std::move(body);
   }
-  if (checkFingerprints_) task.fingerprint = fingerprintOf(type, what, task.keepAlive);
+  if (checkFingerprints_) {
+    // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
+    const std::string pins = algorithms::Registry::get().overrides();
+    task.fingerprint = fingerprintOf(type, what, task.keepAlive) +
+                       (pins.empty() ? std::string() : " algorithms=" + pins);
+  }
   tFingerprintExtra.clear();
   if (auto dev = firstDeviceTensor(task.keepAlive)) {
     // The op must see what the caller's stream produced: record an event now, wait for
