@@ -159,6 +159,10 @@ std::atomic<uint64_t>& HostWindow::counter(int r) const {
   return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + pidsEnd + r * kLine);
 }
 
+int32_t HostWindow::pid(int r) const {
+  return reinterpret_cast<const int32_t*>(base_ + sizeof(Header))[r];
+}
+
 HostWindow::OpInfo* HostWindow::opInfoSlot(int r, int h) const {
   const size_t countersEnd = roundUp(sizeof(Header) + size_ * sizeof(int32_t), kLine) +
                              size_ * kLine;
@@ -187,13 +191,12 @@ void HostWindow::publishProbe() {
 }
 
 bool HostWindow::probeCrossMemory() const {
-  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
     uint64_t got = 0;
     iovec local{&got, sizeof(got)};
     iovec remote{reinterpret_cast<void*>(opInfo(r, 0).address), sizeof(got)};
-    if (process_vm_readv(pids[r], &local, 1, &remote, 1, 0) != sizeof(got) || got != kProbeMagic) {
+    if (process_vm_readv(pid(r), &local, 1, &remote, 1, 0) != sizeof(got) || got != kProbeMagic) {
       return false;
     }
   }
@@ -202,12 +205,11 @@ bool HostWindow::probeCrossMemory() const {
 
 void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
                           const WaitContext& wc) {
-  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
   size_t done = 0;
   while (done < bytes) {
     iovec l{static_cast<char*>(local) + done, bytes - done};
     iovec rm{const_cast<char*>(static_cast<const char*>(remote)) + done, bytes - done};
-    const ssize_t n = process_vm_readv(pids[r], &l, 1, &rm, 1, 0);
+    const ssize_t n = process_vm_readv(pid(r), &l, 1, &rm, 1, 0);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && errno == ESRCH) checkAlive(r, wc);  // names every rank that is gone
@@ -234,11 +236,10 @@ uint64_t HostWindow::posted() const {
 }
 
 bool HostWindow::exited(int r) {
-  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
-  const pid_t pid = pids[r];
-  if (pid <= 0) return false;
+  const pid_t process = pid(r);
+  if (process <= 0) return false;
   if (pidfds_[r] == -1) {
-    pidfds_[r] = pidfdOpen(pid);
+    pidfds_[r] = pidfdOpen(process);
     if (pidfds_[r] < 0) {
       pidfds_[r] = -2;  // unavailable: fall back to /proc
       if (errno == ESRCH) return true;
@@ -248,31 +249,33 @@ bool HostWindow::exited(int r) {
     pollfd pfd{pidfds_[r], POLLIN, 0};
     return poll(&pfd, 1, 0) > 0;
   }
-  return processGone(pid);
+  return processGone(process);
 }
 
 void HostWindow::checkAlive(int r, const WaitContext& wc) {
   if (!exited(r)) return;
   // Name every rank that is gone: the first to die need not be the one waited for (a
   // survivor that gave up on it may have exited since).
-  const auto* pids = reinterpret_cast<const int32_t*>(base_ + sizeof(Header));
   std::string gone;
   int count = 0;
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || (q != r && !exited(q))) continue;
     gone += std::string(count++ ? " and " : "") + "rank " + std::to_string(q) + " (pid " +
-            std::to_string(pids[q]) + ")";
+            std::to_string(pid(q)) + ")";
   }
   throw std::runtime_error(gone + " exited during " + wc.what +
                            " while this rank waited for rank " + std::to_string(r) +
                            " in shared memory");
 }
 
-void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc) {
+void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
+  // The ranks waited for: `only`, or every other rank. Checked without allocating, as
+  // this runs several times per chunk.
+  auto waitedFor = [&](int r) { return only >= 0 ? r == only : r != rank_; };
   auto behind = [&](std::vector<int>* who) {
     bool any = false;
-    for (int r : ranks) {
-      if (counter(r).load(std::memory_order_acquire) < target) {
+    for (int r = 0; r < size_; ++r) {
+      if (waitedFor(r) && counter(r).load(std::memory_order_acquire) < target) {
         if (who == nullptr) return true;
         who->push_back(r);
         any = true;
@@ -281,11 +284,10 @@ void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const W
     return any;
   };
   if (!behind(nullptr)) return;
-  const int64_t spinUs = spinUs_;
   using Clock = std::chrono::steady_clock;
-  const auto spinUntil = Clock::now() + std::chrono::microseconds(spinUs);
+  const auto spinUntil = Clock::now() + std::chrono::microseconds(spinUs_);
   auto nextCheck = Clock::now() + std::chrono::milliseconds(20);
-  for (int i = 0;; ++i) {
+  for (;;) {
     if (!behind(nullptr)) return;
     const auto now = Clock::now();
     if (now >= nextCheck) {
@@ -299,8 +301,8 @@ void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const W
         std::string list;
         for (int r : who) list += (list.empty() ? "" : ", ") + std::to_string(r);
         std::string reached = std::to_string(rank_);
-        for (int r : ranks) {
-          if (std::find(who.begin(), who.end(), r) == who.end()) {
+        for (int r = 0; r < size_; ++r) {
+          if (waitedFor(r) && std::find(who.begin(), who.end(), r) == who.end()) {
             reached += ", " + std::to_string(r);
           }
         }
@@ -329,15 +331,11 @@ void HostWindow::waitFor(const std::vector<int>& ranks, uint64_t target, const W
 }
 
 void HostWindow::waitAll(uint64_t target, const WaitContext& wc) {
-  std::vector<int> all;
-  for (int r = 0; r < size_; ++r) {
-    if (r != rank_) all.push_back(r);
-  }
-  waitFor(all, target, wc);
+  waitFor(-1, target, wc);
 }
 
 void HostWindow::waitRank(int r, uint64_t target, const WaitContext& wc) {
-  if (r != rank_) waitFor({r}, target, wc);
+  if (r != rank_) waitFor(r, target, wc);
 }
 
 int HostWindow::acquireHalf(const WaitContext& wc) {

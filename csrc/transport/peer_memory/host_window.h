@@ -105,7 +105,9 @@ class HostWindow {
   // Throws naming `r` when that rank's process has exited.
   void checkAlive(int r, const WaitContext& wc);
   bool exited(int r);
-  void waitFor(const std::vector<int>& ranks, uint64_t target, const WaitContext& wc);
+  // Until rank `only`'s counter (every other rank's when only < 0) reaches `target`.
+  void waitFor(int only, uint64_t target, const WaitContext& wc);
+  int32_t pid(int r) const;
 
   std::string name_;
   int rank_ = 0;
