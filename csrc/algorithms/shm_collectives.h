@@ -59,7 +59,8 @@ void shmScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& 
                 const Block& mine, int root);
 void shmBarrier(HostWindow& w, const WaitContext& wc);
 
-// Cost terms (collectives.h conventions); `half` is the window's chunk size.
+// Cost terms (collectives.h conventions), for windows of the default slot size
+// (TDX_SHM_SLOT_BYTES), whose halves set the chunks.
 Cost shmAllreduceCost(double bytes, int n);
 Cost shmDirectAllreduceCost(double bytes, int n);
 Cost cmaAllreduceCost(double bytes, int n);

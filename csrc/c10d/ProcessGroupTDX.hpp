@@ -143,12 +143,6 @@ class ProcessGroupTDX : public c10d::Backend {
     transport::WaitContext wait;
   };
   Selected select(algorithms::Collective c, double bytes, GroupChannel& ch, const char* what);
-  bool sameHost() const {
-    return sameHost_;
-  }
-  const algorithms::CostModel& costModel() const {
-    return costModel_;
-  }
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;
