@@ -105,7 +105,7 @@ void bindAlgorithms(py::module& m) {
       "_plan",
       [](const std::string& collective, const std::string& name, int world, int rank,
          size_t count, size_t elemSize, std::vector<size_t> sendBytes,
-         std::vector<size_t> recvBytes, int root) {
+         std::vector<size_t> recvBytes, int root, size_t chunkBytes) {
         const Algorithm& a = lookup(collective, name);
         if (a.plan == nullptr) throw std::invalid_argument(name + " runs in shared memory, not as a plan");
         PlanArgs args;
@@ -116,6 +116,7 @@ void bindAlgorithms(py::module& m) {
         args.sendBytes = std::move(sendBytes);
         args.recvBytes = std::move(recvBytes);
         args.root = root;
+        args.chunkBytes = chunkBytes;
         const Plan plan = a.plan(args);
         py::list steps;
         for (const auto& st : plan.steps) {
@@ -134,5 +135,6 @@ void bindAlgorithms(py::module& m) {
       },
       py::arg("collective"), py::arg("name"), py::arg("world"), py::arg("rank"),
       py::arg("count") = 0, py::arg("elem_size") = 1, py::arg("send_bytes") = std::vector<size_t>{},
-      py::arg("recv_bytes") = std::vector<size_t>{}, py::arg("root") = 0);
+      py::arg("recv_bytes") = std::vector<size_t>{}, py::arg("root") = 0,
+      py::arg("chunk_bytes") = 0);
 }

@@ -25,6 +25,10 @@ Cost directAllreduceCost(double bytes, int n);
 // broadcast of Data (count bytes, elemSize 1) from root.
 Plan treeBroadcastPlan(const PlanArgs& a);
 Cost treeBroadcastCost(double bytes, int n);
+Plan chainBroadcastPlan(const PlanArgs& a);
+Cost chainBroadcastCost(double bytes, int n);
+// The chunks the chain cuts a broadcast of `bytes` into by default.
+size_t chainBroadcastChunks(size_t bytes);
 
 // reduce: Send[0] is this rank's input (never written), Data the root's output; other
 // ranks' Data is not touched.

@@ -65,6 +65,9 @@ struct PlanArgs {
   std::vector<size_t> sendBytes;  // Send block sizes
   std::vector<size_t> recvBytes;  // Recv block sizes
   int root = 0;
+  // Pipelined plans: bytes per chunk (0: the builder's own choice, which its cost
+  // function assumes). Tests set it to exercise deep pipelines on small messages.
+  size_t chunkBytes = 0;
 };
 
 // The terms of the α-β-γ cost model, for the busiest rank of the op.

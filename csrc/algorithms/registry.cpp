@@ -109,6 +109,8 @@ Registry::Registry() : model_(CostModel::defaults()) {
        "same host: every rank reduces every slot of a shared-memory window"},
       {C::Broadcast, "tree", L::Net, false, noLimit, false, treeBroadcastPlan, treeBroadcastCost,
        "binomial tree, ceil(log2 N) steps"},
+      {C::Broadcast, "chain", L::Net, false, noLimit, false, chainBroadcastPlan, chainBroadcastCost,
+       "pipelined chain: chunks flow rank to rank, every link carries S once"},
       {C::Broadcast, "shm", L::Shm, false, noLimit, false, nullptr, shmBroadcastCost,
        "same host: the root's slot, read by every rank"},
       {C::Reduce, "tree", L::Net, false, noLimit, false, treeReducePlan, treeReduceCost,
