@@ -160,7 +160,8 @@ def test_bench_pinned_algorithms(tmp_path: Path, capfd: pytest.CaptureFixture[st
 
     Every label gets its own rows and right results; an algorithm an op lacks is left out
     with a note; the flight recorder shows that the pinned algorithm really ran, and what
-    auto ran; --check-auto prints its verdict per op.
+    auto ran; --check-auto prints its verdict per op; --rounds 2 interleaves the labels
+    and still gives one row each.
     """
     import torchdist_ext
 
@@ -168,7 +169,7 @@ def test_bench_pinned_algorithms(tmp_path: Path, capfd: pytest.CaptureFixture[st
     rc = bench.main(["--op", "all_reduce,all_gather,broadcast", "--backends",
                      "tdx,tdx:ring,tdx:rd,tdx:shm,gloo", "--world", "2", "-b", "1K", "-e", "4K",
                      "-f", "4", "-n", "2", "-w", "1", "--json", str(path), "--no-progress",
-                     "--check-auto"])
+                     "--check-auto", "--rounds", "2"])
     out = capfd.readouterr().out
     doc = json.loads(path.read_text())
     rows = doc["rows"]
@@ -199,7 +200,8 @@ def test_bench_pinned_algorithms(tmp_path: Path, capfd: pytest.CaptureFixture[st
             assert r["pinned"] and r["algo"] == r["backend"].split(":")[1], where
     # rows of one size are back to back, in the order asked for
     first = [r["backend"] for r in rows if r["op"] == "all_gather" and r["size"] == 1024]
-    assert first == ["tdx", "tdx:ring", "tdx:rd", "tdx:shm", "gloo"]
+    assert first == ["tdx", "tdx:ring", "tdx:rd", "tdx:shm", "gloo"]  # one row per round set
+    assert all(r["rounds"] == 2 for r in rows) and "median of 2 rounds" in out
     assert " algo " in out and "tdx:shm" in out and "# Wrong elements : 0 OK" in out
     for op in ("all_reduce", "all_gather", "broadcast"):
         assert f"# check-auto {op}: auto " in out, op
@@ -218,7 +220,7 @@ def test_labels_for_op_and_backend_options() -> None:
     assert [lb.algo for lb in labels] == ["ring", "rhd", "direct"]
     assert len(notes) == 3 and all("one host" in n for n in notes)
     labels, _ = core.labels_for_op("broadcast", ("tdx", "tdx:all"), 4, True)
-    assert [lb.label for lb in labels] == ["tdx", "tdx:tree", "tdx:shm"]
+    assert [lb.label for lb in labels] == ["tdx", "tdx:tree", "tdx:chain", "tdx:shm"]
     assert core.unusable("all_reduce", "direct", 64 << 20, 2, True)  # scratch limit
     assert core.unusable("all_reduce", "direct", 1 << 20, 2, True) == ""
     assert Options(backends="TDX:Ring, tdx:auto,gloo").backends == ("tdx:ring", "tdx", "gloo")
@@ -256,17 +258,26 @@ def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
         _row("broadcast", "tdx", 1024, 130.0, "shm"),
         _row("broadcast", "tdx:shm", 1024, 100.0, "shm"),
         _row("broadcast", "tdx:tree", 1024, 300.0, "tree"),
+        # reduce: auto picked tree, whose pinned row is within 5% of the best: its own slow
+        # row is noise, not a wrong choice
+        _row("reduce", "tdx", 1024, 150.0, "tree"),
+        _row("reduce", "tdx:tree", 1024, 105.0, "tree"),
+        _row("reduce", "tdx:shm", 1024, 100.0, "shm"),
         # all_gather: nothing pinned
         _row("all_gather", "tdx", 1024, 10.0, "shm"),
     ]
-    assert report.auto_losses(rows) == {"all_reduce": [2048], "broadcast": [],
+    assert report.auto_losses(rows) == {"all_reduce": [2048], "broadcast": [], "reduce": [],
                                         "all_gather": []}
     assert report.auto_losses(rows, tolerance=0.6) == {"all_reduce": [], "broadcast": [],
-                                                       "all_gather": []}
+                                                       "reduce": [], "all_gather": []}
     entry = report.compare_auto(rows)["all_reduce"][1]
+    # The loss that counts is the choice's: pinned ring (140) against pinned shm (100).
     assert entry["best"] == "tdx:shm" and entry["loss"] == pytest.approx(0.5) and entry["lost"]
+    assert entry["choice_loss"] == pytest.approx(0.4)
+    reduce_entry = report.compare_auto(rows)["reduce"][0]
+    assert reduce_entry["noise"] and not reduce_entry["lost"]
     text = "\n".join(report.check_auto_lines(rows))
-    assert "# check-auto all_reduce: auto lost by >10% at 1 of 2 sizes: 2048 B (+50.0%: " \
+    assert "# check-auto all_reduce: auto lost by >10% at 1 of 2 sizes: 2048 B (+40.0%: " \
            "picked ring, best shm)" in text
     assert "# check-auto broadcast: auto picked the fastest algorithm" in text
     assert "timing noise" in text
@@ -281,6 +292,19 @@ def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict"]) == 1
     assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict",
                      "--auto-tolerance", "60"]) == 0
+
+
+def test_rounds_take_the_median_round() -> None:
+    """--rounds: each label's figure is its median round; any failed round makes it an
+    error; the option is validated."""
+    from torchdist_ext.bench import cli, runner
+
+    assert runner._combine([(30.0, 0, None), (10.0, 0, None), (20.0, 1, None)]) == (20.0, 1, None)
+    assert runner._combine([(10.0, 0, None), (None, None, "boom")]) == (None, None, "boom")
+    assert runner._combine([(None, None, None)]) == (None, None, None)
+    assert cli.options_from_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        Options(rounds=0)
 
 
 def test_nnls_recovers_known_terms() -> None:

@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stat", choices=("mean", "median"), default="mean",
                    help="per-op time: mean over the timed loop (default), or median of each "
                         "iteration timed alone (steadier on a busy machine)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each size this many times, the backends taking turns, and "
+                        "report the median round (default 1); fair comparisons on a noisy "
+                        "host, e.g. with --check-auto")
     p.add_argument("-d", "--dtype", default="float32",
                    help="any torch dtype name (default float32)")
     p.add_argument("-o", "--redop", default="sum", help=f"{', '.join(REDOPS)} (default sum)")
@@ -89,7 +93,8 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
                        iters=a.iters, warmup=a.warmup, dtype=a.dtype, redop=a.redop,
                        root=a.root, check=bool(a.check), json_path=a.json_path,
                        plot_path=a.plot_path, timeout=a.timeout, quiet=a.quiet,
-                       progress=a.progress, stat=a.stat, check_auto=a.check_auto,
+                       progress=a.progress, stat=a.stat, rounds=a.rounds,
+                       check_auto=a.check_auto,
                        auto_tolerance=a.auto_tolerance / 100.0)
     except ValueError as exc:
         parser.error(str(exc))

@@ -254,6 +254,10 @@ class Options:
     ``auto_tolerance`` (a fraction). ``sizes``, when given, replaces the minbytes .. maxbytes
     sweep. ``stat="median"`` times each iteration on its own and reports the median, which
     a busy machine's stalls barely move (``"mean"``: the whole loop over ``iters``).
+    ``rounds`` > 1 measures every size that many times with the backends taking turns
+    (round r times each of them once) and reports the median round: a shared host's slow
+    spells then land on every backend alike, which is what comparing them, and
+    ``check_auto``, need.
     """
 
     ops: tuple[str, ...] = ("all_reduce",)
@@ -275,6 +279,7 @@ class Options:
     quiet: bool = False
     progress: bool = True
     stat: str = "mean"
+    rounds: int = 1
     check_auto: str | None = None
     auto_tolerance: float = 0.10
     sizes: tuple[int, ...] | None = None
@@ -305,6 +310,8 @@ class Options:
             if unknown:
                 raise ValueError(f"unknown tdx algorithm(s) {', '.join(unknown)}; choose from "
                                  f"{', '.join(sorted(everything))}, all or auto")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.stat not in ("mean", "median"):
             raise ValueError(f"stat must be mean or median, not {self.stat!r}")
         if not 0 <= self.auto_tolerance:

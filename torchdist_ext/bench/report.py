@@ -86,8 +86,10 @@ def header_lines(meta: dict[str, Any], rank_lines: Sequence[str], opts: Any,
         f"date {meta['date']}",
         f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {opts.stepfactor}(factor) "
         f"warmup iters: {opts.warmup} iters: {opts.iters} validation: {int(opts.check)}",
-        f"# time: max over ranks of the {getattr(opts, 'stat', 'mean')} per-op time; "
-        "algbw = size / time; busbw = algbw * factor (nccl-tests)",
+        f"# time: max over ranks of the {getattr(opts, 'stat', 'mean')} per-op time"
+        + (f", median of {opts.rounds} rounds with the backends taking turns"
+           if getattr(opts, "rounds", 1) > 1 else "")
+        + "; algbw = size / time; busbw = algbw * factor (nccl-tests)",
         "#",
         "# Using devices",
     ]
@@ -230,9 +232,12 @@ def compare_auto(rows: Sequence[dict[str, Any]],
     """Per op and size: plain tdx (auto) against the fastest pinned ``tdx:<algorithm>``.
 
     Each entry: size, auto_algo, auto_us, best (label), best_algo, best_us, loss
-    (``auto_us / best_us - 1``), lost (loss > tolerance and auto picked another algorithm
-    than the fastest), noise (loss > tolerance although auto picked the fastest algorithm:
-    the same algorithm measured twice, so the gap is timing noise). Entries whose auto or
+    (``auto_us / best_us - 1``), choice_loss (the pinned row of the algorithm auto picked
+    against the best: ``chosen_us / best_us - 1``; None without that row), lost (auto
+    picked another algorithm than the fastest and that choice costs more than
+    ``tolerance``: choice_loss when the pinned row of auto's pick ran, which was measured
+    like the best row, else loss), noise (loss > tolerance but not lost: the same
+    algorithm, or an equally fast one, timed at another moment). Entries whose auto or
     pinned rows did not run have None times.
     """
     out: dict[str, list[dict[str, Any]]] = {}
@@ -247,15 +252,23 @@ def compare_auto(rows: Sequence[dict[str, Any]],
             e: dict[str, Any] = {"size": size, "auto_algo": auto.get("algo") if auto else None,
                                  "auto_us": _op_time(auto) if auto else None, "best": None,
                                  "best_algo": None, "best_us": None, "loss": None,
+                                 "chosen_us": None, "choice_loss": None,
                                  "lost": False, "noise": False}
             if pinned:
                 t, best = min(pinned, key=lambda p: p[0])
                 e.update(best=best["backend"], best_algo=best.get("algo"), best_us=t)
+                chosen = [t for t, r in pinned if e["auto_algo"] and r.get("algo") == e["auto_algo"]]
+                if chosen:
+                    e["chosen_us"] = min(chosen)
+                    e["choice_loss"] = e["chosen_us"] / t - 1.0
             if e["auto_us"] is not None and e["best_us"]:
                 e["loss"] = e["auto_us"] / e["best_us"] - 1.0
                 if e["loss"] > tolerance:
-                    e["noise"] = e["auto_algo"] is not None and e["auto_algo"] == e["best_algo"]
-                    e["lost"] = not e["noise"]
+                    other = e["auto_algo"] is None or e["auto_algo"] != e["best_algo"]
+                    costly = (e["choice_loss"] if e["choice_loss"] is not None
+                              else e["loss"]) > tolerance
+                    e["lost"] = other and costly
+                    e["noise"] = not e["lost"]
             entries.append(e)
         out[op] = entries
     return out
@@ -305,8 +318,9 @@ def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) ->
         noise = [e for e in compared if e["noise"]]
         missing = len(entries) - len(compared)
         if lost:
-            text = ", ".join(f"{e['size']} B ({_pct(e['loss'])}: picked {e['auto_algo']}, "
-                             f"best {e['best_algo']})" for e in lost)
+            text = ", ".join(
+                f"{e['size']} B ({_pct(e['choice_loss'] if e['choice_loss'] is not None else e['loss'])}"
+                f": picked {e['auto_algo']}, best {e['best_algo']})" for e in lost)
             line = f"{head} auto lost by >{tol} at {len(lost)} of {len(compared)} sizes: {text}"
         else:
             worst = max(compared, key=lambda e: e["loss"])
@@ -320,8 +334,9 @@ def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) ->
                 line = (f"{head} auto within {worst['loss'] * 100:.1f}% of best at every size "
                         f"({len(compared)} sizes, worst {worst['size']} B)")
         if noise:
-            line += ("; slower by >" + tol + " but running the fastest algorithm (timing "
-                     "noise; raise -n) at " + ", ".join(f"{e['size']} B" for e in noise))
+            line += ("; slower by >" + tol + " but running the fastest algorithm, or one "
+                     "whose pinned row was within " + tol + " of it (timing noise; raise -n "
+                     "or --rounds) at " + ", ".join(f"{e['size']} B" for e in noise))
         if missing:
             line += f"; {missing} size(s) not compared (a row did not run)"
         summary.append(line)

@@ -261,6 +261,18 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
     return float(stats), (int(total_wrong) if o.check else None), None
 
 
+def _combine(results: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
+    """One figure from a label's rounds: the median time, the most wrong elements any round
+    saw, and the first error (a round that failed makes the figure an error)."""
+    errors = [e for _, _, e in results if e]
+    if errors:
+        return None, None, errors[0]
+    times = [t for t, _, _ in results if t is not None]
+    wrongs = [w for _, w, _ in results if w is not None]
+    return (statistics.median(times) if times else None,
+            max(wrongs) if wrongs else None, None)
+
+
 def _label_order(asked: tuple[str, ...], ran: list[str]) -> list[str]:
     """The labels that ran, in the order they were asked for; each ``tdx:all`` stands for
     the labels it expanded into."""
@@ -436,7 +448,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
     meta["notes"] = notes
     original = {c: torchdist_ext.get_algorithm(c) for c in set(COLLECTIVES.values())}
 
-    total = sum(len(sizes) * len(labels) for _, sizes, labels in plan)
+    total = sum(len(sizes) * len(labels) for _, sizes, labels in plan) * opts.rounds
     progress = report.Progress(total, enabled=lead and opts.progress)
     show = lead and not opts.quiet
 
@@ -458,8 +470,45 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
             factor = spec.bus_factor(world)
             collective = COLLECTIVES[spec.name]
             for nbytes, count in sizes:
+                # prefix -> per-round (time, wrong, error) of each label; rounds interleave
+                # the labels so that slow spells of a shared host hit all of them.
+                taken: dict[str, dict[str, list[tuple[Any, Any, Any]]]] = {
+                    lb.label: {"oop_": [], "ip_": []} for lb in labels}
+                ran: dict[str, dict[str, Any]] = {}
+                for _ in range(opts.rounds):
+                    for lb in labels:
+                        progress.step(f"{spec.name} {lb.label} {nbytes} B")
+                        why = unusable(spec.name, lb.algo, nbytes, world, same_host) \
+                            if lb.algo else ""
+                        if lb.algo and not why:
+                            torchdist_ext.set_algorithm(collective, lb.algo)
+                        try:
+                            for prefix, in_place in (("oop_", False), ("ip_", True)):
+                                t = wrong = error = None
+                                key = (spec.name, lb.label, in_place)
+                                if in_place and not spec.in_place:
+                                    pass
+                                elif why:
+                                    error = f"{report.UNUSABLE}: {why}"
+                                elif key in broken:
+                                    error = f"{report.SKIPPED}: {broken[key]}"
+                                else:
+                                    t, wrong, error = _measure(spec, in_place,
+                                                               groups[lb.backend], ctx, count)
+                                    if error:
+                                        broken[key] = error
+                                taken[lb.label][prefix].append((t, wrong, error))
+                        finally:
+                            if lb.algo and not why:
+                                torchdist_ext.set_algorithm(collective, original[collective])
+                        if lb.backend == TDX and any(x[0] for v in taken[lb.label].values()
+                                                     for x in v[-1:]):
+                            # what this label's last timed op really ran
+                            ran[lb.label] = _algo_fields(lb, collective, nbytes, world,
+                                                         same_host, groups[lb.backend])
+                        progress.advance()
                 for lb in labels:
-                    progress.step(f"{spec.name} {lb.label} {nbytes} B")
+                    why = unusable(spec.name, lb.algo, nbytes, world, same_host) if lb.algo else ""
                     row: dict[str, Any] = {
                         "op": spec.name, "backend": lb.label, "world": world,
                         "device": opts.device, "size": nbytes, "count": count,
@@ -468,44 +517,21 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         "root": opts.root if spec.rooted else None,
                     }
                     row.update(_algo_fields(lb, collective, nbytes, world, same_host))
-                    why = unusable(spec.name, lb.algo, nbytes, world, same_host) if lb.algo else ""
-                    if lb.algo and not why:
-                        torchdist_ext.set_algorithm(collective, lb.algo)
-                    try:
-                        for prefix, in_place in (("oop_", False), ("ip_", True)):
-                            t = wrong = error = None
-                            key = (spec.name, lb.label, in_place)
-                            if in_place and not spec.in_place:
-                                pass
-                            elif why:
-                                error = f"{report.UNUSABLE}: {why}"
-                            elif key in broken:
-                                error = f"{report.SKIPPED}: {broken[key]}"
-                            else:
-                                t, wrong, error = _measure(spec, in_place, groups[lb.backend],
-                                                           ctx, count)
-                                if error:
-                                    broken[key] = error
-                            algbw = nbytes / (t * 1e-6) / 1e9 if t else None
-                            row[f"{prefix}time_us"] = t
-                            row[f"{prefix}algbw_gb_s"] = algbw
-                            row[f"{prefix}busbw_gb_s"] = algbw * factor if algbw else None
-                            row[f"{prefix}wrong"] = wrong
-                            row[f"{prefix}error"] = error
-                    finally:
-                        if lb.algo and not why:
-                            torchdist_ext.set_algorithm(collective, original[collective])
-                    if lb.backend == TDX and (row["oop_time_us"] or row["ip_time_us"]):
-                        # what the last timed op really ran
-                        row.update(_algo_fields(lb, collective, nbytes, world, same_host,
-                                                groups[lb.backend]))
+                    for prefix, results in taken[lb.label].items():
+                        t, wrong, error = _combine(results)
+                        algbw = nbytes / (t * 1e-6) / 1e9 if t else None
+                        row[f"{prefix}time_us"] = t
+                        row[f"{prefix}algbw_gb_s"] = algbw
+                        row[f"{prefix}busbw_gb_s"] = algbw * factor if algbw else None
+                        row[f"{prefix}wrong"] = wrong
+                        row[f"{prefix}error"] = error
+                    row.update(ran.get(lb.label, {}))
                     row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
-                               host=meta["host"],
+                               rounds=opts.rounds, host=meta["host"],
                                torch_version=meta["torch_version"],
                                tdx_version=meta["tdx_version"],
                                ucx_version=meta["ucx_version"], date=meta["date"])
                     rows.append(row)
-                    progress.advance()
                     emit(report.format_row(row, lead_cols))
                     for line in report.error_lines(row):
                         emit(line)
