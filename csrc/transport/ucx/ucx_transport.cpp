@@ -55,7 +55,17 @@ std::shared_ptr<UcxTransport> UcxTransport::acquire() {
   std::lock_guard<std::mutex> lock(gInstanceMu);
   auto t = gInstance.lock();
   if (!t) {
-    t = std::make_shared<UcxTransport>();
+    // The last reference can go away on the progress thread itself: a completion callback
+    // that outlived its process group holds one, and the progress thread destroys the
+    // callback once it has run. The destructor joins that thread, which a thread cannot do
+    // to itself (std::terminate), so there the teardown moves to a thread of its own.
+    t = std::shared_ptr<UcxTransport>(new UcxTransport(), [](UcxTransport* p) {
+      if (std::this_thread::get_id() == p->progressThread_.get_id()) {
+        std::thread([p] { delete p; }).detach();
+      } else {
+        delete p;
+      }
+    });
     gInstance = t;
   }
   return t;
