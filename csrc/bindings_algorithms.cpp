@@ -127,6 +127,7 @@ void bindAlgorithms(py::module& m) {
             d["peer"] = act.peer;
             d["src"] = spanTuple(act.src);
             d["dst"] = spanTuple(act.dst);
+            d["segmented"] = act.segmented;
             acts.append(d);
           }
           steps.append(acts);

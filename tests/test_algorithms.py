@@ -3,7 +3,8 @@ algorithm x world size 1..8 x counts {0, 1, prime, not divisible} through the ba
 with values that identify their origin.
 
 Plan invariants (worlds 1..16), checked by running all ranks' plans symbolically:
-- every send is paired with a receive of the same size at the same step, in order;
+- every send is paired with a receive of the same size at the same step, in order, and
+  is marked segmented exactly when that receive reduces (both sides cut it alike);
 - a step never sends from memory it receives into (the executor posts them together);
 - every contribution is reduced exactly once (element sets stay disjoint) and the
   result holds every rank's contribution;
@@ -130,7 +131,7 @@ def simulate(coll: str, name: str, world: int, count: int, root: int = 0, chunk_
                             assert not _overlap(a["src"], b["dst"]), (
                                 f"{name} rank {r} step {s} sends from memory it receives into")
                     buf, off, nb = sim.region(r, a["src"])
-                    sends[(r, a["peer"])].append(list(buf[off:off + nb]))
+                    sends[(r, a["peer"])].append((list(buf[off:off + nb]), a["segmented"]))
                     moved[r][0] += nb
                 elif a["verb"] in ("recv", "recv_reduce"):
                     recvs[(a["peer"], r)].append(a)
@@ -144,7 +145,10 @@ def simulate(coll: str, name: str, world: int, count: int, root: int = 0, chunk_
         for key, payloads in sends.items():
             src, dst = key
             assert len(payloads) == len(recvs[key]), f"{name} step {s} {key}: count mismatch"
-            for payload, a in zip(payloads, recvs[key]):
+            for (payload, segmented), a in zip(payloads, recvs[key]):
+                # Both sides must cut the transfer alike: segmented exactly when reduced.
+                assert segmented == (a["verb"] == "recv_reduce"), (
+                    f"{name} step {s} {key}: send segmented={segmented} meets {a['verb']}")
                 buf, off, nb = sim.region(dst, a["dst"])
                 assert nb == len(payload), f"{name} step {s} {key}: size {len(payload)} into {nb}"
                 for i, lab in enumerate(payload):
@@ -295,8 +299,10 @@ def test_registry_and_overrides() -> None:
     assert torchdist_ext.predict("allreduce", 64, 8, same_host=False)[0] in ("direct", "rhd")
 
 
-def _sweep(rank: int, world: int) -> list[str]:
-    """Runs every algorithm (pinned) on this rank; returns failures."""
+def _sweep(rank: int, world: int, counts: list[int] | None = None,
+           names: list[tuple[str, str]] | None = None) -> list[str]:
+    """Runs every algorithm (pinned), or those in ``names``, on this rank at the usual
+    counts or ``counts``; returns failures."""
     assert rank == dist.get_rank()
     failures = []
 
@@ -306,15 +312,15 @@ def _sweep(rank: int, world: int) -> list[str]:
             failures.append(f"{label}: rank {rank} first bad index {bad[0].tolist()} "
                             f"got {got.flatten()[:8].tolist()} want {want.flatten()[:8].tolist()}")
 
-    for coll, name in ALL:
+    for coll, name in names or ALL:
         if (coll, name) in POW2_ONLY and world & (world - 1):
             continue
         torchdist_ext.set_algorithm(coll, name)
         try:
-            counts = [0] if coll == "barrier" else _counts(world)
-            if (coll, name) == ("broadcast", "chain"):
-                counts = counts + [100_003]  # 800 KB: a pipeline of 4 chunks
-            for count in counts:
+            counts_here = [0] if coll == "barrier" else (counts or _counts(world))
+            if (coll, name) == ("broadcast", "chain") and counts is None:
+                counts_here = counts_here + [100_003]  # 800 KB: a pipeline of 4 chunks
+            for count in counts_here:
                 i = torch.arange(count, dtype=torch.int64)
                 label = f"{coll}:{name} world={world} count={count}"
                 # Each rank's contribution sits in its own 4-bit field: a missing or
@@ -384,5 +390,17 @@ def _sweep(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", range(1, 9))
 def test_every_algorithm_through_the_backend(world: int) -> None:
     results = run_ranks(_sweep, world, timeout=120)
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_segmented_transfers_through_the_backend(world: int) -> None:
+    """Messages many segments long (TDX_SEGMENT_BYTES=4096, 80 KB per rank): transfers
+    the receiver reduces are cut into segments on both sides, the others move whole, and
+    every message algorithm still gets exact results."""
+    names = [(c, n) for c, n in PLANNED if c != "barrier"]
+    results = run_ranks(_sweep, world, timeout=120, args=([10_007], names),
+                        env={"TDX_SEGMENT_BYTES": "4096", "TDX_SHM": "0"})
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:20])

@@ -76,15 +76,15 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
         plain.push_back(ch.irecv(a.peer, tag, dst, 0));
         continue;
       }
+      if (a.verb == Verb::Recv) {  // one message: see Action::segmented
+        plain.push_back(ch.irecv(a.peer, tag, dst, a.dst.bytes));
+        continue;
+      }
       for (size_t off = 0; off < a.dst.bytes; off += seg) {
         const size_t n = std::min(seg, a.dst.bytes - off);
-        if (a.verb == Verb::Recv) {
-          plain.push_back(ch.irecv(a.peer, tag, dst + off, n));
-        } else {
-          char* into = stage + staged;
-          staged += n;
-          reducing.push_back({ch.irecv(a.peer, tag, into, n), into, dst + off, n});
-        }
+        char* into = stage + staged;
+        staged += n;
+        reducing.push_back({ch.irecv(a.peer, tag, into, n), into, dst + off, n});
       }
     }
     for (const auto& a : step.actions) {
@@ -94,8 +94,9 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
         plain.push_back(ch.isend(a.peer, tag, src, 0));
         continue;
       }
-      for (size_t off = 0; off < a.src.bytes; off += seg) {
-        plain.push_back(ch.isend(a.peer, tag, src + off, std::min(seg, a.src.bytes - off)));
+      const size_t cut = a.segmented ? seg : a.src.bytes;
+      for (size_t off = 0; off < a.src.bytes; off += cut) {
+        plain.push_back(ch.isend(a.peer, tag, src + off, std::min(cut, a.src.bytes - off)));
       }
     }
     for (auto& p : reducing) {

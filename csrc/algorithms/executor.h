@@ -1,12 +1,13 @@
 // The one executor every plan runs on.
 //
 // Per step: receives are posted first (so no sender waits on a missing receive), then
-// sends; every transfer is cut into segments of at most `segmentBytes`, all posted at
-// once, so several are in flight and the reduction of segment k overlaps the transfer of
-// segment k+1. Receive-and-reduce lands in a staging area and is reduced segment by
-// segment as segments arrive. Local copies and reductions run when the step's transfers
-// are done. Segments of one (sender, step) match in posting order, as the transport's
-// tag matching is non-overtaking.
+// sends. A transfer the receiver reduces (RecvReduce, and the Send marked `segmented`
+// that feeds it) is cut into segments of at most `segmentBytes`, all posted at once, so
+// the reduction of segment k overlaps the transfer of segment k+1: it lands in a staging
+// area and is reduced segment by segment as segments arrive. Every other transfer is one
+// message. Local copies and reductions run when the step's transfers are done. Messages
+// of one (sender, step) match in posting order, as the transport's tag matching is
+// non-overtaking.
 #pragma once
 
 #include <vector>

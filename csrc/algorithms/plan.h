@@ -44,6 +44,11 @@ struct Action {
   int peer = -1;  // transfers only
   Span src;       // Send, Copy, Reduce
   Span dst;       // Recv, RecvReduce, Copy, Reduce
+  // Send only: the peer takes this transfer with RecvReduce. The executor cuts such
+  // transfers into segments on both sides, so each is reduced while the next is on the
+  // wire; every other transfer moves as one message, since cutting it would only add
+  // per-message handshakes (over TCP, 1 MiB segments halved a 64 MiB broadcast).
+  bool segmented = false;
 };
 
 struct Step {
@@ -108,6 +113,12 @@ inline Action sendTo(int peer, Span src) {
   a.verb = Verb::Send;
   a.peer = peer;
   a.src = src;
+  return a;
+}
+// A send that the peer reduces as it lands (it posts RecvReduce).
+inline Action reducedSendTo(int peer, Span src) {
+  Action a = sendTo(peer, src);
+  a.segmented = true;
   return a;
 }
 inline Action recvFrom(int peer, Span dst) {

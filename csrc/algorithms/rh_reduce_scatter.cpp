@@ -28,7 +28,7 @@ Plan rhReduceScatterPlan(const PlanArgs& a) {
     const int giveLo = upper ? lo : mid, giveHi = upper ? mid : hi;
     Step st;
     st.actions.push_back(recvReduceFrom(r ^ d, scratchSpan(keepLo * b, (keepHi - keepLo) * b)));
-    st.actions.push_back(sendTo(r ^ d, scratchSpan(giveLo * b, (giveHi - giveLo) * b)));
+    st.actions.push_back(reducedSendTo(r ^ d, scratchSpan(giveLo * b, (giveHi - giveLo) * b)));
     plan.steps.push_back(st);
     lo = keepLo;
     hi = keepHi;

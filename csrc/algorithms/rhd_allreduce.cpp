@@ -39,7 +39,7 @@ Plan rhdAllreducePlan(const PlanArgs& a) {
   if (q > 0) {
     Step st;
     if (r < 2 * q) {
-      st.actions.push_back(r % 2 == 0 ? sendTo(r + 1, whole) : recvReduceFrom(r - 1, whole));
+      st.actions.push_back(r % 2 == 0 ? reducedSendTo(r + 1, whole) : recvReduceFrom(r - 1, whole));
     }
     plan.steps.push_back(st);
   }
@@ -60,7 +60,7 @@ Plan rhdAllreducePlan(const PlanArgs& a) {
       const int keepLo = upper ? mid : lo, keepHi = upper ? hi : mid;
       const int giveLo = upper ? lo : mid, giveHi = upper ? mid : hi;
       st.actions.push_back(recvReduceFrom(partner, pieces(keepLo, keepHi)));
-      st.actions.push_back(sendTo(partner, pieces(giveLo, giveHi)));
+      st.actions.push_back(reducedSendTo(partner, pieces(giveLo, giveHi)));
       lo = keepLo;
       hi = keepHi;
     }

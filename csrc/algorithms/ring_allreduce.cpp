@@ -25,7 +25,7 @@ Plan ringAllreducePlan(const PlanArgs& a) {
   for (int s = 0; s < n - 1; ++s) {
     Step st;
     st.actions.push_back(recvReduceFrom(left, chunk((r - s - 1 + 2 * n) % n)));
-    st.actions.push_back(sendTo(right, chunk((r - s + n) % n)));
+    st.actions.push_back(reducedSendTo(right, chunk((r - s + n) % n)));
     plan.steps.push_back(st);
   }
   for (int s = 0; s < n - 1; ++s) {

@@ -31,7 +31,7 @@ Plan treeReducePlan(const PlanArgs& a) {
     Step st;
     if (!done) {
       if (v & m) {
-        st.actions.push_back(sendTo((v - m + a.root) % n, leaf ? sendSpan(0, 0, bytes) : acc));
+        st.actions.push_back(reducedSendTo((v - m + a.root) % n, leaf ? sendSpan(0, 0, bytes) : acc));
         done = true;
       } else if (v + m < n) {
         st.actions.push_back(recvReduceFrom((v + m + a.root) % n, acc));
