@@ -46,3 +46,26 @@ def test_group_cycles_leak_nothing() -> None:
         # A few MiB of slack for allocator noise; a leak of a group's state per cycle
         # (worker thread stack, buffers) would exceed it.
         assert m1 - m0 < 8 << 20, f"resident memory grew by {(m1 - m0) >> 20} MiB"
+
+
+def _send_then_leave(rank: int, n: int) -> bool:
+    """Rank 0 sends 64 messages of 64 KiB, which complete as soon as the transport holds
+    them, then shuts the group down at once; rank 1 starts reading only later."""
+    import time
+
+    msgs = [torch.full((16384,), float(i)) for i in range(64)]
+    if rank == 0:
+        for w in [dist.isend(m, 1) for m in msgs]:
+            w.wait()
+        return True
+    time.sleep(1.0)
+    got = [torch.empty(16384) for _ in msgs]
+    for w in [dist.irecv(g, 0) for g in got]:
+        w.wait()
+    return all(torch.equal(g, m) for g, m in zip(got, msgs))
+
+
+def test_shutdown_waits_for_peers_still_reading() -> None:
+    """A sender that shuts down right after its sends completed must not cut off a peer
+    that has not read them yet: shutdown exchanges a goodbye with every live peer first."""
+    assert run_ranks(_send_then_leave, 2, timeout=60) == [True, True]

@@ -36,7 +36,10 @@ static_assert(kStepBits == kSeqShift, "step field fills the low bits");
 static_assert(kUserBits == kRankShift, "user tag fills the low bits of a p2p tag");
 
 constexpr uint64_t kMaxRanks = uint64_t{1} << kRankBits;
-constexpr uint64_t kMaxUserTag = (uint64_t{1} << kUserBits) - 1;
+// The highest point-to-point tag is the backend's own: the goodbye each rank sends its
+// peers when it shuts a group down. Users get 0 .. kMaxUserTag.
+constexpr uint64_t kShutdownTag = (uint64_t{1} << kUserBits) - 1;
+constexpr uint64_t kMaxUserTag = kShutdownTag - 1;
 constexpr uint64_t kGroupMask = (uint64_t{1} << kGroupBits) - 1;
 
 constexpr uint64_t kRankFieldMask = ((uint64_t{1} << kRankBits) - 1) << kRankShift;
@@ -53,7 +56,7 @@ constexpr uint64_t collective(uint32_t group, uint32_t sender, uint64_t seq, uin
 
 constexpr uint64_t pointToPoint(uint32_t group, uint32_t sender, uint64_t userTag) {
   return (uint64_t{1} << kKindShift) | ((group & kGroupMask) << kGroupShift) |
-         (uint64_t{sender} << kRankShift) | (userTag & kMaxUserTag);
+         (uint64_t{sender} << kRankShift) | (userTag & kShutdownTag);
 }
 
 constexpr uint32_t senderOf(uint64_t t) {
@@ -61,7 +64,9 @@ constexpr uint32_t senderOf(uint64_t t) {
 }
 
 static_assert(senderOf(collective(5, 77, 3, 2)) == 77, "sender round trip");
-static_assert(senderOf(pointToPoint(5, 1234, kMaxUserTag)) == 1234, "p2p sender round trip");
+static_assert(senderOf(pointToPoint(5, 1234, kShutdownTag)) == 1234, "p2p sender round trip");
+static_assert(pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kShutdownTag),
+              "the shutdown tag is out of the users' range");
 
 } // namespace tag
 } // namespace tdx
