@@ -3,9 +3,12 @@
 #include <sys/epoll.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <system_error>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -49,21 +52,68 @@ void endpointErrorCallback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 std::mutex gInstanceMu;
 std::weak_ptr<UcxTransport> gInstance;
 
+// Teardowns moved off the progress thread (see acquire()). Counted so that a new
+// transport waits for the old one to finish closing, and process exit waits for them
+// before UCX's own library destructors run; both waits are bounded.
+struct Teardowns {
+  std::mutex mu;
+  std::condition_variable cv;
+  int pending = 0;
+
+  bool waitIdle(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, limit, [&] { return pending == 0; });
+  }
+  void done() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      --pending;
+    }
+    cv.notify_all();
+  }
+  ~Teardowns() {
+    waitIdle(std::chrono::seconds(5));
+  }
+};
+
+Teardowns& teardowns() {
+  static Teardowns t;
+  return t;
+}
+
 } // namespace
 
 std::shared_ptr<UcxTransport> UcxTransport::acquire() {
   std::lock_guard<std::mutex> lock(gInstanceMu);
   auto t = gInstance.lock();
   if (!t) {
+    Teardowns& td = teardowns();
+    if (!td.waitIdle(std::chrono::seconds(5))) {
+      TDX_LOG(Warn, kPrefix) << "the previous UCX transport is still closing after 5 s; "
+                                "starting a new one beside it";
+    }
     // The last reference can go away on the progress thread itself: a completion callback
     // that outlived its process group holds one, and the progress thread destroys the
     // callback once it has run. The destructor joins that thread, which a thread cannot do
     // to itself (std::terminate), so there the teardown moves to a thread of its own.
     t = std::shared_ptr<UcxTransport>(new UcxTransport(), [](UcxTransport* p) {
-      if (std::this_thread::get_id() == p->progressThread_.get_id()) {
-        std::thread([p] { delete p; }).detach();
-      } else {
+      if (std::this_thread::get_id() != p->progressThread_.get_id()) {
         delete p;
+        return;
+      }
+      Teardowns& td = teardowns();
+      {
+        std::lock_guard<std::mutex> lock(td.mu);
+        ++td.pending;
+      }
+      try {
+        std::thread([p, &td] {
+          delete p;
+          td.done();
+        }).detach();
+      } catch (const std::system_error&) {
+        // No thread to be had: leave the transport to the process's exit.
+        td.done();
       }
     });
     gInstance = t;
