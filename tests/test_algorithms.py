@@ -404,3 +404,30 @@ def test_segmented_transfers_through_the_backend(world: int) -> None:
                         env={"TDX_SEGMENT_BYTES": "4096", "TDX_SHM": "0"})
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures[:20])
+
+
+def test_chain_plan_matches_its_cost_at_real_sizes() -> None:
+    """At the sizes auto meets, K > 1: the plan's steps are the cost's, K = ceil(S / 256 KiB)
+    up to 1024 chunks."""
+    for nbytes in (256 * 1024 + 1, 1 << 20, 300 << 20):
+        for world in (3, 8):
+            steps, _ = _C._plan("broadcast", "chain", world, 1, count=nbytes, elem_size=1, root=0)
+            cost = _C._algorithm_cost("broadcast", "chain", float(nbytes), world)
+            k = min(1024, -(-nbytes // (256 * 1024)))
+            assert len(steps) == cost["steps"] == k + world - 2, (nbytes, world)
+
+
+def _long_chain(rank: int, world: int, nbytes: int) -> bool:
+    torchdist_ext.set_algorithm("broadcast", "chain")
+    i = torch.arange(nbytes, dtype=torch.int64)
+    want = ((i * 7 + 3) % 251).to(torch.uint8)
+    t = want.clone() if rank == 1 else torch.zeros(nbytes, dtype=torch.uint8)
+    dist.broadcast(t, src=1)
+    return bool(torch.equal(t, want))
+
+
+def test_chain_broadcast_of_more_steps_than_the_tag_holds() -> None:
+    """65 MiB: 260 chunks, 261 steps at 3 ranks, more than the tag's step field counts
+    (it wraps); one message per pair and step, matched in order, keeps it exact."""
+    assert all(run_ranks(_long_chain, 3, timeout=120, args=((65 << 20) + 3,),
+                         env={"TDX_SHM": "0"}))

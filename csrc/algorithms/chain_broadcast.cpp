@@ -61,7 +61,9 @@ Plan chainBroadcastPlan(const PlanArgs& a) {
 
 Cost chainBroadcastCost(double bytes, int n) {
   if (n == 1) return {};
-  const double k = static_cast<double>(chainBroadcastChunks(static_cast<size_t>(bytes)));
+  // Negative or NaN sizes (from predict()) count as empty rather than overflowing.
+  const double k = static_cast<double>(
+      chainBroadcastChunks(bytes > 0 ? static_cast<size_t>(bytes) : size_t{0}));
   const double steps = k + n - 2;
   return {steps, steps / k * bytes, 0};
 }
