@@ -24,8 +24,11 @@ os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 # UCX's TCP transport writes 8 KiB segments and reads 64 KiB ones by default, which cuts
 # every large message into many small system calls; 256 KiB / 1 MiB halved large
 # transfers over TCP (docs/PERFORMANCE.md, "Messages over TCP"). Only TCP reads these.
-os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", "256k")
-os.environ.setdefault("UCX_TCP_RX_SEG_SIZE", "1m")
+# Both or neither: UCX refuses a send segment larger than the receive segment, so a user
+# who set one of them keeps UCX's default for the other.
+if "UCX_TCP_TX_SEG_SIZE" not in os.environ and "UCX_TCP_RX_SEG_SIZE" not in os.environ:
+    os.environ["UCX_TCP_TX_SEG_SIZE"] = "256k"
+    os.environ["UCX_TCP_RX_SEG_SIZE"] = "1m"
 
 try:  # UCX from the libucx-cu13 wheel; a system UCX (TDX_UCX_HOME) is found by rpath.
     import libucx
