@@ -300,7 +300,7 @@ def test_rounds_take_the_median_round() -> None:
     from torchdist_ext.bench import cli, runner
 
     assert runner._combine([(30.0, 0, None), (10.0, 0, None), (20.0, 1, None)]) == (20.0, 1, None)
-    assert runner._combine([(10.0, 0, None), (None, None, "boom")]) == (None, None, "boom")
+    assert runner._combine([(10.0, 3, None), (None, None, "boom")]) == (None, 3, "boom")
     assert runner._combine([(None, None, None)]) == (None, None, None)
     assert cli.options_from_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(ValueError, match="rounds must be >= 1"):

@@ -34,9 +34,9 @@ const std::vector<Knob>& knobs() {
        "pin algorithms per collective, e.g. allreduce:ring,broadcast:tree (names: "
        "torchdist_ext.algorithms()); unset: the cost model picks"},
       {"TDX_SEGMENT_BYTES", "1048576",
-       "transfers that the receiver reduces are cut into segments of this size, all in "
-       "flight at once, so reducing one overlaps receiving the next; other transfers move "
-       "as one message"},
+       "transfers that the receiver reduces as they land (RecvReduce) are cut into segments "
+       "of this size, all in flight at once, so reducing one overlaps receiving the next; "
+       "other transfers move as one message"},
       {"TDX_SHM", "1",
        "1: ranks of one host may use shared-memory windows (POSIX shm) for collectives; "
        "0: messages only"},

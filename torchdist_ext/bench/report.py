@@ -304,7 +304,7 @@ def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) ->
                 (e["best"] or "-", 16),
                 (_fmt_time(e["best_us"]) if e["best_us"] is not None else "n/a", 10),
                 (_pct(e["loss"]) if e["loss"] is not None else "n/a", 8),
-            )) + ("  LOST" if e["lost"] else "  (same algorithm: noise)" if e["noise"] else ""))
+            )) + ("  LOST" if e["lost"] else "  (noise)" if e["noise"] else ""))
         compared = [e for e in entries if e["loss"] is not None]
         head = f"# check-auto {op}:"
         if not any(e["best"] for e in entries):

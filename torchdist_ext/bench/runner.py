@@ -262,15 +262,16 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
 
 
 def _combine(results: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
-    """One figure from a label's rounds: the median time, the most wrong elements any round
-    saw, and the first error (a round that failed makes the figure an error)."""
+    """One figure from a label's rounds: the median time (of the two middle rounds for an
+    even count), the most wrong elements any round saw, and the first error (a round that
+    failed makes the figure an error, still counting what earlier rounds found wrong)."""
     errors = [e for _, _, e in results if e]
-    if errors:
-        return None, None, errors[0]
-    times = [t for t, _, _ in results if t is not None]
     wrongs = [w for _, w, _ in results if w is not None]
-    return (statistics.median(times) if times else None,
-            max(wrongs) if wrongs else None, None)
+    worst = max(wrongs) if wrongs else None
+    if errors:
+        return None, worst, errors[0]
+    times = [t for t, _, _ in results if t is not None]
+    return (statistics.median(times) if times else None, worst, None)
 
 
 def _label_order(asked: tuple[str, ...], ran: list[str]) -> list[str]:
