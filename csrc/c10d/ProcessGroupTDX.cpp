@@ -727,7 +727,7 @@ void ProcessGroupTDX::shutdownLocked() {
   std::lock_guard<std::mutex> lock(shutdownMu_);
   if (shutDown_) return;
   shutDown_ = true;
-  if (!aborted_ && !broken_) sayGoodbye();
+  sayGoodbye(/*awaitPeers=*/!aborted_ && !broken_);
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;
@@ -736,31 +736,37 @@ void ProcessGroupTDX::shutdownLocked() {
   TDX_LOG(Info, prefix()) << "shut down";
 }
 
-void ProcessGroupTDX::sayGoodbye() {
+void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // A send completes once its bytes are handed to the transport, not once the peer has
   // read them. A rank whose last sends completed so (a broadcast's root, a sender) could
   // otherwise close its connections while a peer is still reading them, and the peer's
   // receives would fail with "connection reset". After every live peer has said goodbye,
   // none still reads from this rank. Bounded, so a peer that never shuts the group down
-  // (or hangs) delays this rank by at most 10 s or the group timeout.
+  // (or hangs) delays this rank by at most 10 s or the group timeout. A broken or
+  // aborted group still says goodbye, so its healthy peers are not held up, but waits for
+  // nobody's.
   if (!transport_ || size_ <= 1) return;
-  const auto deadline = transport::Clock::now() + std::min(timeout(), std::chrono::milliseconds(10000));
+  const auto deadline =
+      transport::Clock::now() + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
+                                            : std::chrono::milliseconds(1000));
   static const char kNothing = 0;
   char sink = 0;
   std::vector<transport::RequestPtr> pending;
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
-    pending.push_back(transport_->irecv(endpoints_[q],
-                                        tag::pointToPoint(groupId_, q, tag::kShutdownTag),
-                                        tag::kFullMask, &sink, 0, transport::MemType::Host,
-                                        nullptr));
+    if (awaitPeers) {
+      pending.push_back(transport_->irecv(endpoints_[q],
+                                          tag::pointToPoint(groupId_, q, tag::kShutdownTag),
+                                          tag::kFullMask, &sink, 0, transport::MemType::Host,
+                                          nullptr));
+    }
     pending.push_back(transport_->isend(endpoints_[q],
                                         tag::pointToPoint(groupId_, rank_, tag::kShutdownTag),
                                         &kNothing, 0, transport::MemType::Host, nullptr));
   }
   bool all = true;
   for (auto& r : pending) all = transport_->wait(*r, deadline) && all;
-  if (!all) {
+  if (!all && awaitPeers) {
     TDX_LOG(Info, prefix()) << "shut down without every peer's goodbye (a peer has not shut "
                                "this group down yet)";
   }

@@ -183,9 +183,9 @@ class ProcessGroupTDX : public c10d::Backend {
   void noteFingerprint(int root, const Reduction* red) const;
   void stopWorker(const std::string& reason);
   void shutdownLocked();
-  // Shutdown's goodbye: tell every live peer this rank is done with the group, and wait
-  // (bounded) until each has said the same.
-  void sayGoodbye();
+  // Shutdown's goodbye: tell every live peer this rank is done with the group and, when
+  // `awaitPeers`, wait (bounded) until each has said the same.
+  void sayGoodbye(bool awaitPeers);
   std::chrono::milliseconds timeout() const;
   std::string describe(const char* op, uint64_t seq, const std::vector<at::Tensor>& ts) const;
   static std::exception_ptr wrapError(const std::string& what, const std::string& message);
