@@ -471,45 +471,54 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
             factor = spec.bus_factor(world)
             collective = COLLECTIVES[spec.name]
             for nbytes, count in sizes:
-                # prefix -> per-round (time, wrong, error) of each label; rounds interleave
-                # the labels so that slow spells of a shared host hit all of them.
+                whys = {lb.label: unusable(spec.name, lb.algo, nbytes, world, same_host)
+                        if lb.algo else "" for lb in labels}
+
+                def measure_label(lb: Label) -> dict[str, tuple[Any, Any, Any]]:
+                    """prefix -> (time, wrong, error) of one round of ``lb``."""
+                    why = whys[lb.label]
+                    out: dict[str, tuple[Any, Any, Any]] = {}
+                    if lb.algo and not why:
+                        torchdist_ext.set_algorithm(collective, lb.algo)
+                    try:
+                        for prefix, in_place in (("oop_", False), ("ip_", True)):
+                            t = wrong = error = None
+                            key = (spec.name, lb.label, in_place)
+                            if in_place and not spec.in_place:
+                                pass
+                            elif why:
+                                error = f"{report.UNUSABLE}: {why}"
+                            elif key in broken:
+                                error = f"{report.SKIPPED}: {broken[key]}"
+                            else:
+                                t, wrong, error = _measure(spec, in_place, groups[lb.backend],
+                                                           ctx, count)
+                                if error:
+                                    broken[key] = error
+                            out[prefix] = (t, wrong, error)
+                    finally:
+                        if lb.algo and not why:
+                            torchdist_ext.set_algorithm(collective, original[collective])
+                    return out
+
+                # prefix -> per-round results of each label; rounds interleave the labels
+                # so that slow spells of a shared host hit all of them.
                 taken: dict[str, dict[str, list[tuple[Any, Any, Any]]]] = {
                     lb.label: {"oop_": [], "ip_": []} for lb in labels}
                 ran: dict[str, dict[str, Any]] = {}
                 for _ in range(opts.rounds):
                     for lb in labels:
                         progress.step(f"{spec.name} {lb.label} {nbytes} B")
-                        why = unusable(spec.name, lb.algo, nbytes, world, same_host) \
-                            if lb.algo else ""
-                        if lb.algo and not why:
-                            torchdist_ext.set_algorithm(collective, lb.algo)
-                        try:
-                            for prefix, in_place in (("oop_", False), ("ip_", True)):
-                                t = wrong = error = None
-                                key = (spec.name, lb.label, in_place)
-                                if in_place and not spec.in_place:
-                                    pass
-                                elif why:
-                                    error = f"{report.UNUSABLE}: {why}"
-                                elif key in broken:
-                                    error = f"{report.SKIPPED}: {broken[key]}"
-                                else:
-                                    t, wrong, error = _measure(spec, in_place,
-                                                               groups[lb.backend], ctx, count)
-                                    if error:
-                                        broken[key] = error
-                                taken[lb.label][prefix].append((t, wrong, error))
-                        finally:
-                            if lb.algo and not why:
-                                torchdist_ext.set_algorithm(collective, original[collective])
-                        if lb.backend == TDX and any(x[0] for v in taken[lb.label].values()
-                                                     for x in v[-1:]):
+                        this_round = measure_label(lb)
+                        for prefix, result in this_round.items():
+                            taken[lb.label][prefix].append(result)
+                        if lb.backend == TDX and any(t for t, _, _ in this_round.values()):
                             # what this label's last timed op really ran
                             ran[lb.label] = _algo_fields(lb, collective, nbytes, world,
                                                          same_host, groups[lb.backend])
                         progress.advance()
                 for lb in labels:
-                    why = unusable(spec.name, lb.algo, nbytes, world, same_host) if lb.algo else ""
+                    why = whys[lb.label]
                     row: dict[str, Any] = {
                         "op": spec.name, "backend": lb.label, "world": world,
                         "device": opts.device, "size": nbytes, "count": count,
