@@ -44,6 +44,7 @@ __all__ = [
     "ucx_version",
     "env_knobs",
     "flight_recorder",
+    "all_reduce_into",
     "algorithms",
     "set_algorithm",
     "get_algorithm",
@@ -94,6 +95,61 @@ def _tdx_backend(group: Any = None) -> Any:
         f"group {getattr(pg, 'group_name', pg)!r} has no tdx backend; pass a group created "
         "with backend='tdx'"
     )
+
+
+def all_reduce_into(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Out-of-place ``all_reduce``: ``output`` receives the reduction of every rank's
+    ``input``, and ``input`` is left as it was.
+
+    torch.distributed's ``all_reduce`` works in place, so keeping the input means copying
+    it first (torch's functional collectives clone it). On a ``tdx`` group with CPU
+    tensors the shared-memory algorithms read ``input`` and write ``output`` as part of
+    their own copies, so this costs what the in-place op does. Elsewhere (CUDA tensors,
+    other backends) it is exactly ``output.copy_(input)`` then ``dist.all_reduce(output)``.
+
+    ``output`` needs ``input``'s dtype, device and number of elements; it may be ``input``
+    itself (in place) but must not overlap part of it. Returns a work handle when
+    ``async_op`` is true, else None, like ``dist.all_reduce``.
+    """
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if dist.distributed_c10d._rank_not_in_group(pg):
+        return None
+    where = f"[tdx rank {pg.rank()}] all_reduce_into"
+    if not isinstance(output, torch.Tensor) or not isinstance(input, torch.Tensor):
+        raise TypeError(
+            f"{where}: output and input must be tensors, got {type(output).__name__} and "
+            f"{type(input).__name__}; pass one tensor each"
+        )
+    if output.dtype != input.dtype or output.device != input.device \
+            or output.numel() != input.numel():
+        raise ValueError(
+            f"{where}: output is {output.dtype}{list(output.shape)} on {output.device} but "
+            f"input is {input.dtype}{list(input.shape)} on {input.device}; the output needs "
+            "the input's dtype, device and number of elements"
+        )
+    backend = None
+    if input.device.type == "cpu":
+        try:
+            backend = pg._get_backend(input.device)
+        except (RuntimeError, ValueError):  # no backend for cpu tensors on this group
+            backend = None
+    if isinstance(backend, _C.ProcessGroupTDX):
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        work = backend.allreduce_into(output, input, opts)
+        if async_op:
+            return work
+        work.wait()
+        return None
+    if output is not input:
+        output.copy_(input)
+    return dist.all_reduce(output, op=op, group=group, async_op=async_op)
 
 
 def flight_recorder(group: Any = None) -> list[dict[str, Any]]:

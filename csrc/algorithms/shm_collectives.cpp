@@ -88,23 +88,25 @@ size_t chunkElems(const HostWindow& w, size_t elemSize) {
 
 } // namespace
 
-void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
-                  size_t elemSize, kernels::ReduceFn reduce) {
+void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
+                  size_t count, size_t elemSize, kernels::ReduceFn reduce) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
-    char* src = data + first * elemSize;
+    const char* src = input + first * elemSize;
+    char* dst = output + first * elemSize;
     auto at = [&](int q) { return pieceBegin(cnt, n, q) * elemSize; };
     auto len = [&](int q) { return pieceCount(cnt, n, q) * elemSize; };
     const int h = w.acquireHalf(wc);
     if (first == 0) announce(w, h, kAllreduce, count * elemSize);
     char* mine = w.half(r, h);
     // Only the pieces other ranks reduce go into the slot; this rank's own piece is
-    // reduced in place in its buffer.
+    // reduced in place in the output.
     for (int q = 0; q < n; ++q) {
       if (q != r) std::memcpy(mine + at(q), src + at(q), len(q));
     }
+    if (src != dst) std::memcpy(dst + at(r), src + at(r), len(r));
     w.post();
     // Each peer is taken as soon as it has signalled, not after all have: with more
     // ranks than cores, whoever is running makes progress.
@@ -113,32 +115,34 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
       const int q = (r + k) % n;
       w.waitRank(q, copied, wc);
       if (first == 0) verify(w, h, q);
-      if (len(r) > 0) reduce(src + at(r), w.half(q, h) + at(r), len(r) / elemSize);
+      if (len(r) > 0) reduce(dst + at(r), w.half(q, h) + at(r), len(r) / elemSize);
     }
     // Published for the others; the slot's piece r is not read by anyone until now.
-    std::memcpy(mine + at(r), src + at(r), len(r));
+    std::memcpy(mine + at(r), dst + at(r), len(r));
     w.post();
     const uint64_t reduced = w.posted();
     for (int k = 1; k < n; ++k) {
       const int q = (r + k) % n;
       w.waitRank(q, reduced, wc);
-      std::memcpy(src + at(q), w.half(q, h) + at(q), len(q));
+      std::memcpy(dst + at(q), w.half(q, h) + at(q), len(q));
     }
     w.post();
     w.releaseHalf(h);
   }
 }
 
-void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
-                        size_t elemSize, kernels::ReduceFn reduce) {
+void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
+                        char* output, size_t count, size_t elemSize,
+                        kernels::ReduceFn reduce) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
-    char* dst = data + first * elemSize;
+    const char* src = input + first * elemSize;
+    char* dst = output + first * elemSize;
     const int h = w.acquireHalf(wc);
     if (first == 0) announce(w, h, kDirectAllreduce, count * elemSize);
-    std::memcpy(w.half(r, h), dst, cnt * elemSize);
+    std::memcpy(w.half(r, h), src, cnt * elemSize);
     w.post();
     w.waitAll(w.posted(), wc);
     if (first == 0) verify(w, h);

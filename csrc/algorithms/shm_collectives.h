@@ -23,13 +23,15 @@ using transport::WaitContext;
 
 // Reduce-scatter then all-gather through the window: each rank reduces 1/N of every
 // chunk, from the others' slots into its own buffer, and publishes it; 3 signals per
-// chunk. For medium and large messages.
-void shmAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
-                  size_t elemSize, kernels::ReduceFn reduce);
+// chunk. For medium and large messages. `input` may be `output` (in place); otherwise
+// it is only read, and the copy an out-of-place call would need costs 1/N of it.
+void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
+                  size_t count, size_t elemSize, kernels::ReduceFn reduce);
 // Every rank reduces every slot itself, in rank order (identical bits everywhere); one
-// signal on the critical path per chunk. For small messages.
-void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
-                        size_t elemSize, kernels::ReduceFn reduce);
+// signal on the critical path per chunk. For small messages. `input` may be `output`.
+void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
+                        char* output, size_t count, size_t elemSize,
+                        kernels::ReduceFn reduce);
 // Ranks read each other's buffers in place (cross-memory attach) instead of copying
 // through the window: each reduces its 1/N piece from the others' buffers, then reads
 // the others' finished pieces. 3 signals per op, whatever its size, and no copies into

@@ -30,13 +30,21 @@ void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
   if (red.average) kernels::cpuDivide(data, numel, red.dtype, size);
 }
 
-void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& t,
-                  const Reduction& red) {
-  HostImage img(t, /*copyIn=*/true);
-  if (red.premul) kernels::cpuScale(img.data(), img.numel(), red.dtype, red.factor());
-  host::allreduce(pg, ch, img.data(), img.numel(), t.element_size(), red.fn);
-  finishAverage(img.data(), img.numel(), red, ch.size());
-  img.copyOut();
+// `input` may be `output` (in place). PREMUL_SUM scales a copy in the output and runs in
+// place there, since its inputs are never modified.
+void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
+                  const at::Tensor& input, const Reduction& red) {
+  const bool inPlace = input.is_same(output);
+  HostImage out(output, /*copyIn=*/inPlace || red.premul);
+  HostImage in = inPlace ? out : HostImage(input, /*copyIn=*/true);
+  if (red.premul) {
+    if (!inPlace && out.bytes() > 0) std::memcpy(out.data(), in.data(), out.bytes());
+    kernels::cpuScale(out.data(), out.numel(), red.dtype, red.factor());
+    in = out;
+  }
+  host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn);
+  finishAverage(out.data(), out.numel(), red, ch.size());
+  out.copyOut();
 }
 
 void runAllgatherInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
@@ -96,13 +104,29 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
   checkSingle(ctx, tensors);
   at::Tensor t = tensors[0];
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
-  auto host = [this, t, red](GroupChannel& ch) { runAllreduce(*this, ch, t, red); };
+  auto host = [this, t, red](GroupChannel& ch) { runAllreduce(*this, ch, t, t, red); };
   noteFingerprint(-1, &red);
   // CUDA: ranks of one host reduce through each other's memory when they all can.
   return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host,
                  [t, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
                    return pm.allreduce(ch, t, red, ctx);
                  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduceInto(
+    const at::Tensor& output, const at::Tensor& input, const c10d::AllreduceOptions& opts) {
+  const std::string ctx = prefix() + " all_reduce_into";
+  checkTensor(ctx, input, "input");
+  checkSameLayout(ctx, input, output, "output", /*sameNumel=*/true);
+  checkDisjointOrSame(ctx, output, input);
+  Reduction red = makeReduction(ctx, opts.reduceOp, input.scalar_type());
+  at::Tensor out = output, in = input;
+  auto host = [this, out, in, red](GroupChannel& ch) { runAllreduce(*this, ch, out, in, red); };
+  // Same fingerprint as all_reduce: ranks may mix the two forms of one reduction.
+  noteFingerprint(-1, &red);
+  // CUDA tensors take the staged host path here; torchdist_ext.all_reduce_into sends them
+  // to the in-place op instead, whose peer-memory path works in place.
+  return enqueue(OpType::ALLREDUCE, "all_reduce", {out}, {in}, host);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
@@ -116,7 +140,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
   std::vector<at::Tensor> ts = tensors;
   return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ts,
                  [this, ts, reds](GroupChannel& ch) {
-                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], reds[i]);
+                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ts[i], reds[i]);
                  });
 }
 

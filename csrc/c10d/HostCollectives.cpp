@@ -51,18 +51,25 @@ size_t totalBytes(const std::vector<Block>& blocks) {
 
 } // namespace
 
-void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, size_t elemSize,
-               kernels::ReduceFn reduce) {
+void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output,
+               size_t count, size_t elemSize, kernels::ReduceFn reduce) {
   auto sel = pg.select(Collective::Allreduce, double(count * elemSize), ch, "all_reduce");
+  const bool shm = sel.window && std::strcmp(sel.algorithm->name, "cma") != 0;
+  // The shared-memory copies read `input` and write `output` anyway; every other
+  // algorithm works in place, on a copy.
+  if (input != output && (ch.size() == 1 || !shm) && count > 0) {
+    std::memcpy(output, input, count * elemSize);
+  }
   if (ch.size() == 1) return;
   if (sel.window) {
     ShmSteps steps(ch, *sel.window);
-    if (std::strcmp(sel.algorithm->name, "cma") == 0) {
-      algorithms::cmaAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
+    if (!shm) {
+      algorithms::cmaAllreduce(*sel.window, sel.wait, output, count, elemSize, reduce);
     } else if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
-      algorithms::shmDirectAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
+      algorithms::shmDirectAllreduce(*sel.window, sel.wait, input, output, count, elemSize,
+                                     reduce);
     } else {
-      algorithms::shmAllreduce(*sel.window, sel.wait, data, count, elemSize, reduce);
+      algorithms::shmAllreduce(*sel.window, sel.wait, input, output, count, elemSize, reduce);
     }
     return;
   }
@@ -70,7 +77,7 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, 
   a.count = count;
   a.elemSize = elemSize;
   Buffers b;
-  b.data = data;
+  b.data = output;
   run(ch, sel, a, b, reduce);
 }
 

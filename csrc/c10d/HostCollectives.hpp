@@ -18,8 +18,9 @@ namespace host {
 
 using algorithms::Block;
 
-void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t count, size_t elemSize,
-               kernels::ReduceFn reduce);
+// `input` may be `output` (in place); otherwise the two must not overlap.
+void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output,
+               size_t count, size_t elemSize, kernels::ReduceFn reduce);
 void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, int root);
 // `input` is never written; `output` (root only) receives the result.
 void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output, size_t count,

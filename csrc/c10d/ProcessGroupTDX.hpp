@@ -54,6 +54,12 @@ class ProcessGroupTDX : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // all_reduce of `input` into `output` (torchdist_ext.all_reduce_into): `input` is left
+  // as it was, and the shared-memory algorithms fold the copy into their own traffic.
+  // `output` may be `input` itself.
+  c10::intrusive_ptr<c10d::Work> allreduceInto(const at::Tensor& output,
+                                               const at::Tensor& input,
+                                               const c10d::AllreduceOptions& opts);
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,

@@ -1,5 +1,6 @@
 #include "c10d/Validation.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <sstream>
@@ -50,6 +51,16 @@ void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Te
                       t.numel(), " elements but the input has ", ref.numel(),
                       "; give every tensor in the list the input's size");
   }
+}
+
+void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
+                         const at::Tensor& input) {
+  // Partial overlap would let the op read input the output already overwrote. (Tensors
+  // too strided to judge are staged into copies of their own, which is safe.)
+  TORCH_CHECK_VALUE(at::get_overlap_status(output, input) != at::MemOverlapStatus::Partial, ctx,
+                    ": output (", shapeOf(output), ") and input (", shapeOf(input),
+                    ") share part of their memory; pass the same tensor for an in-place op, "
+                    "or an output that does not overlap the input");
 }
 
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what) {

@@ -21,6 +21,9 @@ std::optional<DType> toDType(at::ScalarType t);
 void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string& name);
 void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
                      const std::string& name, bool sameNumel);
+// `output` may be `input` itself, or memory of its own; never a part of `input`.
+void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
+                         const at::Tensor& input);
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what);
 void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what);
 void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors);

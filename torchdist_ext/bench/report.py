@@ -106,7 +106,8 @@ def table_header(spec: OpSpec, lead: Sequence[tuple[str, int]] = _LEAD) -> list[
     units = _line((_UNITS.get(n, ""), w) for n, w in lead) + " " + " ".join(
         _line((_UNITS.get(n, ""), w) for n, w in _BLOCK) for _ in blocks)
     note = {
-        "all_reduce": "out-of-place = copy into the output buffer + in-place all_reduce",
+        "all_reduce": "out-of-place = torchdist_ext.all_reduce_into (tdx on cpu: one op; "
+                      "other backends: copy into the output + in-place all_reduce)",
         "broadcast": "out-of-place = root copies into its output buffer + broadcast",
         "reduce": "out-of-place = copy into the output buffer + in-place reduce",
         "all_gather": "in-place: the input is this rank's chunk of the output",

@@ -126,9 +126,12 @@ class _Ctx:
 def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) -> _Case:
     """Buffers filled with known inputs and a closure that runs ``spec`` once on ``group``.
 
-    Torch's all_reduce, broadcast and reduce only work in place; their out-of-place form
-    copies the input into a separate output buffer and runs the in-place call on it (what
-    torch's functional collectives do), so the input stays intact.
+    Torch's all_reduce, broadcast and reduce only work in place. all_reduce's out-of-place
+    form is torchdist_ext.all_reduce_into: on tdx (CPU) the algorithm reads the input and
+    writes the output, on any other backend it is a copy plus the in-place call. The
+    out-of-place broadcast and reduce copy the input into a separate output buffer and
+    run the in-place call on it (what torch's functional collectives do). Either way the
+    input stays intact.
     """
     o, rank, world = ctx.opts, ctx.rank, ctx.world
     dtype, redop, root, dev = o.torch_dtype, o.redop, o.root, ctx.device
@@ -165,6 +168,9 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
 
         if src is None:
             call = coll
+        elif name == "all_reduce":
+            def call() -> None:
+                torchdist_ext.all_reduce_into(out, src, op=rop, group=group)
         else:
             def call() -> None:
                 out.copy_(src)
