@@ -54,3 +54,59 @@ def test_mismatched_calls_raise_naming_both_ranks() -> None:
             msg = res[name]
             assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
             assert "rank 0" in msg and "rank 1" in msg, (rank, name, msg)
+
+
+def _p2p(rank: int, n: int) -> dict:
+    """Rank 0 sends, rank 1 receives into a tensor that differs in dtype or shape only
+    (the same byte count: a length check alone cannot see it), then into matching ones."""
+    cases = {
+        "dtype": (torch.ones(10), torch.empty(10, dtype=torch.int32)),
+        "shape": (torch.ones(2, 5), torch.empty(10)),
+        "size": (torch.ones(10), torch.empty(20)),
+    }
+    out = {}
+    for tag, (name, (sent, recv_into)) in enumerate(cases.items()):
+        try:
+            if rank == 0:
+                dist.send(sent, 1, tag=tag)
+            elif name == "shape":  # from any source: the error still names the sender
+                dist.recv(recv_into, tag=tag)
+            else:
+                dist.recv(recv_into, 0, tag=tag)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+    # Matching messages still arrive intact: empty, non-contiguous, batched.
+    ok = []
+    if rank == 0:
+        dist.send(torch.empty(0), 1)
+        dist.send(torch.arange(12.0).reshape(3, 4), 1)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((5,), 7), 1)])
+        for r in reqs:
+            r.wait()
+    else:
+        t = torch.empty(0)
+        dist.recv(t, 0)
+        ok.append(t.numel() == 0)
+        t = torch.empty(4, 3).t()  # non-contiguous, shape (3, 4)
+        dist.recv(t, 0)
+        ok.append(torch.equal(t, torch.arange(12.0).reshape(3, 4)))
+        t = torch.empty(5, dtype=torch.int64)
+        for r in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0)]):
+            r.wait()
+        ok.append(torch.equal(t, torch.full((5,), 7)))
+    out["ok"] = all(ok)
+    return out
+
+
+def test_point_to_point_mismatch_names_both_sides() -> None:
+    results = run_ranks(_p2p, 2, timeout=60, env={"TDX_DEBUG": "DETAIL"})
+    assert all(r["ok"] for r in results), results
+    assert all(results[0][k] == "no error" for k in ("dtype", "shape", "size")), results[0]
+    recv = results[1]
+    for name, mine, theirs in (("dtype", "Int[10]", "Float[10]"),
+                               ("shape", "Float[10]", "Float[2, 5]")):
+        msg = recv[name]
+        assert msg.startswith("DistBackendError") and "point-to-point mismatch" in msg, msg
+        assert f"rank 0 sent {theirs}" in msg and f"this rank (1) receives {mine}" in msg, msg
+    assert recv["size"].startswith("DistBackendError") and "rank 0" in recv["size"], recv["size"]

@@ -71,6 +71,16 @@ std::string fingerprintOf(c10d::OpType type, const std::string& what,
   return os.str();
 }
 
+// A point-to-point message's header under fingerprint checks: the sender's dtype and
+// shape as text, NUL-padded.
+constexpr size_t kP2pHeaderBytes = 128;
+
+std::string p2pFingerprint(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.scalar_type() << t.sizes();
+  return os.str();
+}
+
 uint32_t hashGroupName(const std::string& name) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   for (unsigned char c : name) {
@@ -586,17 +596,50 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
       std::vector<at::Tensor>{t});
 
-  auto onComplete = [work, t, host, staged, isSend, peer, what, transport = transport_,
-                     endpoints = sharedEndpoints_, self = rank_](transport::Request& r) {
+  // Under fingerprint checks every message carries its sender's dtype and shape ahead of
+  // its bytes, so a receive whose tensor differs only in dtype or shape (same byte
+  // count, which the length check cannot see) fails instead of reinterpreting bytes.
+  const bool framed = checkFingerprints_;
+  const size_t bytes = host.numel() * host.element_size();
+  const std::string mine = p2pFingerprint(t);
+  at::Tensor wire = host;
+  if (framed) {
+    wire = at::empty({static_cast<int64_t>(kP2pHeaderBytes + bytes)}, at::kByte);
+    if (isSend) {
+      char* w = static_cast<char*>(wire.data_ptr());
+      std::memset(w, 0, kP2pHeaderBytes);
+      std::memcpy(w, mine.data(), std::min(mine.size(), kP2pHeaderBytes - 1));
+      if (bytes > 0) std::memcpy(w + kP2pHeaderBytes, host.data_ptr(), bytes);
+    }
+  }
+
+  auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what,
+                     transport = transport_, endpoints = sharedEndpoints_,
+                     self = rank_](transport::Request& r) {
     std::exception_ptr error;
+    const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
     if (!r.ok()) {
       error = wrapError(what, r.error + lostRanksNote(*transport, *endpoints, self));
+    } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
+               std::string(static_cast<const char*>(wire.data_ptr())) !=
+                   mine.substr(0, kP2pHeaderBytes - 1)) {
+      error = wrapError(what, "point-to-point mismatch: rank " + std::to_string(source) +
+                                  " sent " +
+                                  std::string(static_cast<const char*>(wire.data_ptr())) +
+                                  " but this rank (" + std::to_string(self) + ") receives " +
+                                  mine + ". Sender and receiver need the same dtype and shape");
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
       error = wrapError(what, "received " + std::to_string(r.receivedBytes) + " bytes where " +
                                   std::to_string(r.postedBytes) +
-                                  " were expected: sender and receiver tensors differ in size");
+                                  " were expected: sender and receiver tensors differ in size" +
+                                  (framed ? " (or TDX_DEBUG=DETAIL is not set on every rank)"
+                                          : ""));
     } else {
-      if (!isSend && peer < 0) work->setSourceRank(static_cast<int>(tag::senderOf(r.senderTag)));
+      if (!isSend && peer < 0) work->setSourceRank(source);
+      if (!isSend && framed && host.numel() > 0) {
+        std::memcpy(host.data_ptr(), static_cast<const char*>(wire.data_ptr()) + kP2pHeaderBytes,
+                    host.numel() * host.element_size());
+      }
       if (!isSend && staged) {
         try {
           t.copy_(host);
@@ -609,16 +652,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     work->finishPart(error);
   };
 
-  const size_t bytes = host.numel() * host.element_size();
+  const size_t wireBytes = wire.numel() * wire.element_size();
   transport::RequestPtr req;
   if (isSend) {
     req = transport_->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
-                            host.data_ptr(), bytes, transport::MemType::Host, onComplete);
+                            wire.data_ptr(), wireBytes, transport::MemType::Host, onComplete);
   } else {
     uint64_t tagValue = tag::pointToPoint(groupId_, peer < 0 ? 0 : peer, userTag);
     req = transport_->irecv(peer < 0 ? -1 : endpoints_[peer], tagValue,
-                            peer < 0 ? tag::kAnySourceMask : tag::kFullMask, host.data_ptr(),
-                            bytes, transport::MemType::Host, onComplete);
+                            peer < 0 ? tag::kAnySourceMask : tag::kFullMask, wire.data_ptr(),
+                            wireBytes, transport::MemType::Host, onComplete);
   }
   std::weak_ptr<transport::Request> weak = req;
   auto transport = transport_;
