@@ -26,7 +26,21 @@ os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 # transfers over TCP (docs/PERFORMANCE.md, "Messages over TCP"). Only TCP reads these.
 # Both or neither: UCX refuses a send segment larger than the receive segment, so a user
 # who set one of them keeps UCX's default for the other.
-if "UCX_TCP_TX_SEG_SIZE" not in os.environ and "UCX_TCP_RX_SEG_SIZE" not in os.environ:
+
+
+def _tls_include_tcp(tls: str | None) -> bool:
+    """Whether a UCX_TLS value leaves UCX's TCP transport on (UCX warns about settings of
+    a transport it did not load)."""
+    if not tls:
+        return True
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if names and names[0].startswith("^"):  # an exclusion list
+        return not any(t.lstrip("^") == "tcp" for t in names)
+    return any(t in ("all", "tcp") for t in names)
+
+
+if "UCX_TCP_TX_SEG_SIZE" not in os.environ and "UCX_TCP_RX_SEG_SIZE" not in os.environ \
+        and _tls_include_tcp(os.environ.get("UCX_TLS")):
     os.environ["UCX_TCP_TX_SEG_SIZE"] = "256k"
     os.environ["UCX_TCP_RX_SEG_SIZE"] = "1m"
 
