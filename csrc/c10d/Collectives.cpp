@@ -35,10 +35,12 @@ void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
 void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                   const at::Tensor& input, const Reduction& red) {
   const bool inPlace = input.is_same(output);
-  HostImage out(output, /*copyIn=*/inPlace || red.premul);
+  HostImage out(output, /*copyIn=*/inPlace);
   HostImage in = inPlace ? out : HostImage(input, /*copyIn=*/true);
   if (red.premul) {
-    if (!inPlace && out.bytes() > 0) std::memcpy(out.data(), in.data(), out.bytes());
+    if (out.data() != in.data() && out.bytes() > 0) {
+      std::memcpy(out.data(), in.data(), out.bytes());
+    }
     kernels::cpuScale(out.data(), out.numel(), red.dtype, red.factor());
     in = out;
   }
