@@ -69,3 +69,28 @@ def test_kill_during_op(op: str) -> None:
             assert r["error"].startswith("DistBackendError"), (op, victim, rank, r)
             assert f"rank {victim}" in r["error"], (op, victim, rank, r["error"])
             assert r["seconds"] < TIMEOUT + 5, (op, victim, rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["default", "ucx-only"])
+@pytest.mark.parametrize("world", [2, 4, 5])
+def test_kill_sweep(world: int, transport: str) -> None:
+    """Every op x every victim rank at more world sizes; "ucx-only" (TDX_SHM=0) sends all
+    collective data through UCX instead of the shared-memory windows. Prints the slowest
+    survivor's time to its error."""
+    env = {"TDX_SHM": "0"} if transport == "ucx-only" else None
+    slowest, trials = 0.0, 0
+    for op in OPS:
+        for victim in range(world):
+            results = run_ranks(_trial, world, timeout=TIMEOUT, args=(op, victim),
+                                may_exit=[victim], env=env)
+            trials += 1
+            for rank, r in enumerate(results):
+                if rank == victim:
+                    continue
+                assert r["error"].startswith("DistBackendError"), (op, victim, rank, r)
+                assert f"rank {victim}" in r["error"], (op, victim, rank, r["error"])
+                assert r["seconds"] < TIMEOUT + 5, (op, victim, rank, r)
+                slowest = max(slowest, r["seconds"])
+    print(f"world {world} {transport}: {trials} trials, {trials * (world - 1)} survivors, "
+          f"slowest error after {slowest:.2f} s")
