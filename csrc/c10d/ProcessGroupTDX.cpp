@@ -345,6 +345,16 @@ void ProcessGroupTDX::runTask(Task& task) {
   uint32_t steps = 0;
   std::string path;
   flight_.start(task.flightId);
+  // A member whose connection failed (kill -9, a crash) makes every later collective of
+  // the group impossible, even one whose data would not pass through it here (a
+  // broadcast leaf, say): refuse it now rather than let ranks disagree on which ops ran.
+  if (!broken_.load()) {
+    const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
+    if (!lost.empty()) {
+      brokenReason_ = "a member's connection failed" + lost;
+      broken_ = true;
+    }
+  }
   if (broken_.load()) {
     error = wrapError(what, "the group is unusable after an earlier failure (" +
                                 brokenReason_ + "); destroy it and create a new one");
@@ -770,7 +780,10 @@ void ProcessGroupTDX::shutdownLocked() {
   std::lock_guard<std::mutex> lock(shutdownMu_);
   if (shutDown_) return;
   shutDown_ = true;
-  sayGoodbye(/*awaitPeers=*/!aborted_ && !broken_);
+  // A group that lost a member waits for nobody: a survivor may be stuck on this rank
+  // (a point-to-point receive from it, say), and only this rank's exit releases it.
+  const bool lost = !lostRanksNote(*transport_, endpoints_, rank_).empty();
+  sayGoodbye(/*awaitPeers=*/!aborted_ && !broken_ && !lost);
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;
