@@ -10,7 +10,7 @@ UCX_SPEC ?= libucx-cu13>=1.22
 NPROC ?= 4
 export MAX_JOBS ?= 2
 
-.PHONY: build demo test clean
+.PHONY: build demo test test-slow clean
 
 $(VENV)/.deps: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: build
 
 test: build
 	$(PY) -m pytest
+
+# The slow-marked tests (the kill sweep, the 10,000-op soak), left out of `make test`.
+test-slow: build
+	$(PY) -m pytest -m slow -s
 
 clean:
 	rm -rf build torchdist_ext/*.so *.egg-info

@@ -78,7 +78,14 @@ constexpr size_t kP2pHeaderBytes = 128;
 std::string p2pFingerprint(const at::Tensor& t) {
   std::ostringstream os;
   os << t.scalar_type() << t.sizes();
-  return os.str();
+  return os.str().substr(0, kP2pHeaderBytes - 1);
+}
+
+// The sender's fingerprint at the start of a received message; never reads past the
+// header, whatever the sender wrote there.
+std::string p2pHeaderText(const at::Tensor& wire) {
+  const char* h = static_cast<const char*>(wire.data_ptr());
+  return std::string(h, strnlen(h, kP2pHeaderBytes));
 }
 
 uint32_t hashGroupName(const std::string& name) {
@@ -611,14 +618,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   // count, which the length check cannot see) fails instead of reinterpreting bytes.
   const bool framed = checkFingerprints_;
   const size_t bytes = host.numel() * host.element_size();
-  const std::string mine = p2pFingerprint(t);
+  const std::string mine = framed ? p2pFingerprint(t) : std::string();
   at::Tensor wire = host;
   if (framed) {
     wire = at::empty({static_cast<int64_t>(kP2pHeaderBytes + bytes)}, at::kByte);
     if (isSend) {
       char* w = static_cast<char*>(wire.data_ptr());
       std::memset(w, 0, kP2pHeaderBytes);
-      std::memcpy(w, mine.data(), std::min(mine.size(), kP2pHeaderBytes - 1));
+      std::memcpy(w, mine.data(), mine.size());
       if (bytes > 0) std::memcpy(w + kP2pHeaderBytes, host.data_ptr(), bytes);
     }
   }
@@ -631,13 +638,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     if (!r.ok()) {
       error = wrapError(what, r.error + lostRanksNote(*transport, *endpoints, self));
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
-               std::string(static_cast<const char*>(wire.data_ptr())) !=
-                   mine.substr(0, kP2pHeaderBytes - 1)) {
+               p2pHeaderText(wire) != mine) {
       error = wrapError(what, "point-to-point mismatch: rank " + std::to_string(source) +
-                                  " sent " +
-                                  std::string(static_cast<const char*>(wire.data_ptr())) +
-                                  " but this rank (" + std::to_string(self) + ") receives " +
-                                  mine + ". Sender and receiver need the same dtype and shape");
+                                  " sent " + p2pHeaderText(wire) + " but this rank (" +
+                                  std::to_string(self) + ") receives " + mine +
+                                  ". Sender and receiver need the same dtype and shape");
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
       error = wrapError(what, "received " + std::to_string(r.receivedBytes) + " bytes where " +
                                   std::to_string(r.postedBytes) +
