@@ -87,8 +87,8 @@ def listening_ports(pid: int) -> list[tuple[str, int]]:
 
 class Garbage:
     """Connects to every target over and over and writes junk: random bytes, all 0xff
-    (huge length fields) or all zeros; sent as one burst, several bursts, a trickle, a burst then a reset (RST), or on a
-    connection held open that keeps receiving junk."""
+    (huge length fields) or all zeros; sent as one burst, several bursts, a trickle, a
+    burst then a reset (RST), or on a connection held open that keeps receiving junk."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
@@ -171,26 +171,37 @@ class Garbage:
         self.held.clear()
 
 
+def _wait_for_ranks(tmp: str, stop: threading.Event,
+                    errors: list[str]) -> tuple[dict[int, int], int | None] | None:
+    """Each rank's pid, and the TCPStore's port if a rank reported one, once every rank
+    has written its file; None (with the reason in `errors`) if they never do."""
+    deadline = time.monotonic() + 60
+    pids: dict[int, int] = {}
+    store_port = None
+    while len(pids) < WORLD and not stop.is_set():
+        for r in range(WORLD):
+            path = os.path.join(tmp, f"rank{r}")
+            if r not in pids and os.path.exists(path):
+                with open(path) as f:
+                    pid, port = f.read().split()
+                pids[r] = int(pid)
+                if port != "-":
+                    store_port = int(port)
+        if time.monotonic() > deadline:
+            errors.append(f"ranks never reported their pids (got {sorted(pids)})")
+            return None
+        time.sleep(0.05)
+    return pids, store_port
+
+
 def _attack(tmp: str, garbage: Garbage, errors: list[str]) -> None:
     """The foreign process's work: wait for the ranks, find their ports, write garbage
     until told to stop; tell the ranks when to start and when they may finish."""
     try:
-        deadline = time.monotonic() + 60
-        pids: dict[int, int] = {}
-        store_port = None
-        while len(pids) < WORLD and not garbage.stop.is_set():
-            for r in range(WORLD):
-                path = os.path.join(tmp, f"rank{r}")
-                if r not in pids and os.path.exists(path):
-                    with open(path) as f:
-                        pid, port = f.read().split()
-                    pids[r] = int(pid)
-                    if port != "-":
-                        store_port = int(port)
-            if time.monotonic() > deadline:
-                errors.append(f"ranks never reported their pids (got {sorted(pids)})")
-                return
-            time.sleep(0.05)
+        found = _wait_for_ranks(tmp, garbage.stop, errors)
+        if found is None:
+            return
+        pids, store_port = found
 
         def scan() -> None:  # again now and then: a listener opened later is hit too
             for r, pid in pids.items():
@@ -370,18 +381,10 @@ def _forge(tmp: str, payload: bytes, errors: list[str], stop: threading.Event) -
     for a few seconds, then tell them to finish."""
     held = []
     try:
-        deadline = time.monotonic() + 60
-        pids: dict[int, int] = {}
-        while len(pids) < WORLD and not stop.is_set():
-            for r in range(WORLD):
-                path = os.path.join(tmp, f"rank{r}")
-                if r not in pids and os.path.exists(path):
-                    with open(path) as f:
-                        pids[r] = int(f.read().split()[0])
-            if time.monotonic() > deadline:
-                errors.append(f"ranks never reported their pids (got {sorted(pids)})")
-                return
-            time.sleep(0.05)
+        found = _wait_for_ranks(tmp, stop, errors)
+        if found is None:
+            return
+        pids = found[0]
         open(os.path.join(tmp, "go"), "w").close()
         targets = [t for pid in pids.values() for t in listening_ports(pid)]
         if not targets:

@@ -96,14 +96,21 @@ def env_knobs() -> list[tuple[str, str, str]]:
     return list(_C.env_knobs())
 
 
+def _tdx_backend_for(pg: Any, device: torch.device) -> Any:
+    """``pg``'s tdx backend for tensors on ``device``, or None when another backend (or
+    none) serves them."""
+    try:
+        backend = pg._get_backend(device)
+    except (RuntimeError, ValueError):
+        return None
+    return backend if isinstance(backend, _C.ProcessGroupTDX) else None
+
+
 def _tdx_backend(group: Any = None) -> Any:
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     for device in ("cpu", "cuda"):
-        try:
-            backend = pg._get_backend(torch.device(device))
-        except (RuntimeError, ValueError):
-            continue
-        if isinstance(backend, _C.ProcessGroupTDX):
+        backend = _tdx_backend_for(pg, torch.device(device))
+        if backend is not None:
             return backend
     raise ValueError(
         f"group {getattr(pg, 'group_name', pg)!r} has no tdx backend; pass a group created "
@@ -147,13 +154,8 @@ def all_reduce_into(
             f"input is {input.dtype}{list(input.shape)} on {input.device}; the output needs "
             "the input's dtype, device and number of elements"
         )
-    backend = None
-    if input.device.type == "cpu":
-        try:
-            backend = pg._get_backend(input.device)
-        except (RuntimeError, ValueError):  # no backend for cpu tensors on this group
-            backend = None
-    if isinstance(backend, _C.ProcessGroupTDX):
+    backend = _tdx_backend_for(pg, input.device) if input.device.type == "cpu" else None
+    if backend is not None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         work = backend.allreduce_into(output, input, opts)

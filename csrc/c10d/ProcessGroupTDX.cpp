@@ -355,7 +355,11 @@ void ProcessGroupTDX::runTask(Task& task) {
   // A member whose connection failed (kill -9, a crash) makes every later collective of
   // the group impossible, even one whose data would not pass through it here (a
   // broadcast leaf, say): refuse it now rather than let ranks disagree on which ops ran.
-  if (!broken_.load()) {
+  // The transport's failure count is one atomic load; the endpoints themselves are
+  // looked at only after it changed.
+  const uint64_t failures = transport_->failedEndpoints();
+  if (failures != failuresSeen_ && !broken_.load()) {
+    failuresSeen_ = failures;
     const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
     if (!lost.empty()) {
       brokenReason_ = "a member's connection failed" + lost;

@@ -221,6 +221,9 @@ class ProcessGroupTDX : public c10d::Backend {
   // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's
   // fingerprint (op, dtype, shapes, root, reduce op) before running it.
   bool checkFingerprints_ = false;
+  // The transport's failedEndpoints() when the worker last looked at this group's
+  // endpoints (worker thread only).
+  uint64_t failuresSeen_ = 0;
   std::atomic<uint64_t> seq_{0};
   std::atomic<bool> aborted_{false};
   std::atomic<bool> broken_{false};

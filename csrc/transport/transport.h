@@ -93,6 +93,9 @@ class Transport {
 
   // True once the endpoint's peer has been reported lost.
   virtual bool endpointFailed(int endpoint) const = 0;
+  // How many endpoints have been reported lost so far: one atomic load, so per-op
+  // checks look at individual endpoints only after it changes.
+  virtual uint64_t failedEndpoints() const = 0;
 };
 
 } // namespace transport

@@ -359,6 +359,7 @@ void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
     std::lock_guard<std::mutex> lock(endpointsMu_);
     Endpoint& e = endpoints_[endpoint];
     if (e.failed.exchange(true)) return;
+    failedEndpoints_.fetch_add(1, std::memory_order_release);
     e.failure = ucs_status_string(status);
     why = e.failure;
   }

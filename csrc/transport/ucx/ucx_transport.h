@@ -42,6 +42,9 @@ class UcxTransport final : public Transport {
   bool wait(Request& request, Clock::time_point deadline) override;
   void cancel(Request& request, const std::string& reason) override;
   bool endpointFailed(int endpoint) const override;
+  uint64_t failedEndpoints() const override {
+    return failedEndpoints_.load(std::memory_order_acquire);
+  }
 
   // One progress pass plus the queued actions; returns the UCX progress count.
   unsigned progressOnce();
@@ -78,6 +81,7 @@ class UcxTransport final : public Transport {
   std::chrono::microseconds spin_;
 
   mutable std::mutex endpointsMu_;
+  std::atomic<uint64_t> failedEndpoints_{0};
   bool peerErrors_;  // UCP_ERR_HANDLING_MODE_PEER on endpoints (TDX_UCX_PEER_ERRORS)
   std::mutex connectMu_;  // serialises connect(); never taken by UCX callbacks
   std::deque<Endpoint> endpoints_;  // deque: stable addresses, ids are indices
