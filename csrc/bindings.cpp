@@ -10,6 +10,7 @@
 #include "c10d/Validation.hpp"
 #include "common/env.h"
 #include "kernels/reduce.h"
+#include "transport/ucx/ucx_transport.h"
 
 #ifdef TDX_WITH_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -154,6 +155,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   bindAlgorithms(m);
   m.def("ucx_version", [] { return std::string(ucp_get_version_string()); });
+  m.def("transport_info", [] {
+    py::dict info;
+    auto t = tdx::transport::UcxTransport::current();
+    info["running"] = t != nullptr;
+    if (!t) return info;
+    info["tcp"] = t->tcpLoaded();
+    py::list endpoints;
+    for (const auto& e : t->endpointInfo()) {
+      py::dict d;
+      d["id"] = e.id;
+      d["pid"] = e.pid;
+      d["same_host"] = e.sameHost;
+      d["watched"] = e.watched;
+      d["peer_errors"] = e.peerErrors;
+      d["lost"] = e.failed;
+      endpoints.append(d);
+    }
+    info["endpoints"] = endpoints;
+    return info;
+  });
   m.def("env_knobs", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> out;
     for (const auto& k : tdx::env::knobs()) out.emplace_back(k.name, k.defaultValue, k.help);

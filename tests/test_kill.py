@@ -101,3 +101,41 @@ def test_kill_sweep(world: int, transport: str) -> None:
             slowest = max(slowest, (seconds, f"{op}, victim {victim}, rank {rank}"))
     print(f"world {world} {transport}: {trials} trials, {trials * (world - 1)} survivors, "
           f"slowest error after {slowest[0]:.2f} s ({slowest[1]})")
+
+
+def _point_to_point_after_loss(rank: int, n: int, victim: int) -> dict:
+    dist.all_reduce(torch.ones(4))
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:  # notice the loss first
+        while time.monotonic() - start < TIMEOUT:
+            dist.all_reduce(torch.ones(4))
+    except Exception:  # noqa: BLE001 - only the refusal below is checked
+        pass
+    # Ranks 0 and 1 both survive and could still reach each other: the exchange is
+    # refused all the same, at once, naming the lost rank.
+    other = 1 - rank
+    t = torch.ones(16)
+    start = time.monotonic()
+    errors = []
+    for work in (dist.isend(t, other), dist.irecv(torch.empty(16), other)):
+        try:
+            work.wait()
+            errors.append("no error")
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            errors.append(f"{type(e).__name__}: {e}")
+    return {"errors": errors, "seconds": time.monotonic() - start}
+
+
+def test_point_to_point_refused_once_a_member_is_lost() -> None:
+    """A group that lost a member refuses point-to-point ops too, even between two live
+    ranks: a later op must not run on some ranks and fail on others."""
+    results = run_ranks(_point_to_point_after_loss, 3, timeout=TIMEOUT, args=(2,),
+                        may_exit=[2])
+    for rank in (0, 1):
+        r = results[rank]
+        for err in r["errors"]:
+            assert err.startswith("DistBackendError"), (rank, r)
+            assert "rank 2" in err and "unusable" in err, (rank, err)
+        assert r["seconds"] < 1.0, (rank, r)

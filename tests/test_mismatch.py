@@ -4,6 +4,8 @@ calls, not a hang or corruption."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -58,7 +60,9 @@ def test_mismatched_calls_raise_naming_both_ranks() -> None:
 
 def _p2p(rank: int, n: int) -> dict:
     """Rank 0 sends, rank 1 receives into a tensor that differs in dtype or shape only
-    (the same byte count: a length check alone cannot see it), then into matching ones."""
+    (the same byte count: a length check alone cannot see it), or in size; each case on a
+    group of its own, which it ends on both ranks. Then matching messages on the default
+    group."""
     cases = {
         "dtype": (torch.ones(10), torch.empty(10, dtype=torch.int32)),
         "shape": (torch.ones(2, 5), torch.empty(10)),
@@ -66,16 +70,27 @@ def _p2p(rank: int, n: int) -> dict:
     }
     out = {}
     for tag, (name, (sent, recv_into)) in enumerate(cases.items()):
+        g = dist.new_group(backend="tdx")
         try:
             if rank == 0:
-                dist.send(sent, 1, tag=tag)
+                dist.send(sent, 1, tag=tag, group=g)
             elif name == "shape":  # from any source: the error still names the sender
-                dist.recv(recv_into, tag=tag)
+                dist.recv(recv_into, tag=tag, group=g)
             else:
-                dist.recv(recv_into, 0, tag=tag)
+                dist.recv(recv_into, 0, tag=tag, group=g)
             out[name] = "no error"
         except Exception as e:  # noqa: BLE001 - the type is checked by the caller
             out[name] = f"{type(e).__name__}: {e}"
+        # The sender, whose send completed, hears of it too: its next op on the group
+        # (already running or not) raises, and so does the receiver's.
+        start = time.monotonic()
+        try:
+            dist.barrier(group=g)
+            out[name + " after"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name + " after"] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
     # Matching messages still arrive intact: empty, non-contiguous, batched.
     ok = []
     if rank == 0:
@@ -105,8 +120,15 @@ def test_point_to_point_mismatch_names_both_sides() -> None:
     assert all(results[0][k] == "no error" for k in ("dtype", "shape", "size")), results[0]
     recv = results[1]
     for name, mine, theirs in (("dtype", "Int[10]", "Float[10]"),
-                               ("shape", "Float[10]", "Float[2, 5]")):
+                               ("shape", "Float[10]", "Float[2, 5]"),
+                               ("size", "Float[20]", "Float[10]")):
         msg = recv[name]
         assert msg.startswith("DistBackendError") and "point-to-point mismatch" in msg, msg
         assert f"rank 0 sent {theirs}" in msg and f"this rank (1) receives {mine}" in msg, msg
-    assert recv["size"].startswith("DistBackendError") and "rank 0" in recv["size"], recv["size"]
+        # Both ranks' next op on the group names both calls, and neither waits for it.
+        for rank, r in enumerate(results):
+            after = r[name + " after"]
+            assert after.startswith("DistBackendError"), (rank, name, after)
+            assert f"rank 0 sent {theirs} to rank 1" in after, (rank, name, after)
+            assert f"expected {mine}" in after, (rank, name, after)
+            assert r[name + " seconds"] < 10, (rank, name, r[name + " seconds"])

@@ -8,10 +8,13 @@ FileStore those are UCX's TCP listeners (one per interface); the TCPStore varian
 re-initialises the group on a TCPStore hosted by rank 0 and adds the store's port;
 the ranks create and destroy a group now and then, whose setup goes through the store.
 
+A job on one host loads no UCX TCP transport (TDX_UCX_TCP=auto) and so listens on no
+port at all, which the last test checks. The attacks run with TDX_UCX_TCP=1, as a job
+that spans hosts must.
+
 A connection that starts with UCX's TCP magic number and then lies (a forged handshake)
 crashes UCX 1.22.0 itself; those cases are strict expected failures until UCX validates
-what follows the magic. A single-host job can run with no TCP port open at all, which
-the last test checks.
+what follows the magic.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ MAX_ITERS = 100_000
 SEED = 1123
 
 LISTEN = "0A"
+# A job that spans hosts loads UCX's TCP transport; this one is made to on one host.
+EXPOSED = {"TDX_UCX_TCP": "1"}
 UCX_TCP_MAGIC = (0xCAFEBABE12345678).to_bytes(8, "little")  # first 8 bytes a UCX peer sends
 
 
@@ -348,10 +353,13 @@ def _run(tmp: str, store_kind: str, env: dict | None = None) -> None:
 @pytest.mark.parametrize("case", ["ucx-tcp", "shm", "tcpstore"])
 def test_garbage_on_listening_ports(tmp_path, case: str) -> None:
     """Random bytes, all-0xff and all-zero junk on every UCX port (and the TCPStore's).
-    ucx-tcp: TDX_SHM=0, so every collective's data crosses UCX's TCP connections while the
-    junk arrives; shm: the default, collectives through shared-memory windows; tcpstore:
-    the default on a TCPStore, whose port gets junk too."""
-    env = {"TDX_SHM": "0"} if case == "ucx-tcp" else None
+    ucx-tcp: no shared-memory windows and UCX's peer error handling on every endpoint, so
+    every collective's data crosses UCX's TCP connections while the junk arrives; shm:
+    collectives through shared-memory windows; tcpstore: the same on a TCPStore, whose
+    port gets junk too."""
+    env = dict(EXPOSED)
+    if case == "ucx-tcp":
+        env.update({"TDX_SHM": "0", "TDX_UCX_PEER_ERRORS": "1"})
     _run(str(tmp_path), "tcp" if case == "tcpstore" else "file", env=env)
 
 
@@ -428,7 +436,8 @@ def test_forged_ucx_handshake(tmp_path, forged: str) -> None:
                               daemon=True)
     forger.start()
     try:
-        results = run_ranks(_loop, WORLD, timeout=FORGED_TIMEOUT, args=(tmp, "file"))
+        results = run_ranks(_loop, WORLD, timeout=FORGED_TIMEOUT, args=(tmp, "file"),
+                            env=EXPOSED)
     except RankFailure as e:
         if "exited with codes" in str(e):
             raise UcxFault(str(e)) from None
@@ -446,6 +455,8 @@ def test_forged_ucx_handshake(tmp_path, forged: str) -> None:
 
 
 def _unexposed(rank: int, n: int) -> dict:
+    import torchdist_ext
+
     t = torch.full((1000,), float(rank))
     dist.all_reduce(t)
     got = torch.empty(100)
@@ -454,16 +465,17 @@ def _unexposed(rank: int, n: int) -> dict:
     elif rank == 1:
         dist.recv(got, 0)
     return {"listening": listening_ports(os.getpid()),
+            "tcp": torchdist_ext.transport_info()["tcp"],
             "ok": torch.equal(t, torch.full((1000,), float(sum(range(n)))))
             and (rank != 1 or torch.equal(got, torch.arange(100.0)))}
 
 
-def test_single_host_job_can_listen_on_no_port() -> None:
-    """The documented way out on one host: UCX without its TCP transport (and without peer
-    error handling, which its shared-memory transports lack) opens no TCP port at all,
-    so there is nothing to forge; collectives and point-to-point still work."""
-    results = run_ranks(_unexposed, WORLD, timeout=60,
-                        env={"UCX_TLS": "^tcp", "TDX_UCX_PEER_ERRORS": "0"})
+def test_single_host_job_listens_on_no_port() -> None:
+    """By default a job on one host leaves UCX's TCP transport out (its ranks watch each
+    other's processes instead), so it opens no TCP port and there is nothing to forge;
+    collectives and point-to-point still work."""
+    results = run_ranks(_unexposed, WORLD, timeout=60)
     for rank, r in enumerate(results):
         assert r["ok"], (rank, r)
+        assert r["tcp"] is False, (rank, r)
         assert r["listening"] == [], (rank, r["listening"])

@@ -21,28 +21,8 @@ import torch.distributed as dist  # registers c10d's pybind types before our mod
 # torch's caching allocator; the user's own settings win.
 os.environ.setdefault("UCX_ERROR_SIGNALS", "")
 os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
-# UCX's TCP transport writes 8 KiB segments and reads 64 KiB ones by default, which cuts
-# every large message into many small system calls; 256 KiB / 1 MiB halved large
-# transfers over TCP (docs/PERFORMANCE.md, "Messages over TCP"). Only TCP reads these.
-# Both or neither: UCX refuses a send segment larger than the receive segment, so a user
-# who set one of them keeps UCX's default for the other.
-
-
-def _tls_include_tcp(tls: str | None) -> bool:
-    """Whether a UCX_TLS value leaves UCX's TCP transport on (UCX warns about settings of
-    a transport it did not load)."""
-    if not tls:
-        return True
-    names = [t.strip() for t in tls.split(",") if t.strip()]
-    if names and names[0].startswith("^"):  # an exclusion list
-        return not any(t.lstrip("^") == "tcp" for t in names)
-    return any(t in ("all", "tcp") for t in names)
-
-
-if "UCX_TCP_TX_SEG_SIZE" not in os.environ and "UCX_TCP_RX_SEG_SIZE" not in os.environ \
-        and _tls_include_tcp(os.environ.get("UCX_TLS")):
-    os.environ["UCX_TCP_TX_SEG_SIZE"] = "256k"
-    os.environ["UCX_TCP_RX_SEG_SIZE"] = "1m"
+# UCX's TCP settings (whether it loads at all, its segment sizes) are made by the
+# transport when it starts, from where the ranks run: see TDX_UCX_TCP.
 
 try:  # UCX from the libucx-cu13 wheel; a system UCX (TDX_UCX_HOME) is found by rpath.
     import libucx
@@ -56,6 +36,7 @@ from . import _C  # noqa: E402
 __all__ = [
     "BACKEND_NAME",
     "ucx_version",
+    "transport_info",
     "env_knobs",
     "flight_recorder",
     "all_reduce_into",
@@ -89,6 +70,19 @@ def _create_backend(dist_opts: Any, pg_opts: Any) -> Any:
 def ucx_version() -> str:
     """Version of the UCX library the backend runs on."""
     return _C.ucx_version()
+
+
+def transport_info() -> dict[str, Any]:
+    """What this process's UCX transport runs on, for checking a deployment.
+
+    ``running``: whether a tdx group holds the transport now. While one does: ``tcp``,
+    whether UCX's TCP transport is loaded (then the process listens on a TCP port of each
+    interface UCX uses), and ``endpoints``, one dict per peer process connected so far:
+    ``pid``, ``same_host``, ``watched`` (its exit is seen at once through a pidfd),
+    ``peer_errors`` (UCX's own peer error handling, which rules out shared memory to it)
+    and ``lost``.
+    """
+    return dict(_C.transport_info())
 
 
 def env_knobs() -> list[tuple[str, str, str]]:

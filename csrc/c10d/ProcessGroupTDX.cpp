@@ -11,12 +11,10 @@
 
 #include <torch/csrc/distributed/c10d/debug.h>
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "algorithms/collectives.h"
@@ -25,6 +23,7 @@
 #include "c10d/Validation.hpp"
 #include "common/env.h"
 #include "common/logging.h"
+#include "transport/process_watch.h"
 #include "transport/tag.h"
 
 namespace tdx {
@@ -118,21 +117,10 @@ std::optional<c10::Device> firstDeviceTensor(const std::vector<at::Tensor>& ts) 
   return std::nullopt;
 }
 
-// Processes with equal keys can share POSIX shm and see each other's pids: same machine
-// boot, same mount, IPC and pid namespaces.
-std::string hostKey() {
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  std::string key = host;
-  std::ifstream boot("/proc/sys/kernel/random/boot_id");
-  std::string bootId;
-  std::getline(boot, bootId);
-  key += "/" + bootId;
-  for (const char* ns : {"/proc/self/ns/mnt", "/proc/self/ns/ipc", "/proc/self/ns/pid"}) {
-    struct stat st {};
-    key += "/" + std::to_string(stat(ns, &st) == 0 ? static_cast<long long>(st.st_ino) : -1);
-  }
-  return key;
+// What an op of a broken group fails with.
+std::string refusal(const std::string& reason) {
+  return "the group is unusable after an earlier failure (" + reason +
+         "); destroy it and create a new one";
 }
 
 std::vector<uint8_t> bytesOf(const std::string& s) {
@@ -152,13 +140,27 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
+  // torch creates the default group with no global ranks.
+  const bool defaultGroup = globalRanks_.empty();
   if (globalRanks_.empty()) {
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }
   groupId_ = hashGroupName(groupName_);
 
+  // Same host? It decides whether shared-memory algorithms may run and, when the default
+  // group starts the process's transport, whether UCX needs TCP at all: every other
+  // group is a subset of the default one.
+  const std::string key = transport::hostKey();
+  store_->set("tdx/host/" + std::to_string(rank), bytesOf(key));
+  bool oneHost = true;
+  for (int r = 0; r < size && oneHost; ++r) {
+    const auto theirs = store_->get("tdx/host/" + std::to_string(r));
+    oneHost = std::string(theirs.begin(), theirs.end()) == key;
+  }
+  sameHost_ = oneHost && env::getInt("TDX_SHM") != 0;
+
   try {
-    transport_ = transport::UcxTransport::acquire();
+    transport_ = transport::UcxTransport::acquire(/*tcpWanted=*/!(defaultGroup && oneHost));
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, prefix() + " could not start UCX: " + e.what());
   }
@@ -181,15 +183,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   }
   sharedEndpoints_ = std::make_shared<const std::vector<int>>(endpoints_);
 
-  // Same host? And one cost model for the whole group (rank 0's), so every rank makes the
-  // same algorithm choices even when their calibrations differ.
-  const std::string key = hostKey();
-  store_->set("tdx/host/" + std::to_string(rank), bytesOf(key));
-  sameHost_ = env::getInt("TDX_SHM") != 0;
-  for (int r = 0; r < size && sameHost_; ++r) {
-    const auto theirs = store_->get("tdx/host/" + std::to_string(r));
-    sameHost_ = std::string(theirs.begin(), theirs.end()) == key;
-  }
+  // One cost model for the whole group (rank 0's), so every rank makes the same
+  // algorithm choices even when their calibrations differ.
   if (rank == 0) {
     store_->set("tdx/costmodel", bytesOf(algorithms::Registry::get().costModel().serialize()));
   }
@@ -198,6 +193,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
+  if (checkFingerprints_) listenForMismatchNotices();
   worker_ = std::thread([this] { runLoop(); });
   init();
   TDX_LOG(Info, prefix()) << "group ready (id " << groupId_ << ", timeout "
@@ -336,8 +332,7 @@ void ProcessGroupTDX::runLoop() {
     if (peer_) {
       const std::string stalled = peer_->releaseStalled();
       if (!stalled.empty()) {
-        brokenReason_ = stalled;
-        broken_ = true;
+        markBroken(stalled);
         TDX_LOG(Error, prefix()) << stalled;
         dumpFlightRecord(stalled);
       }
@@ -346,29 +341,69 @@ void ProcessGroupTDX::runLoop() {
   }
 }
 
+void ProcessGroupTDX::MismatchNotice::poison(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (text.empty()) text = why;
+  }
+  arrived.store(true);
+  abortFlag->store(true);
+}
+
+std::string ProcessGroupTDX::MismatchNotice::read() {
+  std::lock_guard<std::mutex> lock(mu);
+  return text;
+}
+
+void ProcessGroupTDX::listenForMismatchNotices() {
+  notice_ = std::make_shared<MismatchNotice>();
+  notice_->abortFlag = abortFlag_;
+  auto notice = notice_;
+  noticeRecv_ = transport_->irecv(
+      -1, tag::pointToPoint(groupId_, 0, tag::kMismatchTag), tag::kAnySourceMask,
+      notice->buffer.data(), notice->buffer.size(), transport::MemType::Host,
+      [notice](transport::Request& r) {
+        if (!r.ok()) return;  // cancelled at shutdown
+        notice->poison(std::string(notice->buffer.data(),
+                                   std::min(r.receivedBytes, notice->buffer.size())));
+      });
+}
+
+void ProcessGroupTDX::markBroken(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(brokenMu_);
+  if (brokenReason_.empty()) brokenReason_ = reason;
+  broken_.store(true);
+}
+
+std::string ProcessGroupTDX::brokenReason() {
+  // A member whose connection failed (kill -9, a crash) makes every later op of the group
+  // impossible, even one whose data would not pass through it (a broadcast leaf, a send
+  // to a live rank): refuse it now rather than let ranks disagree on which ops ran.
+  if (notice_ && !broken_.load() && notice_->arrived.load()) markBroken(notice_->read());
+  const uint64_t failures = transport_->failedEndpoints();
+  if (!broken_.load() && failures != failuresSeen_.load(std::memory_order_relaxed)) {
+    std::lock_guard<std::mutex> lock(brokenMu_);
+    failuresSeen_.store(failures, std::memory_order_relaxed);
+    const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
+    if (!lost.empty() && brokenReason_.empty()) {
+      brokenReason_ = "a member's connection failed" + lost;
+      broken_.store(true);
+    }
+  }
+  if (!broken_.load()) return std::string();
+  std::lock_guard<std::mutex> lock(brokenMu_);
+  return brokenReason_;
+}
+
 void ProcessGroupTDX::runTask(Task& task) {
   const std::string& what = task.work->description();
   std::exception_ptr error;
   uint32_t steps = 0;
   std::string path;
   flight_.start(task.flightId);
-  // A member whose connection failed (kill -9, a crash) makes every later collective of
-  // the group impossible, even one whose data would not pass through it here (a
-  // broadcast leaf, say): refuse it now rather than let ranks disagree on which ops ran.
-  // The transport's failure count is one atomic load; the endpoints themselves are
-  // looked at only after it changed.
-  const uint64_t failures = transport_->failedEndpoints();
-  if (failures != failuresSeen_ && !broken_.load()) {
-    failuresSeen_ = failures;
-    const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
-    if (!lost.empty()) {
-      brokenReason_ = "a member's connection failed" + lost;
-      broken_ = true;
-    }
-  }
-  if (broken_.load()) {
-    error = wrapError(what, "the group is unusable after an earlier failure (" +
-                                brokenReason_ + "); destroy it and create a new one");
+  const std::string broken = brokenReason();
+  if (!broken.empty()) {
+    error = wrapError(what, refusal(broken));
     flight_.finish(task.flightId, false, 0, "", "refused: group broken");
   } else {
     try {
@@ -407,14 +442,17 @@ void ProcessGroupTDX::runTask(Task& task) {
       }
       flight_.finish(task.flightId, true, steps, path, "");
     } catch (const std::exception& e) {
-      brokenReason_ = what + ": " + errorText(e);
-      broken_ = true;
-      error = wrapError(what, errorText(e));
-      flight_.finish(task.flightId, false, steps, path, errorText(e));
+      std::string why = errorText(e);
+      if (notice_ && notice_->arrived.load()) {
+        why = notice_->read() + " (this op was cut short by it)";
+      }
+      markBroken(what + ": " + why);
+      error = wrapError(what, why);
+      flight_.finish(task.flightId, false, steps, path, why);
       // `what` starts with this group's prefix, which the log line already carries.
       const std::string pre = prefix() + " ";
       const std::string op = what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what;
-      TDX_LOG(Error, prefix()) << op << " failed: " << errorText(e);
+      TDX_LOG(Error, prefix()) << op << " failed: " << why;
       dumpFlightRecord(op + " failed");
     }
   }
@@ -599,6 +637,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     TORCH_CHECK(!stopping_, ctx, ": the process group has been shut down; create a new one");
   }
 
+  std::ostringstream desc;
+  desc << describe(op, 0, {t}) << " " << (isSend ? "to" : "from") << " rank "
+       << (peer < 0 ? std::string("any") : std::to_string(peer)) << " tag " << userTag;
+  const std::string what = desc.str();
+  auto work = c10::make_intrusive<WorkTDX>(
+      isSend ? c10d::OpType::SEND : (peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+      what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
+      std::vector<at::Tensor>{t});
+  const std::string broken = brokenReason();
+  if (!broken.empty()) {
+    registerWork(work);
+    work->finishPart(wrapError(what, refusal(broken)));
+    return work;
+  }
+
   const bool staged = !(t.is_cpu() && t.is_contiguous());
   at::Tensor host;
   if (!staged) {
@@ -608,14 +661,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   } else {
     host = at::empty(t.sizes(), t.options().device(at::kCPU));
   }
-  std::ostringstream desc;
-  desc << describe(op, 0, {t}) << " " << (isSend ? "to" : "from") << " rank "
-       << (peer < 0 ? std::string("any") : std::to_string(peer)) << " tag " << userTag;
-  const std::string what = desc.str();
-  auto work = c10::make_intrusive<WorkTDX>(
-      isSend ? c10d::OpType::SEND : (peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
-      what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
-      std::vector<at::Tensor>{t});
 
   // Under fingerprint checks every message carries its sender's dtype and shape ahead of
   // its bytes, so a receive whose tensor differs only in dtype or shape (same byte
@@ -635,18 +680,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   }
 
   auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what,
-                     transport = transport_, endpoints = sharedEndpoints_,
-                     self = rank_](transport::Request& r) {
+                     transport = transport_, endpoints = sharedEndpoints_, self = rank_,
+                     group = groupId_, groupPrefix = prefix(),
+                     notice = notice_](transport::Request& r) {
     std::exception_ptr error;
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
     if (!r.ok()) {
       error = wrapError(what, r.error + lostRanksNote(*transport, *endpoints, self));
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
                p2pHeaderText(wire) != mine) {
+      const std::string theirs = p2pHeaderText(wire);
       error = wrapError(what, "point-to-point mismatch: rank " + std::to_string(source) +
-                                  " sent " + p2pHeaderText(wire) + " but this rank (" +
+                                  " sent " + theirs + " but this rank (" +
                                   std::to_string(self) + ") receives " + mine +
                                   ". Sender and receiver need the same dtype and shape");
+      // The sender's send completed long ago, and other ranks may be about to wait on
+      // either side: every member hears of it and gives the group up.
+      auto text = std::make_shared<std::string>(
+          "point-to-point mismatch: rank " + std::to_string(source) + " sent " + theirs +
+          " to rank " + std::to_string(self) + ", whose " +
+          what.substr(groupPrefix.size() + 1) + " expected " + mine +
+          ". Sender and receiver need the same dtype and shape; the group is unusable now");
+      if (text->size() > 1000) text->resize(1000);  // the notice receives hold 1024 bytes
+      if (notice) notice->poison(*text);
+      for (size_t q = 0; q < endpoints->size(); ++q) {
+        if (static_cast<int>(q) == self || transport->endpointFailed((*endpoints)[q])) continue;
+        transport->isend((*endpoints)[q], tag::pointToPoint(group, self, tag::kMismatchTag),
+                         text->data(), text->size(), transport::MemType::Host,
+                         [text](transport::Request&) {});
+      }
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
       error = wrapError(what, "received " + std::to_string(r.receivedBytes) + " bytes where " +
                                   std::to_string(r.postedBytes) +
@@ -793,6 +855,10 @@ void ProcessGroupTDX::shutdownLocked() {
   // (a point-to-point receive from it, say), and only this rank's exit releases it.
   const bool lost = !lostRanksNote(*transport_, endpoints_, rank_).empty();
   sayGoodbye(/*awaitPeers=*/!aborted_ && !broken_ && !lost);
+  // The notice's buffer lives on with its completion, so a cancel is all it needs.
+  if (noticeRecv_ && !noticeRecv_->done()) {
+    transport_->cancel(*noticeRecv_, "the process group was shut down");
+  }
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;

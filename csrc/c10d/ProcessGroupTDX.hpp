@@ -221,13 +221,42 @@ class ProcessGroupTDX : public c10d::Backend {
   // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's
   // fingerprint (op, dtype, shapes, root, reduce op) before running it.
   bool checkFingerprints_ = false;
-  // The transport's failedEndpoints() when the worker last looked at this group's
-  // endpoints (worker thread only).
-  uint64_t failuresSeen_ = 0;
   std::atomic<uint64_t> seq_{0};
-  std::atomic<bool> aborted_{false};
+  // Set at shutdown, or when a peer reports a mismatch: ops in flight stop waiting. Shared
+  // so that a completion outliving the group may still set it.
+  std::shared_ptr<std::atomic<bool>> abortFlag_ = std::make_shared<std::atomic<bool>>(false);
+  std::atomic<bool>& aborted_ = *abortFlag_;
+
+  // A group is broken after an op failed, a member's connection was lost or device work
+  // stalled: every later op, collective or point-to-point, is refused. Any thread may
+  // mark or ask; the first reason is the one reported.
+  void markBroken(const std::string& reason);
+  // Empty while the group is usable, else why it is not. Looks at this group's endpoints
+  // only when the transport's failure count changed (one atomic load otherwise).
+  std::string brokenReason();
   std::atomic<bool> broken_{false};
+  std::mutex brokenMu_;       // guards brokenReason_ and the endpoint look-up
   std::string brokenReason_;
+  // The transport's failedEndpoints() when this group's endpoints were last looked at.
+  std::atomic<uint64_t> failuresSeen_{0};
+
+  // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not
+  // only on the receiver that saw it: the receiver sends each member a notice naming both
+  // calls, and a rank that gets one (or sent it) aborts its ops in flight and refuses
+  // later ones with that text. Shared with completions, which may outlive the group.
+  struct MismatchNotice {
+    std::mutex mu;
+    std::string text;  // the first notice wins
+    std::atomic<bool> arrived{false};
+    std::shared_ptr<std::atomic<bool>> abortFlag;
+    std::vector<char> buffer = std::vector<char>(1024);  // the posted receive's
+
+    void poison(const std::string& why);
+    std::string read();
+  };
+  std::shared_ptr<MismatchNotice> notice_;
+  transport::RequestPtr noticeRecv_;
+  void listenForMismatchNotices();
 
   std::mutex queueMu_;
   std::condition_variable queueCv_;

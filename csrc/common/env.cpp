@@ -19,10 +19,19 @@ const std::vector<Knob>& knobs() {
       {"TDX_DUMP_DIR", "",
        "directory where a failed or timed-out op writes its group's flight record "
        "(tdx_flight_<group>_r<rank>.txt); empty: log only"},
-      {"TDX_UCX_PEER_ERRORS", "1",
-       "1: UCX reports a dead peer as an error (its shared-memory transports cannot, so "
-       "intra-node traffic uses TCP loopback); 0: shared memory, dead peers caught only "
-       "by the op's timeout"},
+      {"TDX_UCX_PEER_ERRORS", "auto",
+       "auto: a peer on this host is watched through its pidfd (a kill -9 is an error at "
+       "once) and UCX may use shared memory to reach it; peers on other hosts, or where "
+       "the kernel has no pidfd_open, get UCX's peer error handling. 1: UCX's peer error "
+       "handling for every peer (its shared-memory transports cannot provide it, so "
+       "intra-node traffic uses TCP loopback). 0: none (peers on other hosts caught only "
+       "by the op's timeout)"},
+      {"TDX_UCX_TCP", "auto",
+       "whether UCX loads its TCP transport, which listens on a port of every interface it "
+       "uses: auto: not when the default group's ranks all run on this host and can watch "
+       "each other (TDX_UCX_PEER_ERRORS is not 1, the kernel has pidfd_open), so a "
+       "one-host job opens no port; 1: always (needed to reach other hosts); 0: never. A "
+       "UCX_TLS of the user's own overrides this"},
       {"TDX_CUDA_PEER", "1",
        "1: CUDA collectives among ranks of one host read and write each other's buffers "
        "through CUDA IPC; 0: stage them through host memory instead"},

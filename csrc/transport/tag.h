@@ -36,10 +36,13 @@ static_assert(kStepBits == kSeqShift, "step field fills the low bits");
 static_assert(kUserBits == kRankShift, "user tag fills the low bits of a p2p tag");
 
 constexpr uint64_t kMaxRanks = uint64_t{1} << kRankBits;
-// The highest point-to-point tag is the backend's own: the goodbye each rank sends its
-// peers when it shuts a group down. Users get 0 .. kMaxUserTag.
+// The two highest point-to-point tags are the backend's own: the goodbye each rank sends
+// its peers when it shuts a group down, and (under fingerprint checks) the notice a
+// receiver sends the sender of a message that did not match its receive. Users get
+// 0 .. kMaxUserTag.
 constexpr uint64_t kShutdownTag = (uint64_t{1} << kUserBits) - 1;
-constexpr uint64_t kMaxUserTag = kShutdownTag - 1;
+constexpr uint64_t kMismatchTag = kShutdownTag - 1;
+constexpr uint64_t kMaxUserTag = kMismatchTag - 1;
 constexpr uint64_t kGroupMask = (uint64_t{1} << kGroupBits) - 1;
 
 constexpr uint64_t kRankFieldMask = ((uint64_t{1} << kRankBits) - 1) << kRankShift;
@@ -65,8 +68,9 @@ constexpr uint32_t senderOf(uint64_t t) {
 
 static_assert(senderOf(collective(5, 77, 3, 2)) == 77, "sender round trip");
 static_assert(senderOf(pointToPoint(5, 1234, kShutdownTag)) == 1234, "p2p sender round trip");
-static_assert(pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kShutdownTag),
-              "the shutdown tag is out of the users' range");
+static_assert(pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kShutdownTag) &&
+                  pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kMismatchTag),
+              "the backend's tags are out of the users' range");
 
 } // namespace tag
 } // namespace tdx

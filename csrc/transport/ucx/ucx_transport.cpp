@@ -3,12 +3,14 @@
 #include <sys/epoll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <system_error>
+#include <utility>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -49,6 +51,83 @@ void endpointErrorCallback(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   a->owner->onEndpointError(a->id, status);
 }
 
+// A transport address: this tag, the ProcessId's length (4 bytes, little-endian), the
+// ProcessId, then UCX's worker address.
+constexpr char kAddressTag[4] = {'t', 'd', 'x', 'A'};
+
+std::string frameAddress(const std::string& process, const std::string& ucx) {
+  std::string out(kAddressTag, sizeof(kAddressTag));
+  const uint32_t n = static_cast<uint32_t>(process.size());
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  return out + process + ucx;
+}
+
+// Splits a framed address into the peer's ProcessId and its UCX worker address.
+std::pair<ProcessId, std::string> unframeAddress(const std::string& address) {
+  const size_t head = sizeof(kAddressTag) + 4;
+  if (address.size() < head || address.compare(0, sizeof(kAddressTag), kAddressTag,
+                                               sizeof(kAddressTag)) != 0) {
+    throw std::invalid_argument("not a tdx transport address (" +
+                                std::to_string(address.size()) +
+                                " bytes); every rank must run the same torchdist_ext build");
+  }
+  uint32_t n = 0;
+  for (int i = 0; i < 4; ++i) {
+    n |= static_cast<uint32_t>(static_cast<unsigned char>(address[sizeof(kAddressTag) + i]))
+         << (8 * i);
+  }
+  if (address.size() < head + n) throw std::invalid_argument("truncated tdx transport address");
+  return {ProcessId::parse(address.substr(head, n)), address.substr(head + n)};
+}
+
+bool envSet(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0';
+}
+
+// TCP sockets: what a job needs to reach ranks on other hosts, and what exposes each rank
+// to anyone who can reach its port (UCX trusts what arrives there: docs/RELIABILITY.md).
+// A job whose ranks share this host and can watch each other needs none.
+void configureTcp(ucp_config_t* config, bool load) {
+  if (!load) {
+    check(ucp_config_modify(config, "TLS", "^tcp"), "config (TLS=^tcp)");
+    return;
+  }
+  // UCX writes 8 KiB segments and reads 64 KiB ones by default, which cuts every large
+  // message into many system calls; 256 KiB / 1 MiB halved large transfers
+  // (docs/PERFORMANCE.md, "Messages over TCP"). Both or neither: UCX refuses a send
+  // segment larger than the receive segment, so a user who set one keeps the other.
+  if (!envSet("UCX_TCP_TX_SEG_SIZE") && !envSet("UCX_TCP_RX_SEG_SIZE")) {
+    check(ucp_config_modify(config, "TCP_TX_SEG_SIZE", "256k"), "config (TCP_TX_SEG_SIZE)");
+    check(ucp_config_modify(config, "TCP_RX_SEG_SIZE", "1m"), "config (TCP_RX_SEG_SIZE)");
+  }
+}
+
+// Whether a UCX_TLS value loads UCX's TCP transport: "^a,b" excludes, "a,b" includes
+// ("all" includes everything).
+bool tlsIncludesTcp(const std::string& tls) {
+  std::vector<std::string> names;
+  std::istringstream in(tls);
+  for (std::string name; std::getline(in, name, ',');) {
+    if (!name.empty()) names.push_back(name);
+  }
+  if (names.empty()) return true;
+  if (names[0][0] == '^') {
+    names[0] = names[0].substr(1);
+    return std::find(names.begin(), names.end(), "tcp") == names.end();
+  }
+  return std::find(names.begin(), names.end(), "tcp") != names.end() ||
+         std::find(names.begin(), names.end(), "all") != names.end();
+}
+
+UcxTransport::PeerErrors peerErrorsSetting() {
+  const std::string v = env::get("TDX_UCX_PEER_ERRORS");
+  if (v == "auto") return UcxTransport::PeerErrors::Unwatched;
+  if (v == "1") return UcxTransport::PeerErrors::Always;
+  if (v == "0") return UcxTransport::PeerErrors::Never;
+  throw std::invalid_argument("TDX_UCX_PEER_ERRORS=" + v + " is not one of auto, 1, 0");
+}
+
 std::mutex gInstanceMu;
 std::weak_ptr<UcxTransport> gInstance;
 
@@ -83,7 +162,7 @@ Teardowns& teardowns() {
 
 } // namespace
 
-std::shared_ptr<UcxTransport> UcxTransport::acquire() {
+std::shared_ptr<UcxTransport> UcxTransport::acquire(bool tcpWanted) {
   std::lock_guard<std::mutex> lock(gInstanceMu);
   auto t = gInstance.lock();
   if (!t) {
@@ -96,7 +175,7 @@ std::shared_ptr<UcxTransport> UcxTransport::acquire() {
     // that outlived its process group holds one, and the progress thread destroys the
     // callback once it has run. The destructor joins that thread, which a thread cannot do
     // to itself (std::terminate), so there the teardown moves to a thread of its own.
-    t = std::shared_ptr<UcxTransport>(new UcxTransport(), [](UcxTransport* p) {
+    t = std::shared_ptr<UcxTransport>(new UcxTransport(tcpWanted), [](UcxTransport* p) {
       if (std::this_thread::get_id() != p->progressThread_.get_id()) {
         delete p;
         return;
@@ -121,10 +200,31 @@ std::shared_ptr<UcxTransport> UcxTransport::acquire() {
   return t;
 }
 
-UcxTransport::UcxTransport()
-    : spin_(env::getInt("TDX_SPIN_US")), peerErrors_(env::getInt("TDX_UCX_PEER_ERRORS") != 0) {
+bool UcxTransport::chooseTcp(bool tcpWanted) const {
+  if (envSet("UCX_TLS")) return tlsIncludesTcp(std::getenv("UCX_TLS"));  // the user's choice
+  const std::string mode = env::get("TDX_UCX_TCP");
+  if (mode == "1") return true;
+  if (mode == "0") return false;
+  if (mode != "auto") {
+    throw std::invalid_argument("TDX_UCX_TCP=" + mode + " is not one of auto, 1, 0");
+  }
+  // Without TCP a dead peer is noticed only through its pidfd, so every peer must be
+  // watchable: same host (the caller's word) and a kernel with pidfd_open.
+  return tcpWanted || peerErrors_ == PeerErrors::Always || !ProcessWatch::supported();
+}
+
+UcxTransport::UcxTransport(bool tcpWanted)
+    : spin_(env::getInt("TDX_SPIN_US")), self_(ProcessId::self()),
+      peerErrors_(peerErrorsSetting()) {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "config read");
+  tcpLoaded_ = chooseTcp(tcpWanted);
+  try {
+    configureTcp(config, tcpLoaded_);
+  } catch (...) {
+    ucp_config_release(config);
+    throw;
+  }
   ucp_params_t params;
   std::memset(&params, 0, sizeof(params));
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_TAG_SENDER_MASK |
@@ -154,8 +254,9 @@ UcxTransport::UcxTransport()
     TDX_LOG(Warn, kPrefix) << "UCX worker is not multi-threaded (thread mode "
                            << attr.thread_mode << "); this UCX build lacks --enable-mt";
   }
-  address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+  ucxAddress_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(worker_, attr.address);
+  address_ = frameAddress(self_.serialize(), ucxAddress_);
 
   check(ucp_worker_get_efd(worker_, &eventFd_), "worker event fd");
   epollFd_ = epoll_create1(EPOLL_CLOEXEC);
@@ -168,6 +269,13 @@ UcxTransport::UcxTransport()
   ev.data.fd = eventFd_;
   if (epoll_ctl(epollFd_, EPOLL_CTL_ADD, eventFd_, &ev) != 0) {
     throw std::runtime_error(std::string("epoll_ctl failed: ") + std::strerror(errno));
+  }
+  // Watched peers' exits wake the progress thread too.
+  if (watch_.fd() >= 0) {
+    ev.data.fd = watch_.fd();
+    if (epoll_ctl(epollFd_, EPOLL_CTL_ADD, watch_.fd(), &ev) != 0) {
+      throw std::runtime_error(std::string("epoll_ctl failed: ") + std::strerror(errno));
+    }
   }
 
   progressThread_ = std::thread([this] { progressLoop(); });
@@ -187,14 +295,28 @@ UcxTransport::~UcxTransport() {
   auto until = Clock::now() + std::chrono::seconds(2);
   while (Clock::now() < until) {
     progressOnce();
+    // Requests already failed by a lost watched peer may never hear back from UCX.
     std::lock_guard<std::mutex> lock(inflightMu_);
-    if (inflight_.empty()) break;
+    bool open = false;
+    for (auto& kv : inflight_) open = open || !kv.second->done();
+    if (!open) break;
   }
   closeEndpoints();
   stop_ = true;
   wake();
   if (progressThread_.joinable()) progressThread_.join();
   drain();
+  {
+    std::lock_guard<std::mutex> lock(closingMu_);
+    auto limit = Clock::now() + std::chrono::seconds(1);
+    for (void* req : forceClosing_) {
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < limit) {
+        ucp_worker_progress(worker_);
+      }
+      ucp_request_free(req);
+    }
+    forceClosing_.clear();
+  }
   if (epollFd_ >= 0) ::close(epollFd_);
   ucp_worker_destroy(worker_);
   ucp_cleanup(context_);
@@ -241,6 +363,7 @@ std::string UcxTransport::address() const {
 // two (seen with repeated init/destroy). connectMu_ alone serialises connects.
 int UcxTransport::connect(const std::string& address) {
   std::lock_guard<std::mutex> serial(connectMu_);
+  const auto [peer, ucxAddress] = unframeAddress(address);
   int id = 0;
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
@@ -260,19 +383,51 @@ int UcxTransport::connect(const std::string& address) {
   std::memset(&ep, 0, sizeof(ep));
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
-  ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+  ep.address = reinterpret_cast<const ucp_address_t*>(ucxAddress.data());
   // Peer error handling is what turns a dead peer into an error instead of a hang, but
   // UCX's shared-memory transports cannot provide it, so with it every intra-node byte
-  // goes over TCP loopback. TDX_UCX_PEER_ERRORS=0 trades the detection for shm.
-  ep.err_mode = peerErrors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  // goes over TCP loopback. A peer on this host is watched through its pidfd instead,
+  // which lets UCX use shared memory (TDX_UCX_PEER_ERRORS=auto).
+  // This process's own endpoint can never lose its peer, and UCX's loopback transport
+  // has no peer error handling to give.
+  const bool self = peer.pid == self_.pid && peer.sameHostAs(self_);
+  const bool watched = !self && watch_.watch(id, peer);
+  const bool peerMode = !self && (peerErrors_ == PeerErrors::Always ||
+                                  (peerErrors_ == PeerErrors::Unwatched && !watched));
+  ep.err_mode = peerMode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = endpointErrorCallback;
   ep.err_handler.arg = arg;
   ucp_ep_h handle = nullptr;
   check(ucp_ep_create(worker_, &ep, &handle), "endpoint create");
-  std::lock_guard<std::mutex> lock(endpointsMu_);
-  endpoints_[id].ep = handle;
-  endpointByAddress_[address] = id;
+  {
+    std::lock_guard<std::mutex> lock(endpointsMu_);
+    endpoints_[id].ep = handle;
+    endpoints_[id].watched = watched;
+    endpoints_[id].pid = peer.pid;
+    endpoints_[id].sameHost = peer.sameHostAs(self_);
+    endpoints_[id].peerErrors = peerMode;
+    endpointByAddress_[address] = id;
+  }
+  TDX_LOG(Info, kPrefix) << "endpoint " << id << " to pid " << peer.pid
+                         << (peer.sameHostAs(self_) ? " on this host" : " on another host")
+                         << (watched ? ", process watched" : "")
+                         << (peerMode ? ", UCX peer errors" : "");
   return id;
+}
+
+std::shared_ptr<UcxTransport> UcxTransport::current() {
+  std::lock_guard<std::mutex> lock(gInstanceMu);
+  return gInstance.lock();
+}
+
+std::vector<UcxTransport::EndpointInfo> UcxTransport::endpointInfo() const {
+  std::lock_guard<std::mutex> lock(endpointsMu_);
+  std::vector<EndpointInfo> out;
+  for (const auto& e : endpoints_) {
+    // `watched` stays true after the exit was seen; `failed` tells that apart.
+    out.push_back({e.id, e.pid, e.sameHost, e.watched, e.peerErrors, e.failed.load()});
+  }
+  return out;
 }
 
 bool UcxTransport::endpointFailed(int endpoint) const {
@@ -354,14 +509,20 @@ void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t stat
 }
 
 void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
+  failEndpoint(endpoint, ucs_status_string(status));
+}
+
+void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
   std::string why;
+  bool forceClose = false;
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
     Endpoint& e = endpoints_[endpoint];
     if (e.failed.exchange(true)) return;
     failedEndpoints_.fetch_add(1, std::memory_order_release);
-    e.failure = ucs_status_string(status);
+    e.failure = failure;
     why = e.failure;
+    forceClose = e.watched && !e.peerErrors;
   }
   // A peer that shut down cleanly closes its side too; that is only worth a warning
   // when something was still waiting on it.
@@ -375,23 +536,56 @@ void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
   } else {
     TDX_LOG(Info, kPrefix) << "endpoint " << endpoint << " closed by its peer: " << why;
   }
-  // Sends on the endpoint complete with an error by themselves (peer error mode);
-  // receives are posted on the worker, so cancel the ones waiting on this peer.
-  defer([this, endpoint, why] {
-    std::vector<RequestPtr> victims;
+  // Sends on the endpoint complete with an error by themselves (peer error mode), or
+  // when a watched peer's endpoint is closed by force below; receives are posted on the
+  // worker, so cancel the ones waiting on this peer.
+  defer([this, endpoint, why, forceClose] {
+    const std::string lost = "connection to peer lost (" + why + ")";
+    std::vector<RequestPtr> recvs, sends;
     {
       std::lock_guard<std::mutex> lock(inflightMu_);
       for (auto& kv : inflight_) {
-        if (kv.second->endpoint == endpoint && !kv.second->isSend) victims.push_back(kv.second);
+        if (kv.second->endpoint == endpoint) {
+          (kv.second->isSend ? sends : recvs).push_back(kv.second);
+        }
       }
     }
-    for (auto& r : victims) {
+    for (auto& r : recvs) {
       {
         std::lock_guard<std::mutex> lock(r->mu);
-        if (r->error.empty()) r->error = "connection to peer lost (" + why + ")";
+        if (r->error.empty()) r->error = lost;
       }
       if (!r->done() && !r->retired) {
         if (void* h = r->handle.load()) ucp_request_cancel(worker_, h);
+      }
+    }
+    if (!forceClose) return;
+    ucp_ep_h handle = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(endpointsMu_);
+      std::swap(handle, endpoints_[endpoint].ep);
+    }
+    if (handle != nullptr) {
+      ucp_request_param_t p;
+      std::memset(&p, 0, sizeof(p));
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* req = ucp_ep_close_nbx(handle, &p);
+      if (UCS_PTR_IS_PTR(req)) {
+        std::lock_guard<std::mutex> lock(closingMu_);
+        forceClosing_.push_back(req);
+      }
+    }
+    // Without peer error handling UCX keeps no list of an endpoint's sends that wait for
+    // the peer (a rendezvous waiting for its acknowledgement), so the force close may
+    // leave them pending forever. They fail here; the UCX request stays tracked until
+    // UCX lets go of it, since it still points at the Request.
+    for (auto& r : sends) {
+      if (r->done()) continue;
+      finishRequest(*r, false, lost);
+      if (r->onComplete) {
+        auto cb = std::move(r->onComplete);
+        cb(*r);
       }
     }
   });
@@ -543,11 +737,38 @@ void UcxTransport::wake() {
   if (sleeping_.load(std::memory_order_acquire)) ucp_worker_signal(worker_);
 }
 
+void UcxTransport::checkWatched() {
+  for (int id : watch_.exited()) {
+    int64_t pid = 0;
+    {
+      std::lock_guard<std::mutex> lock(endpointsMu_);
+      pid = endpoints_[id].pid;
+    }
+    failEndpoint(id, "process " + std::to_string(pid) + " on this host exited");
+  }
+  std::lock_guard<std::mutex> lock(closingMu_);
+  for (size_t i = 0; i < forceClosing_.size();) {
+    if (ucp_request_check_status(forceClosing_[i]) == UCS_INPROGRESS) {
+      ++i;
+      continue;
+    }
+    ucp_request_free(forceClosing_[i]);
+    forceClosing_[i] = forceClosing_.back();
+    forceClosing_.pop_back();
+  }
+}
+
 void UcxTransport::progressLoop() {
   auto lastActivity = Clock::now();
+  // A busy worker never sleeps on the epoll set, so exits are looked for every 10 ms too.
+  auto nextWatch = lastActivity;
   while (!stop_.load()) {
     if (progressOnce() != 0) {
       lastActivity = Clock::now();
+      if (lastActivity >= nextWatch) {
+        checkWatched();
+        nextWatch = lastActivity + std::chrono::milliseconds(10);
+      }
       continue;
     }
     {
@@ -573,6 +794,8 @@ void UcxTransport::progressLoop() {
     }
     sleeping_.store(false, std::memory_order_release);
     lastActivity = Clock::now();
+    checkWatched();
+    nextWatch = lastActivity + std::chrono::milliseconds(10);
   }
 }
 

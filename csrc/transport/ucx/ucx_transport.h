@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "transport/process_watch.h"
 #include "transport/transport.h"
 
 namespace tdx {
@@ -27,10 +28,33 @@ namespace transport {
 class UcxTransport final : public Transport {
  public:
   // The process-wide instance, created on first use and destroyed when the last
-  // holder lets go (so destroy + init in one process starts afresh).
-  static std::shared_ptr<UcxTransport> acquire();
+  // holder lets go (so destroy + init in one process starts afresh). `tcpWanted` counts
+  // only when the instance is created: false lets TDX_UCX_TCP=auto leave UCX's TCP
+  // transport out, so the process listens on no port.
+  static std::shared_ptr<UcxTransport> acquire(bool tcpWanted);
 
-  UcxTransport();
+  // TDX_UCX_PEER_ERRORS: which endpoints get UCP_ERR_HANDLING_MODE_PEER.
+  enum class PeerErrors { Never, Always, Unwatched };
+
+  // The live instance, or null: for reports only, it starts nothing.
+  static std::shared_ptr<UcxTransport> current();
+
+  explicit UcxTransport(bool tcpWanted);
+
+  struct EndpointInfo {
+    int id;
+    int64_t pid;
+    bool sameHost;    // the peer runs on this host (same boot and namespaces)
+    bool watched;     // its exit is seen through a pidfd
+    bool peerErrors;  // UCX's peer error handling is on (no shared memory to it)
+    bool failed;
+  };
+  std::vector<EndpointInfo> endpointInfo() const;
+
+  // Whether UCX's TCP transport is loaded (a listening port on every interface it uses).
+  bool tcpLoaded() const {
+    return tcpLoaded_;
+  }
   ~UcxTransport() override;
 
   std::string address() const override;
@@ -61,6 +85,13 @@ class UcxTransport final : public Transport {
     ucp_ep_h ep = nullptr;
     std::atomic<bool> failed{false};
     std::string failure;
+    // The peer's process is watched (same host, pidfd). Without UCX's peer error
+    // handling as well, UCX may reach it over shared memory, and on the peer's exit the
+    // endpoint is closed by force to end the sends still queued on it.
+    bool watched = false;
+    bool peerErrors = false;
+    int64_t pid = 0;
+    bool sameHost = false;
   };
 
   RequestPtr track(int endpoint, bool isSend, std::function<void(Request&)> onComplete);
@@ -72,17 +103,29 @@ class UcxTransport final : public Transport {
   void progressLoop();
   void wake();
   void closeEndpoints();
+  bool chooseTcp(bool tcpWanted) const;
+  // Marks the endpoint lost and fails what waits on it (any thread but inside UCX locks).
+  void failEndpoint(int endpoint, const std::string& why);
+  // Reports watched peers that exited; frees force-close requests that finished
+  // (progress thread).
+  void checkWatched();
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  std::string address_;
+  std::string address_;   // this process's ProcessId and UCX worker address, framed
+  std::string ucxAddress_;
+  ProcessId self_;
+  ProcessWatch watch_;
+  std::mutex closingMu_;
+  std::vector<void*> forceClosing_;  // ucp_ep_close_nbx requests of lost watched peers
   int eventFd_ = -1;
   int epollFd_ = -1;
   std::chrono::microseconds spin_;
 
   mutable std::mutex endpointsMu_;
   std::atomic<uint64_t> failedEndpoints_{0};
-  bool peerErrors_;  // UCP_ERR_HANDLING_MODE_PEER on endpoints (TDX_UCX_PEER_ERRORS)
+  PeerErrors peerErrors_;
+  bool tcpLoaded_ = true;
   std::mutex connectMu_;  // serialises connect(); never taken by UCX callbacks
   std::deque<Endpoint> endpoints_;  // deque: stable addresses, ids are indices
   std::unordered_map<std::string, int> endpointByAddress_;

@@ -1,0 +1,80 @@
+"""How the UCX transport sets itself up: whether TCP is loaded, how each peer is watched,
+and that `import torchdist_ext` leaves UCX's TCP settings to the transport."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchdist_ext
+from torchdist_ext.testing import run_ranks
+
+
+def test_import_sets_no_tcp_variables() -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    code = ("import json, os, torchdist_ext; "
+            "print(json.dumps(sorted(k for k in os.environ if k.startswith('UCX_TCP'))))")
+    out = subprocess.run([sys.executable, "-c", code], env=base, check=True,
+                         capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_transport_info_without_a_group() -> None:
+    assert torchdist_ext.transport_info() == {"running": False}
+
+
+def _info(rank: int, n: int, subgroup: bool) -> dict:
+    if subgroup:  # the default group is gloo's; tdx starts with a subgroup
+        pg = dist.new_group(backend="tdx")
+    else:
+        pg = None
+    t = torch.ones(8)
+    dist.all_reduce(t, group=pg)
+    other = 1 - rank
+    got = torch.empty(4)
+    if rank == 0:
+        dist.send(torch.arange(4.0), other, group=pg)
+    else:
+        dist.recv(got, other, group=pg)
+    info = torchdist_ext.transport_info()
+    peers = [e for e in info["endpoints"] if e["pid"] != os.getpid()]
+    return {"tcp": info["tcp"], "peers": peers,
+            "ok": bool((t == n).all()) and (rank == 0 or torch.equal(got, torch.arange(4.0)))}
+
+
+# env -> (TCP loaded, the peer watched, UCX peer errors on it)
+CASES = {
+    "default": ({}, False, True, False),
+    "tcp-on": ({"TDX_UCX_TCP": "1"}, True, True, False),
+    "peer-errors-always": ({"TDX_UCX_PEER_ERRORS": "1"}, True, True, True),
+    "peer-errors-never": ({"TDX_UCX_PEER_ERRORS": "0"}, False, True, False),
+    "users-tls": ({"UCX_TLS": "tcp,self"}, True, True, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transport_setup(case: str) -> None:
+    env, tcp, watched, peer_errors = CASES[case]
+    for rank, r in enumerate(run_ranks(_info, 2, timeout=60, args=(False,), env=env)):
+        assert r["ok"], (case, rank, r)
+        assert r["tcp"] is tcp, (case, rank, r)
+        assert len(r["peers"]) == 1, (case, rank, r)
+        peer = r["peers"][0]
+        assert peer["same_host"] and not peer["lost"], (case, rank, peer)
+        assert peer["watched"] is watched, (case, rank, peer)
+        assert peer["peer_errors"] is peer_errors, (case, rank, peer)
+
+
+def test_transport_started_by_a_subgroup_keeps_tcp() -> None:
+    """Only the default group knows where every rank runs: a transport that a later
+    group starts keeps TCP, since a later group may span hosts."""
+    for rank, r in enumerate(run_ranks(_info, 2, backend="gloo", timeout=60, args=(True,))):
+        assert r["ok"], (rank, r)
+        assert r["tcp"] is True, (rank, r)
+        assert r["peers"][0]["watched"] and not r["peers"][0]["peer_errors"], (rank, r)
