@@ -161,6 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     info["running"] = t != nullptr;
     if (!t) return info;
     info["tcp"] = t->tcpLoaded();
+    info["rndv_thresh"] = t->rendezvousThreshold();
     py::list endpoints;
     for (const auto& e : t->endpointInfo()) {
       py::dict d;

@@ -57,6 +57,13 @@ def _pingpong(rank: int, n: int, sizes: tuple[int, ...]) -> dict:
     return out
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
 def _config(spec: str) -> tuple[str, dict[str, str]]:
     backend, *settings = spec.split()
     return backend, dict(s.split("=", 1) for s in settings)
@@ -78,7 +85,7 @@ def main(specs: list[str]) -> None:
     print("|---:|" + "---:|" * len(specs))
     for nbytes in SIZES:
         cells = [f"{statistics.median(results[s][nbytes]):.0f}" for s in specs]
-        print(f"| {nbytes} B | " + " | ".join(cells) + " |")
+        print(f"| {_size(nbytes)} | " + " | ".join(cells) + " |")
     print(f"wrong elements: {wrong}")
 
 

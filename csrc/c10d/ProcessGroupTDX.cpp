@@ -152,15 +152,19 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // group is a subset of the default one.
   const std::string key = transport::hostKey();
   store_->set("tdx/host/" + std::to_string(rank), bytesOf(key));
-  bool oneHost = true;
-  for (int r = 0; r < size && oneHost; ++r) {
+  int localRanks = 0;
+  for (int r = 0; r < size; ++r) {
     const auto theirs = store_->get("tdx/host/" + std::to_string(r));
-    oneHost = std::string(theirs.begin(), theirs.end()) == key;
+    localRanks += std::string(theirs.begin(), theirs.end()) == key ? 1 : 0;
   }
+  const bool oneHost = localRanks == size;
   sameHost_ = oneHost && env::getInt("TDX_SHM") != 0;
 
   try {
-    transport_ = transport::UcxTransport::acquire(/*tcpWanted=*/!(defaultGroup && oneHost));
+    transport::UcxTransport::Hints hints;
+    hints.tcpWanted = !(defaultGroup && oneHost);
+    hints.localRanks = localRanks;
+    transport_ = transport::UcxTransport::acquire(hints);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, prefix() + " could not start UCX: " + e.what());
   }

@@ -1,5 +1,6 @@
 #include "transport/ucx/ucx_transport.h"
 
+#include <sched.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -120,6 +121,25 @@ bool tlsIncludesTcp(const std::string& tls) {
          std::find(names.begin(), names.end(), "all") != names.end();
 }
 
+// Between ranks of one host UCX sends messages from about 8 KiB up by rendezvous: the
+// receiver copies the data straight out of the sender (CMA) once both have exchanged a
+// handshake. That saves a copy while every rank has a core, but when ranks outnumber the
+// cores each handshake waits for a descheduled peer, and a pipelined op (a chain
+// broadcast of 256 KiB chunks, halving-doubling's small steps) pays that per step. Then
+// messages up to 1 MiB go eagerly through the shared-memory FIFOs instead, which the
+// sender fills without waiting (docs/PERFORMANCE.md, "Point-to-point and message
+// algorithms on one host").
+// Returns the threshold set, or "" when UCX keeps its own.
+std::string configureRendezvous(ucp_config_t* config, int localRanks) {
+  if (envSet("UCX_RNDV_THRESH")) return "";
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  if (localRanks <= cpus) return "";
+  check(ucp_config_modify(config, "RNDV_THRESH", "1m"), "config (RNDV_THRESH)");
+  return "1m";
+}
+
 UcxTransport::PeerErrors peerErrorsSetting() {
   const std::string v = env::get("TDX_UCX_PEER_ERRORS");
   if (v == "auto") return UcxTransport::PeerErrors::Unwatched;
@@ -162,7 +182,7 @@ Teardowns& teardowns() {
 
 } // namespace
 
-std::shared_ptr<UcxTransport> UcxTransport::acquire(bool tcpWanted) {
+std::shared_ptr<UcxTransport> UcxTransport::acquire(const Hints& hints) {
   std::lock_guard<std::mutex> lock(gInstanceMu);
   auto t = gInstance.lock();
   if (!t) {
@@ -175,7 +195,7 @@ std::shared_ptr<UcxTransport> UcxTransport::acquire(bool tcpWanted) {
     // that outlived its process group holds one, and the progress thread destroys the
     // callback once it has run. The destructor joins that thread, which a thread cannot do
     // to itself (std::terminate), so there the teardown moves to a thread of its own.
-    t = std::shared_ptr<UcxTransport>(new UcxTransport(tcpWanted), [](UcxTransport* p) {
+    t = std::shared_ptr<UcxTransport>(new UcxTransport(hints), [](UcxTransport* p) {
       if (std::this_thread::get_id() != p->progressThread_.get_id()) {
         delete p;
         return;
@@ -213,14 +233,15 @@ bool UcxTransport::chooseTcp(bool tcpWanted) const {
   return tcpWanted || peerErrors_ == PeerErrors::Always || !ProcessWatch::supported();
 }
 
-UcxTransport::UcxTransport(bool tcpWanted)
+UcxTransport::UcxTransport(const Hints& hints)
     : spin_(env::getInt("TDX_SPIN_US")), self_(ProcessId::self()),
       peerErrors_(peerErrorsSetting()) {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "config read");
-  tcpLoaded_ = chooseTcp(tcpWanted);
+  tcpLoaded_ = chooseTcp(hints.tcpWanted);
   try {
     configureTcp(config, tcpLoaded_);
+    rendezvousThreshold_ = configureRendezvous(config, hints.localRanks);
   } catch (...) {
     ucp_config_release(config);
     throw;

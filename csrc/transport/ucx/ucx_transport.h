@@ -27,11 +27,19 @@ namespace transport {
 
 class UcxTransport final : public Transport {
  public:
+  // What the group that starts the transport knows about where its ranks run. Only the
+  // first group's hints count: later groups share the instance.
+  struct Hints {
+    // False lets TDX_UCX_TCP=auto leave UCX's TCP transport out, so the process listens
+    // on no port: every rank that can ever be a peer runs on this host.
+    bool tcpWanted = true;
+    // Ranks of the group on this host (this one included).
+    int localRanks = 1;
+  };
+
   // The process-wide instance, created on first use and destroyed when the last
-  // holder lets go (so destroy + init in one process starts afresh). `tcpWanted` counts
-  // only when the instance is created: false lets TDX_UCX_TCP=auto leave UCX's TCP
-  // transport out, so the process listens on no port.
-  static std::shared_ptr<UcxTransport> acquire(bool tcpWanted);
+  // holder lets go (so destroy + init in one process starts afresh).
+  static std::shared_ptr<UcxTransport> acquire(const Hints& hints);
 
   // TDX_UCX_PEER_ERRORS: which endpoints get UCP_ERR_HANDLING_MODE_PEER.
   enum class PeerErrors { Never, Always, Unwatched };
@@ -39,7 +47,7 @@ class UcxTransport final : public Transport {
   // The live instance, or null: for reports only, it starts nothing.
   static std::shared_ptr<UcxTransport> current();
 
-  explicit UcxTransport(bool tcpWanted);
+  explicit UcxTransport(const Hints& hints);
 
   struct EndpointInfo {
     int id;
@@ -54,6 +62,10 @@ class UcxTransport final : public Transport {
   // Whether UCX's TCP transport is loaded (a listening port on every interface it uses).
   bool tcpLoaded() const {
     return tcpLoaded_;
+  }
+  // UCX_RNDV_THRESH as the transport set it ("" when UCX's own or the user's holds).
+  const std::string& rendezvousThreshold() const {
+    return rendezvousThreshold_;
   }
   ~UcxTransport() override;
 
@@ -126,6 +138,7 @@ class UcxTransport final : public Transport {
   std::atomic<uint64_t> failedEndpoints_{0};
   PeerErrors peerErrors_;
   bool tcpLoaded_ = true;
+  std::string rendezvousThreshold_;
   std::mutex connectMu_;  // serialises connect(); never taken by UCX callbacks
   std::deque<Endpoint> endpoints_;  // deque: stable addresses, ids are indices
   std::unordered_map<std::string, int> endpointByAddress_;
