@@ -46,7 +46,8 @@ def test_bench_all_ops_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture
             assert r["ip_time_us"] is None and r["ip_wrong"] is None, where
     # busbw factors as nccl-tests, world 2
     for r in rows:
-        factor = {"all_reduce": 1.0, "broadcast": 1.0, "reduce": 1.0}.get(r["op"], 0.5)
+        factor = {"all_reduce": 1.0, "broadcast": 1.0, "reduce": 1.0,
+                  "sendrecv": 1.0}.get(r["op"], 0.5)
         assert r["oop_busbw_gb_s"] == pytest.approx(r["oop_algbw_gb_s"] * factor)
         assert r["oop_algbw_gb_s"] == pytest.approx(r["size"] / r["oop_time_us"] / 1e3)
     assert "tdx vs gloo" in out and "# Wrong elements : 0 OK" in out
@@ -63,13 +64,16 @@ def test_bench_detects_wrong_results(tmp_path: Path) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
                             rank=0, world_size=1)
     try:
-        rows = bench.run(Options(ops="all_reduce,reduce,all_to_all", backends="tdx,gloo",
-                                 minbytes=1024, maxbytes=2048, iters=1, warmup=0, quiet=True,
-                                 progress=False, _corrupt=True))
+        rows = bench.run(Options(ops="all_reduce,reduce,all_to_all,sendrecv",
+                                 backends="tdx,gloo", minbytes=1024, maxbytes=2048, iters=1,
+                                 warmup=0, quiet=True, progress=False, _corrupt=True))
     finally:
         dist.destroy_process_group()
-    assert len(rows) == 3 * 2 * 2
+    assert len(rows) == 4 * 2 * 2
     for r in rows:
+        if r["op"] == "sendrecv":  # one rank has no peer: the row says so
+            assert "needs at least 2 ranks" in r["oop_error"], r
+            continue
         assert r["oop_error"] is None and r["oop_wrong"] == 1, r
         if r["op"] != "all_to_all":
             assert r["ip_wrong"] == 1, r
@@ -88,6 +92,8 @@ def _simulate(op: str, world: int, count: int, dtype: torch.dtype, redop: str,
     if op == "all_to_all":
         return [torch.cat([ins[r][j * chunk:(j + 1) * chunk] for r in range(world)])
                 for j in range(world)]
+    if op == "sendrecv":  # rank r holds what rank r-1 sent
+        return [ins[(r - 1) % world] for r in range(world)]
     stack = torch.stack([t.double() for t in ins])
     total = {"sum": stack.sum(0), "max": stack.max(0).values, "prod": stack.prod(0)}[redop]
     total = total.to(dtype)

@@ -115,3 +115,42 @@ def test_lost_peer_raises_dist_backend_error() -> None:
     assert results[0].startswith("DistBackendError"), results[0]
     assert "rank 1" in results[0] and "all_reduce" in results[0], results[0]
     assert time.monotonic() - start < 45, "the survivor waited past the group timeout"
+
+
+def _late_message(rank: int, n: int) -> dict:
+    import time
+    from datetime import timedelta
+
+    g = dist.new_group(backend="tdx", timeout=timedelta(seconds=2))
+    out: dict = {}
+    if rank == 0:
+        try:
+            dist.recv(torch.empty(4), 1, group=g, tag=3)  # rank 1 has not sent yet
+            out["first"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out["first"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    if rank == 1:
+        dist.send(torch.full((4,), 7.0), 0, group=g, tag=3)  # too late for that receive
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        got = torch.zeros(4)
+        try:
+            dist.recv(got, 1, group=g, tag=3)
+            out["second"] = f"no error, received {got.tolist()}"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out["second"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_failed_point_to_point_breaks_the_group() -> None:
+    """A receive that timed out leaves its message to arrive later, where it would fill
+    the next receive of the same tag: the group refuses that receive instead."""
+    r = run_ranks(_late_message, 2, timeout=60)[0]
+    assert r["first"].startswith("DistBackendError"), r
+    assert r["second"].startswith("DistBackendError"), r
+    assert "unusable" in r["second"] and "recv" in r["second"], r
+    assert r["seconds"] < 1.0, r

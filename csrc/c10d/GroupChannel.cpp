@@ -1,6 +1,7 @@
 #include "c10d/GroupChannel.hpp"
 
 #include <algorithm>
+#include <mutex>
 #include <stdexcept>
 
 #include "transport/tag.h"
@@ -37,15 +38,38 @@ GroupChannel::~GroupChannel() {
 }
 
 bool GroupChannel::quiesce() {
-  bool all = true;
+  // Called on an op's error and again by the destructor: the waiting happens once.
+  if (quiesced_) return clean_;
+  quiesced_ = true;
   for (auto& p : posted_) {
     if (!p.request->done()) transport_.cancel(*p.request, "op abandoned after an error");
   }
-  auto until = Clock::now() + std::chrono::seconds(1);
+  const auto now = Clock::now();
   for (auto& p : posted_) {
-    if (!p.request->done()) all = transport_.wait(*p.request, until) && all;
+    if (p.request->done()) continue;
+    if (p.request->isSend) {
+      // A send only reads its buffer, and one that UCX cannot cancel (a rendezvous
+      // waiting for a peer that has given up on it) may wait for that peer's exit: it
+      // is not waited for; the buffers are kept alive instead.
+      clean_ = false;
+      continue;
+    }
+    // A receive UCX could not cancel is already matched. From a live peer it ends in a
+    // moment; from a lost one it may never end (a rendezvous from a dead process), and
+    // whatever that peer wrote before it died is already in this process's FIFOs, which
+    // the progress thread drains within microseconds.
+    const bool lost = transport_.endpointFailed(endpoints_.at(p.peer));
+    const auto until = now + (lost ? std::chrono::milliseconds(100) : std::chrono::seconds(1));
+    clean_ = transport_.wait(*p.request, until) && clean_;
   }
-  return all;
+  if (!clean_) {
+    // A transfer may still touch the scratch buffer: it is never freed.
+    static std::mutex mu;
+    static std::vector<std::vector<char>> graveyard;
+    std::lock_guard<std::mutex> lock(mu);
+    graveyard.push_back(std::move(scratch_));
+  }
+  return clean_;
 }
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {

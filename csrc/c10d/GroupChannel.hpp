@@ -39,6 +39,9 @@ class GroupChannel final : public algorithms::Channel {
   char* scratch(size_t bytes) override;
 
   // True when every request of this op has finished (so its buffers may be reused).
+  // Cancels what it can and waits (at most 1 s, 100 ms for a lost peer) for the
+  // receives that cannot be cancelled, once; when false, the scratch buffer is leaked
+  // and the caller keeps the op's tensors alive.
   bool quiesce();
 
   transport::Clock::time_point deadline() const {
@@ -80,6 +83,8 @@ class GroupChannel final : public algorithms::Channel {
   const std::atomic<bool>& aborted_;
   std::vector<Posted> posted_;
   std::vector<char> scratch_;
+  bool quiesced_ = false;
+  bool clean_ = true;
   uint32_t stepsDone_ = 0;
   std::string algorithm_;
 };

@@ -140,6 +140,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
+  fault_ = std::make_shared<Fault>();
+  fault_->abortFlag = abortFlag_;
   // torch creates the default group with no global ranks.
   const bool defaultGroup = globalRanks_.empty();
   if (globalRanks_.empty()) {
@@ -308,9 +310,10 @@ void ProcessGroupTDX::runLoop() {
     {
       std::unique_lock<std::mutex> lock(queueMu_);
       auto ready = [&] { return stopping_ || !queue_.empty(); };
-      if (peer_ && peer_->hasPending()) {
-        // Device work may be waiting on peers: wake up now and then to watch it.
-        queueCv_.wait_for(lock, std::chrono::milliseconds(200), ready);
+      if ((peer_ && peer_->hasPending()) || p2pInFlight_->load() > 0) {
+        // Device work may be waiting on peers, or point-to-point ops on a member that
+        // may be lost: wake up now and then to watch them.
+        queueCv_.wait_for(lock, std::chrono::milliseconds(100), ready);
       } else if (!ready()) {
         // Back-to-back ops (a training step's buckets, a benchmark loop) arrive within
         // microseconds: poll briefly, yielding the core, before paying for a sleep and a
@@ -322,7 +325,7 @@ void ProcessGroupTDX::runLoop() {
           std::this_thread::yield();
         }
         lock.lock();
-        queueCv_.wait(lock, ready);
+        queueCv_.wait(lock, [&] { return ready() || p2pInFlight_->load() > 0; });
       }
       if (!queue_.empty()) {
         task = std::move(queue_.front());
@@ -341,35 +344,53 @@ void ProcessGroupTDX::runLoop() {
         dumpFlightRecord(stalled);
       }
     }
+    if (p2pInFlight_->load() > 0) cancelPointToPointIfBroken();
     if (have) runTask(task);
   }
 }
 
-void ProcessGroupTDX::MismatchNotice::poison(const std::string& why) {
+void ProcessGroupTDX::cancelPointToPointIfBroken() {
+  const std::string broken = brokenReason();
+  if (broken.empty()) return;
+  std::vector<std::weak_ptr<transport::Request>> requests;
+  {
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    requests.swap(p2pRequests_);
+  }
+  for (auto& weak : requests) {
+    if (auto r = weak.lock()) {
+      if (!r->done()) transport_->cancel(*r, refusal(broken));
+    }
+  }
+}
+
+void ProcessGroupTDX::Fault::record(const std::string& why, bool abort) {
   {
     std::lock_guard<std::mutex> lock(mu);
     if (text.empty()) text = why;
   }
-  arrived.store(true);
-  abortFlag->store(true);
+  happened.store(true);
+  if (abort) {
+    cutShort.store(true);
+    abortFlag->store(true);
+  }
 }
 
-std::string ProcessGroupTDX::MismatchNotice::read() {
+std::string ProcessGroupTDX::Fault::read() {
   std::lock_guard<std::mutex> lock(mu);
   return text;
 }
 
 void ProcessGroupTDX::listenForMismatchNotices() {
-  notice_ = std::make_shared<MismatchNotice>();
-  notice_->abortFlag = abortFlag_;
-  auto notice = notice_;
+  auto fault = fault_;
+  auto buffer = std::make_shared<std::vector<char>>(1024);
   noticeRecv_ = transport_->irecv(
       -1, tag::pointToPoint(groupId_, 0, tag::kMismatchTag), tag::kAnySourceMask,
-      notice->buffer.data(), notice->buffer.size(), transport::MemType::Host,
-      [notice](transport::Request& r) {
+      buffer->data(), buffer->size(), transport::MemType::Host,
+      [fault, buffer](transport::Request& r) {
         if (!r.ok()) return;  // cancelled at shutdown
-        notice->poison(std::string(notice->buffer.data(),
-                                   std::min(r.receivedBytes, notice->buffer.size())));
+        fault->record(std::string(buffer->data(), std::min(r.receivedBytes, buffer->size())),
+                      /*abort=*/true);
       });
 }
 
@@ -383,7 +404,7 @@ std::string ProcessGroupTDX::brokenReason() {
   // A member whose connection failed (kill -9, a crash) makes every later op of the group
   // impossible, even one whose data would not pass through it (a broadcast leaf, a send
   // to a live rank): refuse it now rather than let ranks disagree on which ops ran.
-  if (notice_ && !broken_.load() && notice_->arrived.load()) markBroken(notice_->read());
+  if (!broken_.load() && fault_->happened.load()) markBroken(fault_->read());
   const uint64_t failures = transport_->failedEndpoints();
   if (!broken_.load() && failures != failuresSeen_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lock(brokenMu_);
@@ -447,8 +468,8 @@ void ProcessGroupTDX::runTask(Task& task) {
       flight_.finish(task.flightId, true, steps, path, "");
     } catch (const std::exception& e) {
       std::string why = errorText(e);
-      if (notice_ && notice_->arrived.load()) {
-        why = notice_->read() + " (this op was cut short by it)";
+      if (fault_->cutShort.load()) {
+        why = fault_->read() + " (this op was cut short by it)";
       }
       markBroken(what + ": " + why);
       error = wrapError(what, why);
@@ -685,8 +706,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
 
   auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what,
                      transport = transport_, endpoints = sharedEndpoints_, self = rank_,
-                     group = groupId_, groupPrefix = prefix(),
-                     notice = notice_](transport::Request& r) {
+                     group = groupId_, groupPrefix = prefix(), fault = fault_,
+                     inFlight = p2pInFlight_](transport::Request& r) {
     std::exception_ptr error;
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
     if (!r.ok()) {
@@ -706,7 +727,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
           what.substr(groupPrefix.size() + 1) + " expected " + mine +
           ". Sender and receiver need the same dtype and shape; the group is unusable now");
       if (text->size() > 1000) text->resize(1000);  // the notice receives hold 1024 bytes
-      if (notice) notice->poison(*text);
+      fault->record(*text, /*abort=*/true);
       for (size_t q = 0; q < endpoints->size(); ++q) {
         if (static_cast<int>(q) == self || transport->endpointFailed((*endpoints)[q])) continue;
         transport->isend((*endpoints)[q], tag::pointToPoint(group, self, tag::kMismatchTag),
@@ -734,10 +755,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
         }
       }
     }
+    if (error) {
+      // Which later message pairs with which receive is in doubt now (a cancelled
+      // receive's message may still arrive and fill the next one): the group is broken.
+      try {
+        std::rethrow_exception(error);
+      } catch (const c10::Error& e) {
+        fault->record(e.what_without_backtrace(), /*abort=*/false);
+      } catch (const std::exception& e) {
+        fault->record(e.what(), /*abort=*/false);
+      }
+    }
+    inFlight->fetch_sub(1);
     work->finishPart(error);
   };
 
   const size_t wireBytes = wire.numel() * wire.element_size();
+  {
+    // Under the queue's lock, so that a worker about to sleep sees it and watches.
+    std::lock_guard<std::mutex> lock(queueMu_);
+    p2pInFlight_->fetch_add(1);
+  }
+  queueCv_.notify_one();
   transport::RequestPtr req;
   if (isSend) {
     req = transport_->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
@@ -749,6 +788,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                             wireBytes, transport::MemType::Host, onComplete);
   }
   std::weak_ptr<transport::Request> weak = req;
+  {
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    if (p2pRequests_.size() >= 64) {
+      p2pRequests_.erase(std::remove_if(p2pRequests_.begin(), p2pRequests_.end(),
+                                        [](const std::weak_ptr<transport::Request>& w) {
+                                          auto r = w.lock();
+                                          return !r || r->done();
+                                        }),
+                         p2pRequests_.end());
+    }
+    p2pRequests_.push_back(weak);
+  }
   auto transport = transport_;
   work->setOnTimeout([transport, weak] {
     if (auto r = weak.lock()) transport->cancel(*r, "timed out: the peer never posted the matching op");

@@ -240,21 +240,35 @@ class ProcessGroupTDX : public c10d::Backend {
   // The transport's failedEndpoints() when this group's endpoints were last looked at.
   std::atomic<uint64_t> failuresSeen_{0};
 
+  // A failure seen outside the group's thread: a point-to-point op that failed (its
+  // completion may run after the group is gone, so this is shared with it), or a
+  // peer's notice of a mismatch. Either makes the group broken: a timed-out receive's
+  // message could otherwise still arrive and fill a later receive with the wrong data.
+  struct Fault {
+    std::mutex mu;
+    std::string text;  // the first failure wins
+    std::atomic<bool> happened{false};
+    std::atomic<bool> cutShort{false};  // ops in flight were aborted for it
+    std::shared_ptr<std::atomic<bool>> abortFlag;
+
+    // `abort`: also stop the ops in flight (a mismatch notice: they cannot succeed).
+    void record(const std::string& why, bool abort);
+    std::string read();
+  };
+  std::shared_ptr<Fault> fault_;
+
+  // Point-to-point requests in flight. Once the group is broken (a member lost, say) the
+  // worker cancels them: one may wait on a live peer that will never send, since that
+  // peer's own ops are refused now. The count is shared with the completions.
+  std::mutex p2pMu_;
+  std::vector<std::weak_ptr<transport::Request>> p2pRequests_;
+  std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
+  void cancelPointToPointIfBroken();
+
   // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not
   // only on the receiver that saw it: the receiver sends each member a notice naming both
   // calls, and a rank that gets one (or sent it) aborts its ops in flight and refuses
-  // later ones with that text. Shared with completions, which may outlive the group.
-  struct MismatchNotice {
-    std::mutex mu;
-    std::string text;  // the first notice wins
-    std::atomic<bool> arrived{false};
-    std::shared_ptr<std::atomic<bool>> abortFlag;
-    std::vector<char> buffer = std::vector<char>(1024);  // the posted receive's
-
-    void poison(const std::string& why);
-    std::string read();
-  };
-  std::shared_ptr<MismatchNotice> notice_;
+  // later ones with that text.
   transport::RequestPtr noticeRecv_;
   void listenForMismatchNotices();
 

@@ -115,6 +115,9 @@ OPS: dict[str, OpSpec] = {
         OpSpec("reduce", "reduce", _bus_one, "1", True, True, True, False),
         OpSpec("all_to_all", "all_to_all_single", _bus_ring, "(n-1)/n", False, False, False,
                True),
+        # nccl-tests' sendrecv: every rank sends its buffer to the next rank and receives
+        # the previous rank's, both at once (batch_isend_irecv).
+        OpSpec("sendrecv", "batch_isend_irecv", _bus_one, "1", False, False, False, False),
     )
 }
 ALL_OPS = tuple(OPS)
@@ -128,6 +131,8 @@ _OP_ALIASES = {
     "bcast": "broadcast",
     "alltoall": "all_to_all",
     "all_to_all_single": "all_to_all",
+    "send_recv": "sendrecv",
+    "p2p": "sendrecv",
 }
 
 
@@ -141,6 +146,7 @@ def canonical_op(name: str) -> str:
 
 
 # The tdx registry's collective for each op (torchdist_ext.algorithms(), set_algorithm()).
+# Point-to-point (sendrecv) has none: there is nothing to pin.
 COLLECTIVES = {
     "all_reduce": "allreduce",
     "all_gather": "allgather",
@@ -193,6 +199,8 @@ def unusable(op: str, algo: str, nbytes: int, world: int, same_host: bool) -> st
     rank on one host, or a size limit."""
     from torchdist_ext import _C
 
+    if op not in COLLECTIVES:
+        return f"{op} has no algorithms to pin"
     info = _C._algorithm_cost(COLLECTIVES[op], algo, float(nbytes), int(world))
     if info["unusable"]:
         return str(info["unusable"])
@@ -206,7 +214,7 @@ def labels_for_op(op: str, labels: tuple[str, ...], world: int,
     """The labels that run ``op`` (``tdx:all`` expanded into every algorithm of the op), and
     a note for each pinned algorithm left out: it does not exist for the op, or it cannot
     run at any size at this world size / placement."""
-    known = _tdx_algorithms().get(COLLECTIVES[op], []) if any(
+    known = _tdx_algorithms().get(COLLECTIVES.get(op, ""), []) if any(
         parse_backend(lb)[0] == TDX for lb in labels) else []
     out: dict[str, Label] = {}
     notes: list[str] = []
@@ -469,6 +477,8 @@ def expected_output(op: str, rank: int, world: int, count: int, dtype: torch.dty
     if op == "all_to_all":
         return torch.cat([make_input(r, chunk, dtype, redop, offset=rank * chunk)
                           for r in range(world)])
+    if op == "sendrecv":
+        return make_input((rank - 1) % world, count, dtype, redop)
     raise ValueError(f"unknown op {op!r}")
 
 

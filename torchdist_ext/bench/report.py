@@ -113,6 +113,7 @@ def table_header(spec: OpSpec, lead: Sequence[tuple[str, int]] = _LEAD) -> list[
         "all_gather": "in-place: the input is this rank's chunk of the output",
         "reduce_scatter": "in-place: the output is this rank's chunk of the input",
         "all_to_all": "no in-place form",
+        "sendrecv": "no in-place form; each rank sends to rank+1 and receives from rank-1",
     }[spec.name]
     return [
         "#",

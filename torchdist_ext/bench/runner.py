@@ -204,6 +204,20 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
 
         def call() -> None:
             dist.all_to_all_single(out, src, group=group)
+    elif name == "sendrecv":
+        if in_place:
+            raise ValueError("sendrecv has no in-place form")
+        if world < 2:
+            raise ValueError("sendrecv needs at least 2 ranks")
+        src, out = inp(count), empty(count)
+        keep.append((src, lambda: _input(rank, count, dtype, redop)))
+        # The bench's groups span every rank, so group ranks are global ranks.
+        ops = [dist.P2POp(dist.isend, src, (rank + 1) % world, group),
+               dist.P2POp(dist.irecv, out, (rank - 1) % world, group)]
+
+        def call() -> None:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
     else:  # pragma: no cover - Options validates names
         raise ValueError(f"unknown op {name!r}")
 
@@ -309,7 +323,7 @@ def _ran_algorithm(group: Any, collective: str) -> str | None:
     return None
 
 
-def _algo_fields(lb: Label, collective: str, nbytes: int, world: int, same_host: bool,
+def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, same_host: bool,
                  group: Any = None) -> dict[str, Any]:
     """For tdx rows: ``algo``, the algorithm that ran (the flight recorder's, when ``group``
     is given and names one; else the pinned one, or what auto picks as
@@ -318,7 +332,7 @@ def _algo_fields(lb: Label, collective: str, nbytes: int, world: int, same_host:
     All None for other backends."""
     out: dict[str, Any] = {"algo": None, "algo_from": None, "pinned": None,
                            "predicted_us": None}
-    if lb.backend != TDX:
+    if lb.backend != TDX or collective is None:  # another backend, or point-to-point
         return out
     out["pinned"] = lb.algo is not None
     source = "flight recorder"
@@ -475,7 +489,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
             for line in report.table_header(spec, lead_cols):
                 emit(line)
             factor = spec.bus_factor(world)
-            collective = COLLECTIVES[spec.name]
+            collective = COLLECTIVES.get(spec.name)
             for nbytes, count in sizes:
                 whys = {lb.label: unusable(spec.name, lb.algo, nbytes, world, same_host)
                         if lb.algo else "" for lb in labels}

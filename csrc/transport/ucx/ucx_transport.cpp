@@ -396,6 +396,7 @@ int UcxTransport::connect(const std::string& address) {
     endpoints_.emplace_back();  // a deque: references to older entries stay valid
     endpoints_.back().owner = this;
     endpoints_.back().id = id;
+    endpoints_.back().pid = peer.pid;  // before the watch below can report its exit
   }
   // Leaked on purpose: UCX may call the error handler until the worker is destroyed.
   auto* arg = new ErrArg{this, id};
@@ -424,7 +425,6 @@ int UcxTransport::connect(const std::string& address) {
     std::lock_guard<std::mutex> lock(endpointsMu_);
     endpoints_[id].ep = handle;
     endpoints_[id].watched = watched;
-    endpoints_[id].pid = peer.pid;
     endpoints_[id].sameHost = peer.sameHostAs(self_);
     endpoints_[id].peerErrors = peerMode;
     endpointByAddress_[address] = id;
