@@ -55,6 +55,8 @@ CASES = {
     "peer-errors-always": ({"TDX_UCX_PEER_ERRORS": "1"}, True, True, True),
     "peer-errors-never": ({"TDX_UCX_PEER_ERRORS": "0"}, False, True, False),
     "users-tls": ({"UCX_TLS": "tcp,self"}, True, True, False),
+    # the user's list stays as it is (not widened to "everything but tcp")
+    "users-tls-no-tcp": ({"UCX_TLS": "sm,self"}, False, True, False),
 }
 
 

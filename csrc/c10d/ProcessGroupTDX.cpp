@@ -449,7 +449,9 @@ void ProcessGroupTDX::runTask(Task& task) {
         if (!ch.quiesce()) {
           // A transfer could not be cancelled: its buffers may still be written, so they
           // are never returned to the allocator.
+          static std::mutex graveyardMu;  // every group's worker may get here
           static std::vector<std::vector<at::Tensor>> graveyard;
+          std::lock_guard<std::mutex> lock(graveyardMu);
           graveyard.push_back(task.keepAlive);
         }
         throw;
@@ -778,14 +780,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   }
   queueCv_.notify_one();
   transport::RequestPtr req;
-  if (isSend) {
-    req = transport_->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
-                            wire.data_ptr(), wireBytes, transport::MemType::Host, onComplete);
-  } else {
-    uint64_t tagValue = tag::pointToPoint(groupId_, peer < 0 ? 0 : peer, userTag);
-    req = transport_->irecv(peer < 0 ? -1 : endpoints_[peer], tagValue,
-                            peer < 0 ? tag::kAnySourceMask : tag::kFullMask, wire.data_ptr(),
-                            wireBytes, transport::MemType::Host, onComplete);
+  try {
+    if (isSend) {
+      req = transport_->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
+                              wire.data_ptr(), wireBytes, transport::MemType::Host, onComplete);
+    } else {
+      uint64_t tagValue = tag::pointToPoint(groupId_, peer < 0 ? 0 : peer, userTag);
+      req = transport_->irecv(peer < 0 ? -1 : endpoints_[peer], tagValue,
+                              peer < 0 ? tag::kAnySourceMask : tag::kFullMask, wire.data_ptr(),
+                              wireBytes, transport::MemType::Host, onComplete);
+    }
+  } catch (...) {
+    p2pInFlight_->fetch_sub(1);  // nothing was posted, so no completion will count it
+    throw;
   }
   std::weak_ptr<transport::Request> weak = req;
   {
@@ -909,7 +916,7 @@ void ProcessGroupTDX::shutdownLocked() {
   // A group that lost a member waits for nobody: a survivor may be stuck on this rank
   // (a point-to-point receive from it, say), and only this rank's exit releases it.
   const bool lost = !lostRanksNote(*transport_, endpoints_, rank_).empty();
-  sayGoodbye(/*awaitPeers=*/!aborted_ && !broken_ && !lost);
+  sayGoodbye(/*awaitPeers=*/!aborted_ && brokenReason().empty() && !lost);
   // The notice's buffer lives on with its completion, so a cancel is all it needs.
   if (noticeRecv_ && !noticeRecv_->done()) {
     transport_->cancel(*noticeRecv_, "the process group was shut down");

@@ -56,7 +56,8 @@ class ProcessWatch {
   // is already gone is watched too, and reported by the next exited().
   bool watch(int id, const ProcessId& who);
 
-  // Readable while some watched process has exited and not yet been reported; -1 if the
+  // Readable while some watched process has exited and not yet been reported (a process
+  // found gone by watch() itself is not: only the next exited() reports it); -1 if the
   // watch could not start (then watch() always returns false).
   int fd() const {
     return epollFd_;

@@ -48,6 +48,17 @@ struct Request {
   // Called once from the thread that observed completion, outside transport locks.
   std::function<void(Request&)> onComplete;
 
+  // Runs onComplete if nobody has yet: more than one thread may see a request end (a
+  // completion racing a lost peer's clean-up), and the callback must run once.
+  void runOnComplete() {
+    std::function<void(Request&)> cb;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cb.swap(onComplete);  // leaves onComplete empty, unlike a move
+    }
+    if (cb) cb(*this);
+  }
+
   bool done() const {
     return state.load(std::memory_order_acquire) != State::Pending;
   }

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <shared_mutex>
 #include <sstream>
 #include <system_error>
 #include <utility>
@@ -91,7 +92,10 @@ bool envSet(const char* name) {
 // A job whose ranks share this host and can watch each other needs none.
 void configureTcp(ucp_config_t* config, bool load) {
   if (!load) {
-    check(ucp_config_modify(config, "TLS", "^tcp"), "config (TLS=^tcp)");
+    // A UCX_TLS of the user's own already leaves TCP out, and stays as it is.
+    if (!envSet("UCX_TLS")) {
+      check(ucp_config_modify(config, "TLS", "^tcp"), "config (TLS=^tcp)");
+    }
     return;
   }
   // UCX writes 8 KiB segments and reads 64 KiB ones by default, which cuts every large
@@ -128,7 +132,8 @@ bool tlsIncludesTcp(const std::string& tls) {
 // broadcast of 256 KiB chunks, halving-doubling's small steps) pays that per step. Then
 // messages up to 1 MiB go eagerly through the shared-memory FIFOs instead, which the
 // sender fills without waiting (docs/PERFORMANCE.md, "Point-to-point and message
-// algorithms on one host").
+// algorithms on one host"). UCX has one threshold for all its transports, so a job
+// whose hosts are oversubscribed uses it between hosts too.
 // Returns the threshold set, or "" when UCX keeps its own.
 std::string configureRendezvous(ucp_config_t* config, int localRanks) {
   if (envSet("UCX_RNDV_THRESH")) return "";
@@ -230,7 +235,8 @@ bool UcxTransport::chooseTcp(bool tcpWanted) const {
   }
   // Without TCP a dead peer is noticed only through its pidfd, so every peer must be
   // watchable: same host (the caller's word) and a kernel with pidfd_open.
-  return tcpWanted || peerErrors_ == PeerErrors::Always || !ProcessWatch::supported();
+  return tcpWanted || peerErrors_ == PeerErrors::Always || !ProcessWatch::supported() ||
+         self_.startTime == 0;  // /proc hides it: peers could not check this process
 }
 
 UcxTransport::UcxTransport(const Hints& hints)
@@ -489,10 +495,7 @@ void UcxTransport::finishImmediately(const RequestPtr& r, ucs_status_t status, s
     inflight_.erase(r.get());
   }
   finishRequest(*r, status == UCS_OK, ucs_status_string(status));
-  if (r->onComplete) {
-    auto cb = std::move(r->onComplete);
-    cb(*r);
-  }
+  r->runOnComplete();
 }
 
 void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t status,
@@ -522,10 +525,7 @@ void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t stat
     }
     if (void* h = keep->handle.load()) ucp_request_free(h);
     keep->retired = true;
-    if (keep->onComplete) {
-      auto cb = std::move(keep->onComplete);
-      cb(*keep);
-    }
+    keep->runOnComplete();
   });
 }
 
@@ -581,33 +581,48 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
       }
     }
     if (!forceClose) return;
+    // Sends the force close cancels should say why, not just "canceled".
+    for (auto& r : sends) {
+      std::lock_guard<std::mutex> lock(r->mu);
+      if (r->error.empty()) r->error = lost;
+    }
     ucp_ep_h handle = nullptr;
     {
-      std::lock_guard<std::mutex> lock(endpointsMu_);
-      std::swap(handle, endpoints_[endpoint].ep);
-    }
-    if (handle != nullptr) {
-      ucp_request_param_t p;
-      std::memset(&p, 0, sizeof(p));
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-      void* req = ucp_ep_close_nbx(handle, &p);
-      if (UCS_PTR_IS_PTR(req)) {
-        std::lock_guard<std::mutex> lock(closingMu_);
-        forceClosing_.push_back(req);
+      // Exclusive: no isend is between its check of `failed` and its post (it posts on
+      // the handle, which the close frees).
+      std::unique_lock<std::shared_mutex> posting(postMu_);
+      {
+        std::lock_guard<std::mutex> lock(endpointsMu_);
+        std::swap(handle, endpoints_[endpoint].ep);
+      }
+      if (handle != nullptr) {
+        ucp_request_param_t p;
+        std::memset(&p, 0, sizeof(p));
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        void* req = ucp_ep_close_nbx(handle, &p);
+        if (UCS_PTR_IS_PTR(req)) {
+          std::lock_guard<std::mutex> lock(closingMu_);
+          forceClosing_.push_back(req);
+        }
       }
     }
     // Without peer error handling UCX keeps no list of an endpoint's sends that wait for
     // the peer (a rendezvous waiting for its acknowledgement), so the force close may
     // leave them pending forever. They fail here; the UCX request stays tracked until
-    // UCX lets go of it, since it still points at the Request.
+    // UCX lets go of it, since it still points at the Request. Looked up again after the
+    // close: a send posted since the first look is among them now.
+    {
+      std::lock_guard<std::mutex> lock(inflightMu_);
+      sends.clear();
+      for (auto& kv : inflight_) {
+        if (kv.second->endpoint == endpoint && kv.second->isSend) sends.push_back(kv.second);
+      }
+    }
     for (auto& r : sends) {
       if (r->done()) continue;
       finishRequest(*r, false, lost);
-      if (r->onComplete) {
-        auto cb = std::move(r->onComplete);
-        cb(*r);
-      }
+      r->runOnComplete();
     }
   });
   wake();
@@ -617,6 +632,9 @@ RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, siz
                                MemType mem, std::function<void(Request&)> onComplete) {
   RequestPtr r = track(endpoint, true, std::move(onComplete));
   r->postedBytes = bytes;
+  // Shared: a force close of this endpoint waits until the post is done (UCX callbacks
+  // never take this lock, so holding it across the post cannot invert the lock order).
+  std::shared_lock<std::shared_mutex> posting(postMu_);
   ucp_ep_h ep;
   std::string failure;
   {
@@ -719,12 +737,17 @@ void UcxTransport::cancel(Request& r, const std::string& reason) {
   }
   Request* raw = &r;
   defer([this, raw] {
-    // Queued actions run in order, so a request freed by an earlier action is marked
-    // retired before this one looks at it.
-    std::lock_guard<std::mutex> lock(inflightMu_);
-    auto it = inflight_.find(raw);
-    if (it == inflight_.end() || raw->done()) return;
-    if (void* h = raw->handle.load()) ucp_request_cancel(worker_, h);
+    // Queued actions run in order, so a request freed by an earlier action is no longer
+    // tracked when this one looks. UCX is called without inflightMu_ held: its
+    // callbacks take that lock under UCX's worker lock.
+    RequestPtr keep;
+    {
+      std::lock_guard<std::mutex> lock(inflightMu_);
+      auto it = inflight_.find(raw);
+      if (it == inflight_.end() || raw->done()) return;
+      keep = it->second;
+    }
+    if (void* h = keep->handle.load()) ucp_request_cancel(worker_, h);
   });
   wake();
 }
@@ -803,10 +826,12 @@ void UcxTransport::progressLoop() {
     sleeping_.store(true, std::memory_order_release);
     ucs_status_t st = ucp_worker_arm(worker_);
     if (st == UCS_OK && !stop_.load()) {
-      bool pending;
+      bool pending = false;
       {
+        // Requests failed for a lost watched peer may stay tracked for good: they do not
+        // count.
         std::lock_guard<std::mutex> lock(inflightMu_);
-        pending = !inflight_.empty();
+        for (auto& kv : inflight_) pending = pending || !kv.second->done();
       }
       epoll_event ev;
       // With requests in flight a short timeout bounds the cost of any transport that

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -128,6 +129,9 @@ class UcxTransport final : public Transport {
   std::string ucxAddress_;
   ProcessId self_;
   ProcessWatch watch_;
+  // Shared by isend across its check of an endpoint and its post; exclusive while a lost
+  // watched peer's endpoint is closed by force.
+  std::shared_mutex postMu_;
   std::mutex closingMu_;
   std::vector<void*> forceClosing_;  // ucp_ep_close_nbx requests of lost watched peers
   int eventFd_ = -1;
