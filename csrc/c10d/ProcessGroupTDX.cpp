@@ -773,12 +773,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   };
 
   const size_t wireBytes = wire.numel() * wire.element_size();
-  {
-    // Under the queue's lock, so that a worker about to sleep sees it and watches.
-    std::lock_guard<std::mutex> lock(queueMu_);
-    p2pInFlight_->fetch_add(1);
+  if (p2pInFlight_->fetch_add(1) == 0) {
+    // The worker starts watching: taking the queue's lock once orders this after a worker
+    // that was about to sleep on the old count, so the notify reaches it. Later ops skip it.
+    { std::lock_guard<std::mutex> lock(queueMu_); }
+    queueCv_.notify_one();
   }
-  queueCv_.notify_one();
   transport::RequestPtr req;
   try {
     if (isSend) {

@@ -281,9 +281,10 @@ UcxTransport::UcxTransport(const Hints& hints)
     TDX_LOG(Warn, kPrefix) << "UCX worker is not multi-threaded (thread mode "
                            << attr.thread_mode << "); this UCX build lacks --enable-mt";
   }
-  ucxAddress_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+  address_ = frameAddress(self_.serialize(),
+                         std::string(reinterpret_cast<const char*>(attr.address),
+                                     attr.address_length));
   ucp_worker_release_address(worker_, attr.address);
-  address_ = frameAddress(self_.serialize(), ucxAddress_);
 
   check(ucp_worker_get_efd(worker_, &eventFd_), "worker event fd");
   epollFd_ = epoll_create1(EPOLL_CLOEXEC);

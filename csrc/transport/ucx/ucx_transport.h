@@ -125,8 +125,7 @@ class UcxTransport final : public Transport {
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
-  std::string address_;   // this process's ProcessId and UCX worker address, framed
-  std::string ucxAddress_;
+  std::string address_;  // this process's ProcessId and UCX worker address, framed
   ProcessId self_;
   ProcessWatch watch_;
   // Shared by isend across its check of an endpoint and its post; exclusive while a lost
