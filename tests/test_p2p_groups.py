@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -55,6 +57,27 @@ def _p2p(rank: int, n: int) -> list[str]:
         w.wait()
     if not torch.equal(r_, torch.full((5,), float(left))):
         fails.append(f"r{rank} batch_isend_irecv")
+    # A batch with a large (rendezvous) message, completed by the transport alone: nobody
+    # waits on it, its future is taken before it ends, and a callback chains on it.
+    small_in, big_in = torch.empty(7), torch.empty(300_000)
+    big_out = torch.arange(300_000, dtype=torch.float32) + rank
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, torch.full((7,), float(rank)), right),
+        dist.P2POp(dist.irecv, small_in, left),
+        dist.P2POp(dist.isend, big_out, right),
+        dist.P2POp(dist.irecv, big_in, left),
+    ])
+    chained = works[0].get_future().then(lambda f: "done")
+    deadline = time.monotonic() + 30
+    while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not all(w.is_completed() for w in works):
+        fails.append(f"r{rank} batch never completed without a waiter")
+    elif chained.wait() != "done":
+        fails.append(f"r{rank} batch future callback")
+    elif not (torch.equal(small_in, torch.full((7,), float(left)))
+              and torch.equal(big_in, torch.arange(300_000, dtype=torch.float32) + left)):
+        fails.append(f"r{rank} batch with a large message: wrong data")
     # recv from any source identifies the sender
     if rank == 0:
         seen = set()

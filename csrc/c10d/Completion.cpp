@@ -57,16 +57,4 @@ void postCompletion(std::function<void()> fn) {
   pool->post(std::move(fn));
 }
 
-namespace {
-thread_local bool tGroupWorker = false;
-} // namespace
-
-void markGroupWorkerThread() {
-  tGroupWorker = true;
-}
-
-bool onGroupWorkerThread() {
-  return tGroupWorker;
-}
-
 } // namespace tdx

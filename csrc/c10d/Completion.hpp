@@ -13,11 +13,4 @@ namespace tdx {
 // Runs `fn` on a completion thread, soon. Never blocks the caller.
 void postCompletion(std::function<void()> fn);
 
-// Marks the calling thread as a group's worker (set once by the worker itself). Only
-// there may a completion without listeners run inline: the transport's progress thread
-// must never run one, as dropping the last reference to a Work there can tear down
-// what that very thread belongs to.
-void markGroupWorkerThread();
-bool onGroupWorkerThread();
-
 } // namespace tdx

@@ -19,7 +19,6 @@
 
 #include "algorithms/collectives.h"
 
-#include "c10d/Completion.hpp"
 #include "c10d/Validation.hpp"
 #include "common/env.h"
 #include "common/logging.h"
@@ -303,7 +302,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
 }
 
 void ProcessGroupTDX::runLoop() {
-  markGroupWorkerThread();
   for (;;) {
     Task task;
     bool have = false;
@@ -325,7 +323,9 @@ void ProcessGroupTDX::runLoop() {
           std::this_thread::yield();
         }
         lock.lock();
+        workerAsleep_.store(true);
         queueCv_.wait(lock, [&] { return ready() || p2pInFlight_->load() > 0; });
+        workerAsleep_.store(false);
       }
       if (!queue_.empty()) {
         task = std::move(queue_.front());
@@ -606,13 +606,17 @@ void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine
   // size mismatch of this exchange.
   constexpr size_t kSlot = 384;
   const int n = ch.size();
-  std::vector<char> all(kSlot * n, '\0');
-  std::memcpy(all.data() + kSlot * ch.rank(), mine.data(), std::min(mine.size(), kSlot - 1));
+  // In the channel's scratch, not on the stack: a receive UCX cannot cancel after an
+  // error may still land in it, and quiesce() keeps the scratch alive when one might.
+  char* all = ch.scratch(kSlot * n);
+  std::memset(all, 0, kSlot * n);
+  std::memcpy(all + kSlot * ch.rank(), mine.data(), std::min(mine.size(), kSlot - 1));
   std::vector<algorithms::Block> blocks(n);
-  for (int r = 0; r < n; ++r) blocks[r] = algorithms::Block{all.data() + kSlot * r, kSlot};
+  for (int r = 0; r < n; ++r) blocks[r] = algorithms::Block{all + kSlot * r, kSlot};
   algorithms::ringAllgather(ch, blocks);
   for (int r = 0; r < n; ++r) {
-    const std::string theirs(all.data() + kSlot * r);
+    const char* slot = all + kSlot * r;
+    const std::string theirs(slot, strnlen(slot, kSlot));  // a peer's slot may lack its NUL
     if (theirs != mine.substr(0, kSlot - 1)) {
       throw std::runtime_error("collective mismatch: rank " + std::to_string(ch.rank()) +
                                " called " + mine + " but rank " + std::to_string(r) +
@@ -773,9 +777,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   };
 
   const size_t wireBytes = wire.numel() * wire.element_size();
-  if (p2pInFlight_->fetch_add(1) == 0) {
-    // The worker starts watching: taking the queue's lock once orders this after a worker
-    // that was about to sleep on the old count, so the notify reaches it. Later ops skip it.
+  p2pInFlight_->fetch_add(1);
+  if (workerAsleep_.load()) {
+    // The worker sleeps without a deadline and must start watching. Taking the queue's
+    // lock orders this after its check of the count, so the notify reaches it. A worker
+    // already waking every 100 ms (ops in flight a moment ago) is left alone: a
+    // ping-pong would otherwise wake it once per message.
     { std::lock_guard<std::mutex> lock(queueMu_); }
     queueCv_.notify_one();
   }
@@ -810,6 +817,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   auto transport = transport_;
   work->setOnTimeout([transport, weak] {
     if (auto r = weak.lock()) transport->cancel(*r, "timed out: the peer never posted the matching op");
+  });
+  // The waiting thread drives the transport while it polls: a small message's
+  // completion then runs on that thread, with no wake-up of this process's progress
+  // thread and then of the waiter (two thread hops, tens of µs each on a busy host).
+  // Held weakly: a work kept past its group must not keep the transport alive.
+  std::weak_ptr<transport::Transport> weakTransport = transport_;
+  work->setProgress([weakTransport] {
+    if (auto t = weakTransport.lock()) t->progress();
   });
   registerWork(work);
   return work;

@@ -276,6 +276,11 @@ class ProcessGroupTDX : public c10d::Backend {
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
   std::atomic<int> queued_{0};  // queue_.size(), readable without the lock
+  // The worker sleeps with no deadline (no point-to-point op to watch). Set under
+  // queueMu_ before it checks the in-flight count; a point-to-point op reads it after
+  // raising the count, so one of the two sees the other (both seq_cst) and only an op
+  // that finds the worker in that sleep pays for the lock and the wake-up.
+  std::atomic<bool> workerAsleep_{false};
   bool stopping_ = false;
   std::thread worker_;
   std::mutex shutdownMu_;

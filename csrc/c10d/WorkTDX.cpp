@@ -78,9 +78,16 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
     // Small ops finish within microseconds: poll briefly (yielding the core) before
     // sleeping, as a wake-up costs tens of microseconds on a busy host.
     static const auto spin = std::chrono::microseconds(env::getInt("TDX_SPIN_US"));
+    std::function<void()> progress;
+    {
+      std::lock_guard<std::mutex> g(timeoutMu_);
+      progress = progress_;
+    }
     const auto until = std::chrono::steady_clock::now() + spin;
     while (!completed_ && std::chrono::steady_clock::now() < until) {
       lock.unlock();
+      // The op's completion may run inside progress(), on this thread: it takes mutex_.
+      if (progress) progress();
       std::this_thread::yield();
       lock.lock();
     }
@@ -158,18 +165,31 @@ void WorkTDX::setOnTimeout(std::function<void()> fn) {
   onTimeout_ = std::move(fn);
 }
 
+void WorkTDX::setProgress(std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(timeoutMu_);
+  progress_ = std::move(fn);
+}
+
 void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
   addPart();
   {
-    std::lock_guard<std::mutex> lock(child->futureMu_);
-    child->futureShared_ = true;
+    std::unique_lock<std::mutex> lock(child->parentMu_);
+    if (child->ended_) {
+      const std::exception_ptr e = child->endError_;
+      lock.unlock();
+      finishPart(e);
+    } else {
+      child->parent_ = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
+    }
   }
-  auto self = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
-  child->future_->addCallback([self](c10::ivalue::Future& f) {
-    self->finishPart(f.hasError() ? f.exception_ptr() : nullptr);
-  });
+  std::function<void()> childProgress;
+  {
+    std::lock_guard<std::mutex> g(child->timeoutMu_);
+    childProgress = child->progress_;
+  }
   {
     std::lock_guard<std::mutex> lock(timeoutMu_);
+    if (!progress_) progress_ = childProgress;
     auto previous = onTimeout_;
     onTimeout_ = [previous, child] {
       if (previous) previous();
@@ -184,11 +204,14 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
 }
 
 void WorkTDX::complete(std::exception_ptr error) {
-  // Off the calling thread (a group's worker or the transport's progress thread): the
-  // future runs user callbacks inline, and they may wait for further collectives.
+  // A future with listeners completes off the calling thread (a group's worker, the
+  // transport's progress thread or a thread waiting in wait()): it runs user callbacks
+  // inline, and they may wait for further collectives. Without listeners (futureMu_
+  // keeps getFuture() out meanwhile) completing only wakes the waiters: done here, it
+  // saves a thread hop per op.
   {
     std::lock_guard<std::mutex> lock(futureMu_);
-    if (!futureShared_ && onGroupWorkerThread()) {
+    if (!futureShared_) {
       completeNow(error);
       return;
     }
@@ -207,6 +230,14 @@ void WorkTDX::completeNow(std::exception_ptr error) {
     future_->markCompleted(c10::IValue(outputs_));
   }
   finish(error);
+  c10::intrusive_ptr<WorkTDX> parent;
+  {
+    std::lock_guard<std::mutex> lock(parentMu_);
+    ended_ = true;
+    endError_ = error;
+    parent = std::move(parent_);
+  }
+  if (parent) parent->finishPart(error);
 }
 
 } // namespace tdx

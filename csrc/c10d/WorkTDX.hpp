@@ -44,6 +44,10 @@ class WorkTDX : public c10d::Work {
 
   // Called when wait() gives up; should make the outstanding parts finish (cancel).
   void setOnTimeout(std::function<void()> fn);
+  // While wait() polls before sleeping, it calls `fn` to drive the op's transfers on the
+  // waiting thread (a point-to-point op's transport) instead of only yielding: a small
+  // op then completes right there, without waking the progress thread and then this one.
+  void setProgress(std::function<void()> fn);
 
   void setSourceRank(int rank) {
     sourceRank_.store(rank);
@@ -81,6 +85,13 @@ class WorkTDX : public c10d::Work {
   std::mutex futureMu_;
   bool futureShared_ = false;
   std::function<void()> onTimeout_;
+  std::function<void()> progress_;  // guarded by timeoutMu_
+  // The coalesced work this one belongs to (attachChild), told directly when this one
+  // completes: no listener on this work's future, so no completion thread in between.
+  std::mutex parentMu_;
+  c10::intrusive_ptr<WorkTDX> parent_;
+  bool ended_ = false;
+  std::exception_ptr endError_;
   std::shared_ptr<c10::Event> deviceDone_;
   std::optional<c10::Stream> deviceStream_;
 };

@@ -98,6 +98,10 @@ class Transport {
   // request is still pending and must be cancelled).
   virtual bool wait(Request& request, Clock::time_point deadline) = 0;
 
+  // One round of the work the progress thread does, on the calling thread, for a waiter
+  // that polls before it sleeps. Completion callbacks may run inside it.
+  virtual void progress() = 0;
+
   // Asks the transport to end a pending request with `reason`; completion (as Failed)
   // is still reported through the request.
   virtual void cancel(Request& request, const std::string& reason) = 0;

@@ -590,22 +590,22 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     ucp_ep_h handle = nullptr;
     {
       // Exclusive: no isend is between its check of `failed` and its post (it posts on
-      // the handle, which the close frees).
+      // the handle, which the close frees); later ones find no handle. The close itself
+      // comes after: it takes UCX's worker lock, which a thread sending from inside a
+      // completion callback holds while it waits for this lock.
       std::unique_lock<std::shared_mutex> posting(postMu_);
-      {
-        std::lock_guard<std::mutex> lock(endpointsMu_);
-        std::swap(handle, endpoints_[endpoint].ep);
-      }
-      if (handle != nullptr) {
-        ucp_request_param_t p;
-        std::memset(&p, 0, sizeof(p));
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        void* req = ucp_ep_close_nbx(handle, &p);
-        if (UCS_PTR_IS_PTR(req)) {
-          std::lock_guard<std::mutex> lock(closingMu_);
-          forceClosing_.push_back(req);
-        }
+      std::lock_guard<std::mutex> lock(endpointsMu_);
+      std::swap(handle, endpoints_[endpoint].ep);
+    }
+    if (handle != nullptr) {
+      ucp_request_param_t p;
+      std::memset(&p, 0, sizeof(p));
+      p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+      void* req = ucp_ep_close_nbx(handle, &p);
+      if (UCS_PTR_IS_PTR(req)) {
+        std::lock_guard<std::mutex> lock(closingMu_);
+        forceClosing_.push_back(req);
       }
     }
     // Without peer error handling UCX keeps no list of an endpoint's sends that wait for
@@ -633,8 +633,9 @@ RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, siz
                                MemType mem, std::function<void(Request&)> onComplete) {
   RequestPtr r = track(endpoint, true, std::move(onComplete));
   r->postedBytes = bytes;
-  // Shared: a force close of this endpoint waits until the post is done (UCX callbacks
-  // never take this lock, so holding it across the post cannot invert the lock order).
+  // Shared: a force close of this endpoint waits until the post is done. The exclusive
+  // holder calls no UCX function, so a send from inside a completion callback (UCX's
+  // worker lock held) cannot deadlock with it.
   std::shared_lock<std::shared_mutex> posting(postMu_);
   ucp_ep_h ep;
   std::string failure;

@@ -77,6 +77,9 @@ class UcxTransport final : public Transport {
   RequestPtr irecv(int endpoint, uint64_t tag, uint64_t tagMask, void* data, size_t bytes,
                    MemType mem, std::function<void(Request&)> onComplete) override;
   bool wait(Request& request, Clock::time_point deadline) override;
+  void progress() override {
+    progressOnce();
+  }
   void cancel(Request& request, const std::string& reason) override;
   bool endpointFailed(int endpoint) const override;
   uint64_t failedEndpoints() const override {
@@ -129,7 +132,7 @@ class UcxTransport final : public Transport {
   ProcessId self_;
   ProcessWatch watch_;
   // Shared by isend across its check of an endpoint and its post; exclusive while a lost
-  // watched peer's endpoint is closed by force.
+  // watched peer's endpoint handle is taken out to be closed by force.
   std::shared_mutex postMu_;
   std::mutex closingMu_;
   std::vector<void*> forceClosing_;  // ucp_ep_close_nbx requests of lost watched peers
