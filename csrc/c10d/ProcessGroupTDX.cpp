@@ -3,6 +3,7 @@
 #include "c10d/ProcessGroupTDX.hpp"
 
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -754,6 +755,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       }
       if (!isSend && staged) {
         try {
+          // On the device's default stream, whatever thread runs this: a thread waiting
+          // on another op (driving the transport meanwhile) may have a stream of its own
+          // current, with unrelated work queued on it.
+          c10::OptionalStreamGuard guard;
+          if (!t.is_cpu()) {
+            guard.reset_stream(
+                c10::impl::VirtualGuardImpl(t.device().type()).getDefaultStream(t.device()));
+          }
           t.copy_(host);
           if (!t.is_cpu()) syncCurrentStream(t.device());
         } catch (const std::exception& e) {
@@ -814,15 +823,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     }
     p2pRequests_.push_back(weak);
   }
-  auto transport = transport_;
-  work->setOnTimeout([transport, weak] {
-    if (auto r = weak.lock()) transport->cancel(*r, "timed out: the peer never posted the matching op");
+  // The transport is held weakly by the work: one kept past its group must not keep the
+  // transport alive.
+  std::weak_ptr<transport::Transport> weakTransport = transport_;
+  work->setOnTimeout([weakTransport, weak] {
+    auto t = weakTransport.lock();
+    auto r = weak.lock();
+    if (t && r) t->cancel(*r, "timed out: the peer never posted the matching op");
   });
   // The waiting thread drives the transport while it polls: a small message's
   // completion then runs on that thread, with no wake-up of this process's progress
   // thread and then of the waiter (two thread hops, tens of µs each on a busy host).
-  // Held weakly: a work kept past its group must not keep the transport alive.
-  std::weak_ptr<transport::Transport> weakTransport = transport_;
   work->setProgress([weakTransport] {
     if (auto t = weakTransport.lock()) t->progress();
   });

@@ -87,7 +87,13 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
     while (!completed_ && std::chrono::steady_clock::now() < until) {
       lock.unlock();
       // The op's completion may run inside progress(), on this thread: it takes mutex_.
-      if (progress) progress();
+      if (progress) {
+        try {
+          progress();
+        } catch (...) {
+          progress = nullptr;  // the transport's own thread still makes progress
+        }
+      }
       std::this_thread::yield();
       lock.lock();
     }
@@ -210,17 +216,24 @@ void WorkTDX::complete(std::exception_ptr error) {
   // keeps getFuture() out meanwhile) completing only wakes the waiters: done here, it
   // saves a thread hop per op.
   {
-    std::lock_guard<std::mutex> lock(futureMu_);
+    std::unique_lock<std::mutex> lock(futureMu_);
     if (!futureShared_) {
-      completeNow(error);
+      auto parent = completeNow(error);
+      lock.unlock();
+      // Outside futureMu_: the parent may complete here too, and this may be the last
+      // reference to it.
+      if (parent) parent->finishPart(error);
       return;
     }
   }
   auto self = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
-  postCompletion([self, error] { self->completeNow(error); });
+  postCompletion([self, error] {
+    auto parent = self->completeNow(error);
+    if (parent) parent->finishPart(error);
+  });
 }
 
-void WorkTDX::completeNow(std::exception_ptr error) {
+c10::intrusive_ptr<WorkTDX> WorkTDX::completeNow(std::exception_ptr error) {
   if (error) {
     if (!future_->completed()) future_->setErrorIfNeeded(error);
   } else if (!future_->completed()) {
@@ -237,7 +250,7 @@ void WorkTDX::completeNow(std::exception_ptr error) {
     endError_ = error;
     parent = std::move(parent_);
   }
-  if (parent) parent->finishPart(error);
+  return parent;
 }
 
 } // namespace tdx

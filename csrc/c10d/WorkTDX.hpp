@@ -66,7 +66,9 @@ class WorkTDX : public c10d::Work {
 
  private:
   void complete(std::exception_ptr error);     // hands completeNow() to a completion thread
-  void completeNow(std::exception_ptr error);
+  // Returns the coalesced parent, which the caller tells (finishPart) once it holds no
+  // lock of this work.
+  c10::intrusive_ptr<WorkTDX> completeNow(std::exception_ptr error);
 
   std::string description_;
   uint64_t seq_;

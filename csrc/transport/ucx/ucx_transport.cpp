@@ -277,7 +277,8 @@ UcxTransport::UcxTransport(const Hints& hints)
   std::memset(&attr, 0, sizeof(attr));
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS | UCP_WORKER_ATTR_FIELD_THREAD_MODE;
   check(ucp_worker_query(worker_, &attr), "worker query");
-  if (attr.thread_mode != UCS_THREAD_MODE_MULTI) {
+  multiThreaded_ = attr.thread_mode == UCS_THREAD_MODE_MULTI;
+  if (!multiThreaded_) {
     TDX_LOG(Warn, kPrefix) << "UCX worker is not multi-threaded (thread mode "
                            << attr.thread_mode << "); this UCX build lacks --enable-mt";
   }
@@ -591,8 +592,7 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     {
       // Exclusive: no isend is between its check of `failed` and its post (it posts on
       // the handle, which the close frees); later ones find no handle. The close itself
-      // comes after: it takes UCX's worker lock, which a thread sending from inside a
-      // completion callback holds while it waits for this lock.
+      // comes after, so this lock is never held across a call into UCX.
       std::unique_lock<std::shared_mutex> posting(postMu_);
       std::lock_guard<std::mutex> lock(endpointsMu_);
       std::swap(handle, endpoints_[endpoint].ep);
@@ -760,16 +760,36 @@ void UcxTransport::defer(std::function<void()> action) {
 }
 
 void UcxTransport::drain() {
-  std::unique_lock<std::mutex> drainLock(drainMu_, std::try_to_lock);
-  if (!drainLock.owns_lock()) return;  // another thread is draining (or we are nested)
   for (;;) {
-    std::vector<std::function<void()>> batch;
     {
-      std::lock_guard<std::mutex> lock(queueMu_);
-      if (queue_.empty()) return;
-      batch.swap(queue_);
+      std::unique_lock<std::mutex> drainLock(drainMu_, std::try_to_lock);
+      if (!drainLock.owns_lock()) return;  // another thread is draining (or we are nested)
+      for (;;) {
+        std::vector<std::function<void()>> batch;
+        {
+          std::lock_guard<std::mutex> lock(queueMu_);
+          if (queue_.empty()) break;
+          batch.swap(queue_);
+        }
+        for (auto& action : batch) {
+          // Actions complete other threads' requests: one that throws (no thread left
+          // for a completion, say) must not drop the rest of the batch, nor reach a
+          // user's wait() that merely lent its thread.
+          try {
+            action();
+          } catch (const std::exception& e) {
+            TDX_LOG(Error, kPrefix) << "a deferred transport action failed: " << e.what();
+          } catch (...) {
+            TDX_LOG(Error, kPrefix) << "a deferred transport action failed";
+          }
+        }
+      }
     }
-    for (auto& action : batch) action();
+    // An action queued by a thread that found the lock taken just before it was let go
+    // would wait for the next progress round (the progress thread may be asleep): look
+    // again now that the lock is free.
+    std::lock_guard<std::mutex> lock(queueMu_);
+    if (queue_.empty()) return;
   }
 }
 

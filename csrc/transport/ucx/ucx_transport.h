@@ -78,7 +78,9 @@ class UcxTransport final : public Transport {
                    MemType mem, std::function<void(Request&)> onComplete) override;
   bool wait(Request& request, Clock::time_point deadline) override;
   void progress() override {
-    progressOnce();
+    // Without a multi-threaded worker only the progress thread may call into UCX's
+    // progress (the construction warns about such a build).
+    if (multiThreaded_) progressOnce();
   }
   void cancel(Request& request, const std::string& reason) override;
   bool endpointFailed(int endpoint) const override;
@@ -144,6 +146,7 @@ class UcxTransport final : public Transport {
   std::atomic<uint64_t> failedEndpoints_{0};
   PeerErrors peerErrors_;
   bool tcpLoaded_ = true;
+  bool multiThreaded_ = true;  // the worker got UCS_THREAD_MODE_MULTI
   std::string rendezvousThreshold_;
   std::mutex connectMu_;  // serialises connect(); never taken by UCX callbacks
   std::deque<Endpoint> endpoints_;  // deque: stable addresses, ids are indices
