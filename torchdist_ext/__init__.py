@@ -78,10 +78,10 @@ def transport_info() -> dict[str, Any]:
     ``running``: whether a tdx group holds the transport now. While one does: ``tcp``,
     whether UCX's TCP transport is loaded (then the process listens on a TCP port of each
     interface UCX uses), ``rndv_thresh`` (the UCX rendezvous threshold the transport set
-    because this host's ranks outnumber its cores, or ``""``), and ``endpoints``, one dict per peer process connected so far:
-    ``pid``, ``same_host``, ``watched`` (its exit is seen at once through a pidfd),
-    ``peer_errors`` (UCX's own peer error handling, which rules out shared memory to it)
-    and ``lost``.
+    because this host's ranks outnumber its cores, or ``""``), and ``endpoints``, one dict
+    per peer process connected so far: ``pid``, ``same_host``, ``watched`` (its exit is
+    seen at once through a pidfd), ``peer_errors`` (UCX's own peer error handling, which
+    rules out shared memory to it) and ``lost``.
     """
     return dict(_C.transport_info())
 

@@ -449,11 +449,8 @@ void ProcessGroupTDX::runTask(Task& task) {
         steps = ch.stepsDone();
         if (!ch.quiesce()) {
           // A transfer could not be cancelled: its buffers may still be written, so they
-          // are never returned to the allocator.
-          static std::mutex graveyardMu;  // every group's worker may get here
-          static std::vector<std::vector<at::Tensor>> graveyard;
-          std::lock_guard<std::mutex> lock(graveyardMu);
-          graveyard.push_back(task.keepAlive);
+          // are never returned to the allocator (leaked on purpose).
+          new std::vector<at::Tensor>(task.keepAlive);
         }
         throw;
       }
@@ -715,17 +712,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                      transport = transport_, endpoints = sharedEndpoints_, self = rank_,
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
                      inFlight = p2pInFlight_](transport::Request& r) {
-    std::exception_ptr error;
+    std::string failure;  // why the op failed ("" when it did not)
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
     if (!r.ok()) {
-      error = wrapError(what, r.error + lostRanksNote(*transport, *endpoints, self));
+      failure = r.error + lostRanksNote(*transport, *endpoints, self);
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
                p2pHeaderText(wire) != mine) {
       const std::string theirs = p2pHeaderText(wire);
-      error = wrapError(what, "point-to-point mismatch: rank " + std::to_string(source) +
-                                  " sent " + theirs + " but this rank (" +
-                                  std::to_string(self) + ") receives " + mine +
-                                  ". Sender and receiver need the same dtype and shape");
+      failure = "point-to-point mismatch: rank " + std::to_string(source) + " sent " + theirs +
+                " but this rank (" + std::to_string(self) + ") receives " + mine +
+                ". Sender and receiver need the same dtype and shape";
       // The sender's send completed long ago, and other ranks may be about to wait on
       // either side: every member hears of it and gives the group up.
       auto text = std::make_shared<std::string>(
@@ -742,11 +738,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                          [text](transport::Request&) {});
       }
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
-      error = wrapError(what, "received " + std::to_string(r.receivedBytes) + " bytes where " +
-                                  std::to_string(r.postedBytes) +
-                                  " were expected: sender and receiver tensors differ in size" +
-                                  (framed ? " (or TDX_DEBUG=DETAIL is not set on every rank)"
-                                          : ""));
+      failure = "received " + std::to_string(r.receivedBytes) + " bytes where " +
+                std::to_string(r.postedBytes) +
+                " were expected: sender and receiver tensors differ in size" +
+                (framed ? " (or TDX_DEBUG=DETAIL is not set on every rank)" : "");
     } else {
       if (!isSend && peer < 0) work->setSourceRank(source);
       if (!isSend && framed && host.numel() > 0) {
@@ -766,20 +761,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
           t.copy_(host);
           if (!t.is_cpu()) syncCurrentStream(t.device());
         } catch (const std::exception& e) {
-          error = wrapError(what, errorText(e));
+          failure = errorText(e);
         }
       }
     }
-    if (error) {
+    std::exception_ptr error;
+    if (!failure.empty()) {
       // Which later message pairs with which receive is in doubt now (a cancelled
       // receive's message may still arrive and fill the next one): the group is broken.
-      try {
-        std::rethrow_exception(error);
-      } catch (const c10::Error& e) {
-        fault->record(e.what_without_backtrace(), /*abort=*/false);
-      } catch (const std::exception& e) {
-        fault->record(e.what(), /*abort=*/false);
-      }
+      fault->record(what + " failed: " + failure, /*abort=*/false);
+      error = wrapError(what, failure);
     }
     inFlight->fetch_sub(1);
     work->finishPart(error);
@@ -813,13 +804,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   std::weak_ptr<transport::Request> weak = req;
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
-    if (p2pRequests_.size() >= 64) {
+    if (p2pRequests_.size() >= p2pPruneAt_) {
       p2pRequests_.erase(std::remove_if(p2pRequests_.begin(), p2pRequests_.end(),
                                         [](const std::weak_ptr<transport::Request>& w) {
                                           auto r = w.lock();
                                           return !r || r->done();
                                         }),
                          p2pRequests_.end());
+      // Twice what is still live: with many ops in flight the sweep stays amortised O(1).
+      p2pPruneAt_ = std::max<size_t>(64, 2 * p2pRequests_.size());
     }
     p2pRequests_.push_back(weak);
   }

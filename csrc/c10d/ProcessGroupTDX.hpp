@@ -262,6 +262,7 @@ class ProcessGroupTDX : public c10d::Backend {
   // peer's own ops are refused now. The count is shared with the completions.
   std::mutex p2pMu_;
   std::vector<std::weak_ptr<transport::Request>> p2pRequests_;
+  size_t p2pPruneAt_ = 64;  // sweep finished requests out of p2pRequests_ at this size
   std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
   void cancelPointToPointIfBroken();
 

@@ -179,9 +179,10 @@ void WorkTDX::setProgress(std::function<void()> fn) {
 void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
   addPart();
   {
-    std::unique_lock<std::mutex> lock(child->parentMu_);
-    if (child->ended_) {
-      const std::exception_ptr e = child->endError_;
+    // A child that completed already (an eager send ends inside its post) counts now.
+    std::unique_lock<std::mutex> lock(child->mutex_);
+    if (child->completed_) {
+      const std::exception_ptr e = child->exception_;
       lock.unlock();
       finishPart(e);
     } else {
@@ -243,14 +244,9 @@ c10::intrusive_ptr<WorkTDX> WorkTDX::completeNow(std::exception_ptr error) {
     future_->markCompleted(c10::IValue(outputs_));
   }
   finish(error);
-  c10::intrusive_ptr<WorkTDX> parent;
-  {
-    std::lock_guard<std::mutex> lock(parentMu_);
-    ended_ = true;
-    endError_ = error;
-    parent = std::move(parent_);
-  }
-  return parent;
+  // A parent attached after finish() saw completed_ and counted this one itself.
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::move(parent_);
 }
 
 } // namespace tdx

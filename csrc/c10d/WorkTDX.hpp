@@ -90,10 +90,8 @@ class WorkTDX : public c10d::Work {
   std::function<void()> progress_;  // guarded by timeoutMu_
   // The coalesced work this one belongs to (attachChild), told directly when this one
   // completes: no listener on this work's future, so no completion thread in between.
-  std::mutex parentMu_;
+  // Guarded by mutex_, with Work's completed_ and exception_.
   c10::intrusive_ptr<WorkTDX> parent_;
-  bool ended_ = false;
-  std::exception_ptr endError_;
   std::shared_ptr<c10::Event> deviceDone_;
   std::optional<c10::Stream> deviceStream_;
 };

@@ -240,7 +240,7 @@ bool UcxTransport::chooseTcp(bool tcpWanted) const {
 }
 
 UcxTransport::UcxTransport(const Hints& hints)
-    : spin_(env::getInt("TDX_SPIN_US")), self_(ProcessId::self()),
+    : self_(ProcessId::self()), spin_(env::getInt("TDX_SPIN_US")),
       peerErrors_(peerErrorsSetting()) {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "config read");
@@ -634,8 +634,7 @@ RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, siz
   RequestPtr r = track(endpoint, true, std::move(onComplete));
   r->postedBytes = bytes;
   // Shared: a force close of this endpoint waits until the post is done. The exclusive
-  // holder calls no UCX function, so a send from inside a completion callback (UCX's
-  // worker lock held) cannot deadlock with it.
+  // holder calls no UCX function, so this lock never orders against UCX's own.
   std::shared_lock<std::shared_mutex> posting(postMu_);
   ucp_ep_h ep;
   std::string failure;
@@ -759,31 +758,35 @@ void UcxTransport::defer(std::function<void()> action) {
   queue_.push_back(std::move(action));
 }
 
+void UcxTransport::runDeferred() {
+  for (;;) {
+    std::vector<std::function<void()>> batch;
+    {
+      std::lock_guard<std::mutex> lock(queueMu_);
+      if (queue_.empty()) return;
+      batch.swap(queue_);
+    }
+    for (auto& action : batch) {
+      // Actions complete other threads' requests: one that throws (no thread left for a
+      // completion, say) must not drop the rest of the batch, nor reach a user's wait()
+      // that merely lent its thread.
+      try {
+        action();
+      } catch (const std::exception& e) {
+        TDX_LOG(Error, kPrefix) << "a deferred transport action failed: " << e.what();
+      } catch (...) {
+        TDX_LOG(Error, kPrefix) << "a deferred transport action failed";
+      }
+    }
+  }
+}
+
 void UcxTransport::drain() {
   for (;;) {
     {
       std::unique_lock<std::mutex> drainLock(drainMu_, std::try_to_lock);
       if (!drainLock.owns_lock()) return;  // another thread is draining (or we are nested)
-      for (;;) {
-        std::vector<std::function<void()>> batch;
-        {
-          std::lock_guard<std::mutex> lock(queueMu_);
-          if (queue_.empty()) break;
-          batch.swap(queue_);
-        }
-        for (auto& action : batch) {
-          // Actions complete other threads' requests: one that throws (no thread left
-          // for a completion, say) must not drop the rest of the batch, nor reach a
-          // user's wait() that merely lent its thread.
-          try {
-            action();
-          } catch (const std::exception& e) {
-            TDX_LOG(Error, kPrefix) << "a deferred transport action failed: " << e.what();
-          } catch (...) {
-            TDX_LOG(Error, kPrefix) << "a deferred transport action failed";
-          }
-        }
-      }
+      runDeferred();
     }
     // An action queued by a thread that found the lock taken just before it was let go
     // would wait for the next progress round (the progress thread may be asleep): look

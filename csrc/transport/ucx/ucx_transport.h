@@ -117,7 +117,9 @@ class UcxTransport final : public Transport {
                          uint64_t senderTag);
   void finishRequest(Request& r, bool ok, const std::string& error);
   void defer(std::function<void()> action);
+  // Runs the deferred actions (one thread at a time; a nested call returns at once).
   void drain();
+  void runDeferred();  // drain()'s loop, with drainMu_ held
   void progressLoop();
   void wake();
   void closeEndpoints();
