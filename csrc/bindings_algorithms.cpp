@@ -80,27 +80,35 @@ void bindAlgorithms(py::module& m) {
   });
   m.def(
       "_algorithm_cost",
-      [](const std::string& collective, const std::string& name, double bytes, int world) {
+      [](const std::string& collective, const std::string& name, double bytes, int world,
+         bool oneHost) {
         const Algorithm& a = lookup(collective, name);
+        const Placement p = Placement::of(oneHost);
         const Cost c = a.cost(bytes, world);
         py::dict d;
         d["steps"] = c.steps;
         d["bytes_moved"] = c.bytesMoved;
         d["bytes_reduced"] = c.bytesReduced;
         d["link"] = linkName(a.link);
-        d["seconds"] = Registry::get().predict(a, bytes, world, Registry::get().costModel());
-        d["unusable"] = Registry::get().unusable(a, bytes, world, true);
+        d["priced_on"] = linkName(Registry::pricedOn(a, p));
+        d["seconds"] = Registry::get().predict(a, bytes, world, p, Registry::get().costModel());
+        d["unusable"] = Registry::get().unusable(a, bytes, world, p);
         return d;
       },
-      py::arg("collective"), py::arg("name"), py::arg("bytes"), py::arg("world"));
+      py::arg("collective"), py::arg("name"), py::arg("bytes"), py::arg("world"),
+      py::arg("one_host") = true);
   m.def(
       "_choose_algorithm",
-      [](const std::string& collective, double bytes, int world, bool sameHost) {
+      [](const std::string& collective, double bytes, int world, bool sameHost, bool oneHost) {
+        Placement p;
+        p.oneHost = oneHost || sameHost;
+        p.windows = sameHost;
         const Choice c = Registry::get().choose(collectiveFromName(collective), bytes, world,
-                                                sameHost, Registry::get().costModel());
+                                                p, Registry::get().costModel());
         return py::make_tuple(c.algorithm->name, c.predicted);
       },
-      py::arg("collective"), py::arg("bytes"), py::arg("world"), py::arg("same_host") = true);
+      py::arg("collective"), py::arg("bytes"), py::arg("world"), py::arg("same_host") = true,
+      py::arg("one_host") = false);
   m.def(
       "_plan",
       [](const std::string& collective, const std::string& name, int world, int rank,

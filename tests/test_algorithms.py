@@ -273,6 +273,69 @@ def test_chain_wins_large_broadcasts_across_hosts() -> None:
     assert torchdist_ext.predict("broadcast", 4096, 8, same_host=False)[0] == "tree"
 
 
+def test_messages_on_one_host_are_priced_apart() -> None:
+    """Message algorithms are priced on ``local`` when every rank shares a host (with or
+    without windows) and on ``net`` across hosts; window algorithms on their own link."""
+    ring = _C._algorithm_cost("allreduce", "ring", float(1 << 20), 4)
+    assert ring["link"] == "net" and ring["priced_on"] == "local"
+    across = _C._algorithm_cost("allreduce", "ring", float(1 << 20), 4, one_host=False)
+    assert across["priced_on"] == "net" and across["steps"] == ring["steps"]
+    shm = _C._algorithm_cost("allreduce", "shm", float(1 << 20), 4, one_host=False)
+    assert shm["priced_on"] == "shm" and "one host" in shm["unusable"]
+    model = torchdist_ext.cost_model()
+    assert set(model) == {"net", "local", "shm", "cma"}
+    for link, cost in (("local", ring), ("net", across)):
+        t = model[link]
+        want = t["alpha"] * cost["steps"] + t["beta"] * cost["bytes_moved"] + \
+            t["gamma"] * cost["bytes_reduced"]
+        assert cost["seconds"] == pytest.approx(want, rel=1e-12), link
+    # TDX_SHM=0 on one host: no windows, yet messages priced as same-host ones.
+    local = torchdist_ext.predict("allreduce", 1 << 20, 4, same_host=False, one_host=True)
+    assert local[0] in ("ring", "rhd", "direct")
+    assert local[1] == pytest.approx(
+        _C._algorithm_cost("allreduce", local[0], float(1 << 20), 4)["seconds"])
+    try:
+        torchdist_ext.set_algorithm("allreduce", "shm")
+        with pytest.raises(ValueError, match="TDX_SHM=0"):
+            torchdist_ext.predict("allreduce", 1 << 20, 4, same_host=False, one_host=True)
+    finally:
+        torchdist_ext.set_algorithm("allreduce", "auto")
+
+
+def _priced_by_rank0(rank: int, n: int) -> dict:
+    """Rank 0 alone changes its model before each new group; the group must run what rank
+    0's model picks on every rank."""
+    before = torchdist_ext.cost_model()
+    free = {"alpha": 0.0, "beta": 0.0, "gamma": 0.0}
+    dear = {"alpha": 1.0, "beta": 1.0, "gamma": 1.0}
+    paths = {}
+    try:
+        for name, model in (("local free", {"local": free, "net": dear, "shm": dear,
+                                            "cma": dear}),
+                            ("net free", {"local": dear, "net": free, "shm": free,
+                                          "cma": dear})):
+            if rank == 0:
+                torchdist_ext.set_cost_model(model)
+            group = dist.new_group(list(range(n)), backend="tdx")
+            t = torch.full((4099,), float(rank + 1))
+            dist.all_reduce(t, group=group)
+            assert torch.equal(t, torch.full((4099,), float(n * (n + 1) // 2))), name
+            paths[name] = torchdist_ext.flight_recorder(group)[-1]["path"]
+    finally:
+        torchdist_ext.set_cost_model(before)
+    return paths
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_groups_price_same_host_messages_with_rank0s_local_terms(world: int) -> None:
+    results = run_ranks(_priced_by_rank0, world, timeout=120)
+    for rank, paths in enumerate(results):
+        # Messages free on this host: a message algorithm (the first listed on a tie).
+        assert paths["local free"] == "ring", (rank, paths)
+        # Messages free only between hosts: the window wins, since these ranks share one.
+        assert paths["net free"] in ("shm", "shm_direct"), (rank, paths)
+
+
 def test_registry_and_overrides() -> None:
     algos = torchdist_ext.algorithms()
     assert {"ring", "rhd", "direct", "shm", "shm_direct"} <= set(algos["allreduce"])

@@ -360,13 +360,16 @@ def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) ->
     text = capfd.readouterr().out
     assert rc == 0 and not out.exists()
     data = json.loads(js.read_text())
-    assert set(data["links"]) == {"net", "shm", "cma"} and data["world"] == 2
+    # Spawned ranks share this host: their messages fit `local`; `net` is left alone.
+    assert set(data["links"]) == {"local", "shm", "cma"} and data["world"] == 2
+    assert any(n.startswith("net: no points") for n in data["notes"]), data["notes"]
     for link, terms in data["links"].items():
         assert set(terms) == {"alpha", "beta", "gamma"}
         assert all(v >= 0 and v == v and v != float("inf") for v in terms.values()), link
     algos = {(p["link"], p["op"], p["algo"]) for p in data["points"]}
-    assert ("net", "all_reduce", "ring") in algos and ("shm", "all_reduce", "shm_direct") in algos
-    assert ("net", "broadcast", "tree") in algos and ("shm", "all_gather", "shm") in algos
+    assert ("local", "all_reduce", "ring") in algos and ("shm", "all_reduce", "shm_direct") in algos
+    assert ("local", "broadcast", "tree") in algos and ("shm", "all_gather", "shm") in algos
+    assert not any(link == "net" for link, _, _ in algos)
     assert all(p["measured_s"] > 0 and "rel_error" in p for p in data["points"])
-    assert "dry run: nothing saved" in text and " net: alpha " in text and " shm: alpha " in text
+    assert "dry run: nothing saved" in text and " local: alpha " in text and " shm: alpha " in text
     assert calibration.load(calibration.save(data, out))["links"] == data["links"]

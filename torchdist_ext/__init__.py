@@ -209,9 +209,10 @@ def get_algorithm(collective: str) -> str:
 
 
 def cost_model() -> dict[str, dict[str, float]]:
-    """This process's cost model: per link (``net`` messages, ``shm`` window copies,
-    ``cma`` in-place reads of peers' memory) the seconds per step (``alpha``), per byte
-    moved (``beta``) and per byte reduced (``gamma``).
+    """This process's cost model: per link (``net`` messages between hosts, ``local``
+    messages between ranks of one host, ``shm`` window copies, ``cma`` in-place reads of
+    peers' memory) the seconds per step (``alpha``), per byte moved (``beta``) and per
+    byte reduced (``gamma``).
 
     Groups created afterwards use rank 0's model, so all ranks choose alike.
     """
@@ -223,9 +224,15 @@ def set_cost_model(model: dict[str, dict[str, float]]) -> None:
     _C._set_cost_model(model)
 
 
-def predict(collective: str, nbytes: int, world: int, same_host: bool = True) -> tuple[str, float]:
-    """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds."""
-    return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host)))
+def predict(collective: str, nbytes: int, world: int, same_host: bool = True,
+            one_host: bool = False) -> tuple[str, float]:
+    """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds.
+
+    ``same_host``: every rank on one host with its shared-memory windows; ``one_host``
+    alone: on one host with ``TDX_SHM=0`` (messages priced as same-host ones, no windows).
+    Both False: ranks on several hosts."""
+    return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host),
+                                      bool(one_host)))
 
 
 from . import calibration as _calibration  # noqa: E402

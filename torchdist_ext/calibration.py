@@ -21,7 +21,7 @@ from . import _C
 
 __all__ = ["calibration_path", "load", "save", "load_into_backend"]
 
-LINKS = ("net", "shm", "cma")
+LINKS = ("net", "local", "shm", "cma")
 
 
 def calibration_path() -> Path:
@@ -65,7 +65,7 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
 def save(data: dict[str, Any], path: Path | None = None) -> Path:
     """Write a calibration (with its ``links``) atomically; returns the path."""
     if not _valid(data.get("links")):
-        raise ValueError("calibration needs links {net|shm|cma: {alpha, beta, gamma}} >= 0")
+        raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}} >= 0")
     path = path or calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

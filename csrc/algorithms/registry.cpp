@@ -37,6 +37,8 @@ const char* linkName(Link l) {
   switch (l) {
     case Link::Net:
       return "net";
+    case Link::Local:
+      return "local";
     case Link::Shm:
       return "shm";
     case Link::Cma:
@@ -50,6 +52,12 @@ CostModel CostModel::defaults() {
   // server; `bench calibrate` replaces them with this machine's.
   CostModel m;
   m.links[static_cast<int>(Link::Net)] = {30e-6, 1.0 / 1.5e9, 1.0 / 3e9};
+  // Same-host messages move bytes faster than TCP, but the message algorithms pay more
+  // than bytes over UCX's shared memory: rendezvous handshakes, a reduction per received
+  // segment, a wake-up per step. Against the window terms below, every lower beta tried
+  // on the development VM's measured points (2 ranks, 4 KiB-64 MiB, six collectives)
+  // picked worse, so local starts at net's terms and a calibration fits its own.
+  m.links[static_cast<int>(Link::Local)] = m.links[static_cast<int>(Link::Net)];
   m.links[static_cast<int>(Link::Shm)] = {3e-6, 1.0 / 5e9, 1.0 / 3e9};
   // Measured on the development VM: cross-memory reads ran at about a third of memcpy.
   m.links[static_cast<int>(Link::Cma)] = {5e-6, 1.0 / 2.5e9, 1.0 / 3e9};
@@ -156,13 +164,16 @@ const Algorithm* Registry::find(Collective c, const std::string& name) const {
   return nullptr;
 }
 
-std::string Registry::unusable(const Algorithm& a, double bytes, int n, bool sameHost,
-                               bool crossMemory) const {
+std::string Registry::unusable(const Algorithm& a, double bytes, int n,
+                               const Placement& p) const {
   if (a.powerOfTwoOnly && !isPowerOfTwo(n)) {
     return "needs a power-of-two world size, this group has " + std::to_string(n) + " ranks";
   }
-  if (a.link != Link::Net && !sameHost) return "needs every rank of the group on one host";
-  if (a.needsCrossMemory && !crossMemory) {
+  if (a.link != Link::Net && !p.windows) {
+    return p.oneHost ? "needs the group's shared-memory window, which TDX_SHM=0 turns off"
+                     : "needs every rank of the group on one host";
+  }
+  if (a.needsCrossMemory && !p.crossMemory) {
     return "needs cross-memory attach (process_vm_readv), which this host does not allow "
            "between the group's ranks (Yama ptrace_scope, seccomp)";
   }
@@ -174,20 +185,25 @@ std::string Registry::unusable(const Algorithm& a, double bytes, int n, bool sam
   return "";
 }
 
-double Registry::predict(const Algorithm& a, double bytes, int n, const CostModel& model) const {
+Link Registry::pricedOn(const Algorithm& a, const Placement& p) {
+  return a.link == Link::Net && p.oneHost ? Link::Local : a.link;
+}
+
+double Registry::predict(const Algorithm& a, double bytes, int n, const Placement& p,
+                         const CostModel& model) const {
   const Cost c = a.cost(bytes, n);
-  const LinkCost& l = model.links[static_cast<int>(a.link)];
+  const LinkCost& l = model.links[static_cast<int>(pricedOn(a, p))];
   return l.alpha * c.steps + l.beta * c.bytesMoved + l.gamma * c.bytesReduced;
 }
 
-Choice Registry::cheapest(Collective c, double bytes, int n, bool sameHost,
-                          const CostModel& model, const Link* only, bool crossMemory) const {
+Choice Registry::cheapest(Collective c, double bytes, int n, const Placement& p,
+                          const CostModel& model, const Link* only) const {
   Choice best;
   best.predicted = std::numeric_limits<double>::infinity();
   for (const auto& a : algorithms_) {
     if (a.collective != c || (only && a.link != *only)) continue;
-    if (!unusable(a, bytes, n, sameHost, crossMemory).empty()) continue;
-    const double t = predict(a, bytes, n, model);
+    if (!unusable(a, bytes, n, p).empty()) continue;
+    const double t = predict(a, bytes, n, p, model);
     // Ties (e.g. one rank, where every algorithm costs nothing) go to the first listed.
     if (best.algorithm == nullptr || t < best.predicted) {
       best.algorithm = &a;
@@ -197,19 +213,19 @@ Choice Registry::cheapest(Collective c, double bytes, int n, bool sameHost,
   return best;
 }
 
-Choice Registry::choose(Collective c, double bytes, int n, bool sameHost,
-                        const CostModel& model, bool crossMemory) const {
+Choice Registry::choose(Collective c, double bytes, int n, const Placement& p,
+                        const CostModel& model) const {
   const std::string pinned = override(c);
-  if (pinned.empty()) return cheapest(c, bytes, n, sameHost, model, nullptr, crossMemory);
+  if (pinned.empty()) return cheapest(c, bytes, n, p, model);
   const Algorithm* a = find(c, pinned);
-  const std::string why = unusable(*a, bytes, n, sameHost, crossMemory);
+  const std::string why = unusable(*a, bytes, n, p);
   if (!why.empty()) {
     throw std::invalid_argument(std::string(collectiveName(c)) + " is pinned to '" + pinned +
                                 "', which " + why +
                                 "; pin another (torchdist_ext.algorithms() lists them) or "
                                 "set it back to 'auto'");
   }
-  return Choice{a, predict(*a, bytes, n, model), true};
+  return Choice{a, predict(*a, bytes, n, p, model), true};
 }
 
 void Registry::setOverride(Collective c, const std::string& name) {

@@ -5,11 +5,14 @@
 // constraints, and its cost terms (collectives.h). The predicted time is
 //     t = alpha * steps + beta * bytesMoved + gamma * bytesReduced
 // with (alpha, beta, gamma) per link, calibrated by `python -m torchdist_ext.bench
-// calibrate` or left at defaults. `auto` picks the cheapest usable algorithm; overrides
+// calibrate` or left at defaults. Messages are priced by where the group's ranks are:
+// between hosts they cross TCP or RDMA (`net`); among ranks of one host UCX carries them
+// through shared memory and cross-memory reads (`local`), several times cheaper per
+// byte, so the two have terms of their own. `auto` picks the cheapest usable algorithm; overrides
 // (TDX_ALGO=allreduce:ring,broadcast:tree, or set_algorithm from Python) pin one.
 //
 // Choices must agree across the ranks of a group: they depend only on the collective,
-// the byte count, the world size, whether the group is on one host, the group's cost
+// the byte count, the world size, the group's placement, the group's cost
 // model (rank 0's, shared at group creation) and the overrides (the same on every rank
 // by contract, checked with the op fingerprints under TDX_DEBUG=DETAIL).
 #pragma once
@@ -37,11 +40,13 @@ enum class Collective : uint8_t {
 };
 constexpr int kNumCollectives = 9;
 
-// Net: messages over the transport. Shm: copies through a shared-memory window. Cma:
-// reads of peers' memory in place (process_vm_readv), whose per-byte cost differs from
-// memcpy's (the kernel pins pages per call), so it has terms of its own.
-enum class Link : uint8_t { Net, Shm, Cma };
-constexpr int kNumLinks = 3;
+// Net: messages over the transport between hosts. Local: the same messages between ranks
+// of one host (no algorithm declares it; message algorithms are priced on it when the
+// group is on one host). Shm: copies through a shared-memory window. Cma: reads of peers'
+// memory in place (process_vm_readv), whose per-byte cost differs from memcpy's (the
+// kernel pins pages per call), so it has terms of its own.
+enum class Link : uint8_t { Net, Local, Shm, Cma };
+constexpr int kNumLinks = 4;
 
 const char* collectiveName(Collective c);
 // Throws std::invalid_argument listing the valid names.
@@ -57,9 +62,22 @@ struct LinkCost {
 struct CostModel {
   LinkCost links[kNumLinks];
   static CostModel defaults();
-  // "net:alpha,beta,gamma;shm:...;cma:..." (seconds), for the store exchange.
+  // "net:alpha,beta,gamma;local:...;shm:...;cma:..." (seconds), for the store exchange.
   std::string serialize() const;
   static CostModel parse(const std::string& text);
+};
+
+// Where a group's ranks are, which decides what may run and what a message costs.
+struct Placement {
+  bool oneHost = false;     // every rank on one host: messages are priced on Link::Local
+  bool windows = false;     // shared-memory algorithms may run (one host, TDX_SHM not 0)
+  bool crossMemory = true;  // ranks may read each other's memory (known once the group's
+                            // window exists; assumed until then)
+
+  // One host with its windows (`sameHost`), or ranks on several hosts.
+  static Placement of(bool sameHost) {
+    return Placement{sameHost, sameHost, true};
+  }
 };
 
 struct Algorithm {
@@ -93,20 +111,20 @@ class Registry {
   const Algorithm* find(Collective c, const std::string& name) const;
 
   // Why `a` cannot run this op ("" when it can).
-  // `crossMemory`: ranks may read each other's memory (known once the group's window
-  // exists; assumed until then).
-  std::string unusable(const Algorithm& a, double bytes, int n, bool sameHost,
-                       bool crossMemory = true) const;
-  double predict(const Algorithm& a, double bytes, int n, const CostModel& model) const;
+  std::string unusable(const Algorithm& a, double bytes, int n, const Placement& p) const;
+  // The link whose terms price `a` in a group placed as `p`.
+  static Link pricedOn(const Algorithm& a, const Placement& p);
+  double predict(const Algorithm& a, double bytes, int n, const Placement& p,
+                 const CostModel& model) const;
 
   // The algorithm for an op; throws std::invalid_argument when a pinned algorithm cannot
   // run it (naming why and what can).
-  Choice choose(Collective c, double bytes, int n, bool sameHost, const CostModel& model,
-                bool crossMemory = true) const;
+  Choice choose(Collective c, double bytes, int n, const Placement& p,
+                const CostModel& model) const;
   // The cheapest usable algorithm ignoring overrides (what `auto` would pick), optionally
-  // restricted to one link.
-  Choice cheapest(Collective c, double bytes, int n, bool sameHost, const CostModel& model,
-                  const Link* only = nullptr, bool crossMemory = true) const;
+  // restricted to algorithms declaring one link.
+  Choice cheapest(Collective c, double bytes, int n, const Placement& p, const CostModel& model,
+                  const Link* only = nullptr) const;
 
   // "auto" clears the override. Throws std::invalid_argument for unknown names.
   void setOverride(Collective c, const std::string& name);

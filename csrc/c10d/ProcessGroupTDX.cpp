@@ -160,7 +160,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     localRanks += std::string(theirs.begin(), theirs.end()) == key ? 1 : 0;
   }
   const bool oneHost = localRanks == size;
-  sameHost_ = oneHost && env::getInt("TDX_SHM") != 0;
+  placement_.oneHost = oneHost;
+  placement_.windows = oneHost && env::getInt("TDX_SHM") != 0;
 
   try {
     transport::UcxTransport::Hints hints;
@@ -489,14 +490,16 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   auto& reg = algorithms::Registry::get();
   Selected sel;
   sel.wait = transport::WaitContext{ch.deadline(), &ch.abortedFlag(), what};
-  algorithms::Choice choice = reg.choose(c, bytes, size_, sameHost_, costModel_);
+  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_);
   if (choice.algorithm->link != algorithms::Link::Net) {
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
       const algorithms::Link net = algorithms::Link::Net;
-      choice = reg.cheapest(c, bytes, size_, sameHost_, costModel_, &net);
+      choice = reg.cheapest(c, bytes, size_, placement_, costModel_, &net);
     } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
-      choice = reg.choose(c, bytes, size_, sameHost_, costModel_, /*crossMemory=*/false);
+      algorithms::Placement noCrossMemory = placement_;
+      noCrossMemory.crossMemory = false;
+      choice = reg.choose(c, bytes, size_, noCrossMemory, costModel_);
     }
   }
   sel.algorithm = choice.algorithm;

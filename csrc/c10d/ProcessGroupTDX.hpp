@@ -207,10 +207,11 @@ class ProcessGroupTDX : public c10d::Backend {
   std::shared_ptr<const std::vector<int>> sharedEndpoints_;
   std::unique_ptr<PeerMemory> peer_;  // same-host CUDA path; null without CUDA
 
-  // Ranks of the group share a host (same boot, mount and pid namespaces), so
-  // shared-memory algorithms may run; and the cost model every rank of the group uses
-  // (rank 0's), so all make the same choices.
-  bool sameHost_ = false;
+  // Whether the group's ranks share a host (same boot, mount and pid namespaces), which
+  // prices its messages as same-host ones and, unless TDX_SHM=0, lets shared-memory
+  // algorithms run; and the cost model every rank of the group uses (rank 0's), so all
+  // make the same choices.
+  algorithms::Placement placement_;
   algorithms::CostModel costModel_;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
   std::vector<uint8_t> storeGetWithin(const std::string& key, const transport::WaitContext& wc);

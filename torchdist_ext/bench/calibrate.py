@@ -1,7 +1,8 @@
 """``python -m torchdist_ext.bench calibrate``: fit tdx's cost model to this machine.
 
-tdx picks an algorithm per op from a model of its time on each link (``net``: UCX between
-ranks, ``shm``: a shared-memory window on one host)::
+tdx picks an algorithm per op from a model of its time on each link (``net``: messages
+between hosts, ``local``: messages between ranks of one host, which UCX carries through
+shared memory, ``shm``: a shared-memory window, ``cma``: in-place reads of peers' memory)::
 
     t = alpha * steps + beta * bytes_moved + gamma * bytes_reduced
 
@@ -22,7 +23,9 @@ Usage::
     python -m torchdist_ext.bench calibrate --out /tmp/cal.json --json fit.json
 
 A term that no point depends on (say gamma when only all_gather ran) keeps its current
-value. Shared-memory algorithms need every rank on one host, as spawned ranks are.
+value. Spawned ranks share this host, so their message algorithms fit ``local`` and
+leave ``net`` as it was; ``net`` is fitted by a run under torchrun whose ranks span
+hosts (which has no shared-memory points).
 """
 
 from __future__ import annotations
@@ -50,8 +53,9 @@ __all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "build_parser", "calibrate",
 
 TERMS = ("alpha", "beta", "gamma")
 _COLUMNS = ("steps", "bytes_moved", "bytes_reduced")  # what each term multiplies
-LINKS = ("net", "shm", "cma")
-DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter")
+LINKS = ("net", "local", "shm", "cma")
+DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all",
+               "reduce")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4K, 16K, ..., 16M
 
 
@@ -125,7 +129,8 @@ def points_from_rows(rows: Iterable[dict[str, Any]],
                      links: Sequence[str] = LINKS) -> list[dict[str, Any]]:
     """One point per benchmark row of a pinned tdx algorithm that ran: the model's terms
     for the algorithm that ran (``_C._algorithm_cost``; the row's ``algo``, normally the
-    pinned one) and its measured seconds (in-place time where the op has that form)."""
+    pinned one), the link that prices it (``local`` for messages when the row's ranks
+    shared a host) and its measured seconds (in-place time where the op has that form)."""
     out = []
     for r in rows:
         algo = r.get("algo")  # what ran, as the flight recorder says
@@ -135,11 +140,12 @@ def points_from_rows(rows: Iterable[dict[str, Any]],
         t = r.get(f"{prefix}time_us")
         if r.get(f"{prefix}error") or not t:
             continue
-        cost = _C._algorithm_cost(COLLECTIVES[r["op"]], algo, float(r["size"]), r["world"])
-        if cost["link"] not in links:
+        cost = _C._algorithm_cost(COLLECTIVES[r["op"]], algo, float(r["size"]), r["world"],
+                                  bool(r.get("one_host", True)))
+        if cost["priced_on"] not in links:
             continue
         out.append({
-            "link": cost["link"], "op": r["op"], "algo": algo, "size": r["size"],
+            "link": cost["priced_on"], "op": r["op"], "algo": algo, "size": r["size"],
             "world": r["world"], "steps": cost["steps"], "bytes_moved": cost["bytes_moved"],
             "bytes_reduced": cost["bytes_reduced"], "measured_s": t * 1e-6,
         })
@@ -147,10 +153,12 @@ def points_from_rows(rows: Iterable[dict[str, Any]],
 
 
 def _labels(ops: Sequence[str], links: Sequence[str]) -> list[str]:
-    """``tdx:<name>`` for every algorithm of these ops on these links."""
+    """``tdx:<name>`` for every algorithm of these ops on these links (message algorithms
+    for ``net`` or ``local``, whichever the ranks turn out to be on)."""
     names: dict[str, None] = {}
+    wanted = {"net" if link == "local" else link for link in links}
     for a in _C._algorithms():
-        if a["link"] in links and a["collective"] in {COLLECTIVES[o] for o in ops}:
+        if a["link"] in wanted and a["collective"] in {COLLECTIVES[o] for o in ops}:
             names.setdefault(a["name"])
     return [f"tdx:{n}" for n in names]
 
@@ -184,8 +192,13 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
             p["model_s"] = predict(terms, p)
             p["rel_error"] = p["model_s"] / p["measured_s"] - 1.0
     world_run = rows[0]["world"] if rows else world
-    notes = sorted({f"{link}: no points (shared memory needs every rank on one host and "
-                    "TDX_SHM not 0)" for link in links if link not in fitted})
+    why = {"net": "messages between hosts need ranks on several hosts (torchrun)",
+           "local": "messages between ranks of one host need every rank on one host",
+           "shm": "shared memory needs every rank on one host and TDX_SHM not 0",
+           "cma": "cross-memory reads need every rank on one host, TDX_SHM not 0 and a "
+                  "host that allows process_vm_readv"}
+    notes = sorted({f"{link}: no points ({why[link]}); kept as it was"
+                    for link in links if link not in fitted})
     return {
         "links": fitted,
         "previous": previous,
@@ -253,26 +266,26 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         errs = [abs(p["rel_error"]) for p in mine]
         worst = max(mine, key=lambda p: abs(p["rel_error"]))
         rms = math.sqrt(sum(e * e for e in errs) / len(errs))
-        lines.append(f"# {link:>4}: {_terms_text(terms)}")
-        lines.append(f"#       was   {_terms_text(data['previous'][link])}")
-        lines.append(f"#       {len(mine)} points; relative error rms {rms * 100:.1f}%, max "
+        lines.append(f"# {link:>5}: {_terms_text(terms)}")
+        lines.append(f"#        was   {_terms_text(data['previous'][link])}")
+        lines.append(f"#        {len(mine)} points; relative error rms {rms * 100:.1f}%, max "
                      f"{abs(worst['rel_error']) * 100:.1f}% ({worst['op']} {worst['algo']} "
                      f"{worst['size']} B)")
         if data["kept"].get(link):
-            lines.append(f"#       kept (no point depends on them): "
+            lines.append(f"#        kept (no point depends on them): "
                          f"{', '.join(data['kept'][link])}")
     for note in data.get("notes", []):
         lines.append(f"# note: {note}")
     lines += [
         "#",
         "# " + " ".join(f"{h:>{w}}" for h, w in (
-            ("link", 4), ("op", 14), ("algo", 10), ("size", 10), ("steps", 6),
+            ("link", 5), ("op", 14), ("algo", 10), ("size", 10), ("steps", 6),
             ("moved (B)", 11), ("reduced (B)", 11), ("measured us", 11), ("model us", 10),
             ("error", 8))),
     ]
     for p in sorted(points, key=lambda p: (p["link"], p["op"], p["algo"], p["size"])):
         lines.append("  " + " ".join(f"{v:>{w}}" for v, w in (
-            (p["link"], 4), (p["op"], 14), (p["algo"], 10), (p["size"], 10),
+            (p["link"], 5), (p["op"], 14), (p["algo"], 10), (p["size"], 10),
             (f"{p['steps']:g}", 6), (f"{p['bytes_moved']:.0f}", 11),
             (f"{p['bytes_reduced']:.0f}", 11), (f"{p['measured_s'] * 1e6:.1f}", 11),
             (f"{p['model_s'] * 1e6:.1f}" if "model_s" in p else "-", 10),
@@ -328,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", default=",".join(DEFAULT_OPS),
                    help=f"ops to time (default {','.join(DEFAULT_OPS)})")
     p.add_argument("--links", default=",".join(LINKS),
-                   help="links to fit, any of net, shm, cma (default all)")
+                   help="links to fit, any of net, local, shm, cma (default all)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations (default 3)")
     p.add_argument("--stat", choices=("mean", "median"), default="median",
@@ -353,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser.parse_args(argv)
     links = [x.strip() for x in a.links.split(",") if x.strip()]
     if not links or any(x not in LINKS for x in links):
-        parser.error(f"--links takes net, shm and/or cma, not {a.links!r}")
+        parser.error(f"--links takes net, local, shm and/or cma, not {a.links!r}")
     try:
         ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
     except ValueError as exc:

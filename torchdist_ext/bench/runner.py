@@ -324,7 +324,7 @@ def _ran_algorithm(group: Any, collective: str) -> str | None:
 
 
 def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, same_host: bool,
-                 group: Any = None) -> dict[str, Any]:
+                 one_host: bool, group: Any = None) -> dict[str, Any]:
     """For tdx rows: ``algo``, the algorithm that ran (the flight recorder's, when ``group``
     is given and names one; else the pinned one, or what auto picks as
     ``torchdist_ext.predict`` says), ``algo_from`` (``flight recorder``, ``pinned`` or
@@ -342,12 +342,12 @@ def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, sam
     if name is None:
         source = "predict"
         try:  # predict() answers for a pin set outside the bench (TDX_ALGO) too
-            name = torchdist_ext.predict(collective, nbytes, world, same_host)[0]
+            name = torchdist_ext.predict(collective, nbytes, world, same_host, one_host)[0]
         except (RuntimeError, ValueError):  # a pin that cannot run this op
             return out
     out["algo"], out["algo_from"] = name, source
     if name in torchdist_ext.algorithms(collective)[collective]:
-        cost = _C._algorithm_cost(collective, name, float(nbytes), world)
+        cost = _C._algorithm_cost(collective, name, float(nbytes), world, one_host)
         out["predicted_us"] = float(cost["seconds"]) * 1e6
     return out
 
@@ -368,8 +368,8 @@ def _skip_reason(backend: str, device: str, local_world: int) -> str | None:
 def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Rank 0's machine description (same on every rank) and one line per rank.
 
-    ``same_host``: every rank on one host (and ``TDX_SHM`` not 0), so tdx's shared-memory
-    algorithms can run."""
+    ``one_host``: every rank on one host, so tdx prices its messages as same-host ones;
+    ``same_host``: that and ``TDX_SHM`` not 0, so its shared-memory algorithms can run."""
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
     mine = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
             "device": str(ctx.device), "gpu": gpu}
@@ -387,6 +387,7 @@ def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
         "world": ctx.world,
         "device": ctx.opts.device,
         "backends": backends,
+        "one_host": len({r["host"] for r in ranks}) == 1,
         "same_host": (len({r["host"] for r in ranks}) == 1
                       and os.environ.get("TDX_SHM", "1").strip() != "0"),
     }
@@ -450,6 +451,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
             notes.append(f"{b} skipped: could not create its group: {error}")
     meta, rank_lines = _meta(ctx, list(groups))
     same_host = bool(meta["same_host"])
+    one_host = bool(meta["one_host"])
 
     # Labels per op: a backend, or tdx with an algorithm pinned. tdx:<algo> labels share
     # the one tdx group; the algorithm is pinned around each of their rows.
@@ -535,7 +537,8 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         if lb.backend == TDX and any(t for t, _, _ in this_round.values()):
                             # what this label's last timed op really ran
                             ran[lb.label] = _algo_fields(lb, collective, nbytes, world,
-                                                         same_host, groups[lb.backend])
+                                                         same_host, one_host,
+                                                         groups[lb.backend])
                         progress.advance()
                 for lb in labels:
                     why = whys[lb.label]
@@ -546,7 +549,8 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         "redop": opts.redop if spec.reduces else "none",
                         "root": opts.root if spec.rooted else None,
                     }
-                    row.update(_algo_fields(lb, collective, nbytes, world, same_host))
+                    row.update(_algo_fields(lb, collective, nbytes, world, same_host,
+                                            one_host))
                     for prefix, results in taken[lb.label].items():
                         t, wrong, error = _combine(results)
                         algbw = nbytes / (t * 1e-6) / 1e9 if t else None
@@ -558,6 +562,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                     row.update(ran.get(lb.label, {}))
                     row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
                                rounds=opts.rounds, host=meta["host"],
+                               one_host=one_host,
                                torch_version=meta["torch_version"],
                                tdx_version=meta["tdx_version"],
                                ucx_version=meta["ucx_version"], date=meta["date"])
