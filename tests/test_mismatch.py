@@ -132,3 +132,38 @@ def test_point_to_point_mismatch_names_both_sides() -> None:
             assert f"rank 0 sent {theirs} to rank 1" in after, (rank, name, after)
             assert f"expected {mine}" in after, (rank, name, after)
             assert r[name + " seconds"] < 10, (rank, name, r[name + " seconds"])
+
+
+def _sender_in_flight(rank: int, n: int) -> dict:
+    """Rank 0 posts a small send, then a rendezvous-sized one that rank 1 never receives;
+    rank 1 receives the first into a tensor of another dtype. The mismatch notice must end
+    rank 0's second send at once, not at the group timeout."""
+    out: dict = {}
+    start = time.monotonic()
+    if rank == 0:
+        first = dist.isend(torch.ones(10), 1, tag=1)
+        second = dist.isend(torch.ones(4 << 20), 1, tag=2)  # 16 MiB: UCX's rendezvous
+        for name, work in (("first", first), ("second", second)):
+            try:
+                work.wait()
+                out[name] = "no error"
+            except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+                out[name] = f"{type(e).__name__}: {e}"
+    else:
+        try:
+            dist.recv(torch.empty(10, dtype=torch.int32), 0, tag=1)
+            out["recv"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out["recv"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_point_to_point_mismatch_ends_the_senders_sends_in_flight() -> None:
+    results = run_ranks(_sender_in_flight, 2, timeout=60, env={"TDX_DEBUG": "DETAIL"})
+    sender, receiver = results
+    assert "point-to-point mismatch" in receiver["recv"], receiver
+    assert sender["first"] == "no error", sender
+    assert sender["second"].startswith("DistBackendError"), sender
+    assert "point-to-point mismatch: rank 0 sent Float[10] to rank 1" in sender["second"], sender
+    assert sender["seconds"] < 10 and receiver["seconds"] < 10, results
