@@ -21,19 +21,43 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
   return lost.empty() ? "" : "; lost so far: " + lost;
 }
 
+char* ScratchBuffer::get(size_t bytes) {
+  if (bytes > size_) {
+    data_.reset();  // the old contents are not needed: give the memory back first
+    size_ = 0;
+    data_.reset(new char[bytes]);  // default-initialised: not zeroed
+    size_ = bytes;
+  }
+  return data_.get();
+}
+
+void ScratchBuffer::trim() {
+  if (size_ > kKeepBytes) {
+    data_.reset();
+    size_ = 0;
+  }
+}
+
+void ScratchBuffer::abandon() {
+  (void)data_.release();  // leaked: a transfer may still write it
+  size_ = 0;
+}
+
 GroupChannel::GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints,
                            int rank, uint32_t groupId, uint64_t seq,
-                           Clock::time_point deadline, const std::atomic<bool>& aborted)
+                           Clock::time_point deadline, const std::atomic<bool>& aborted,
+                           ScratchBuffer& scratch)
     : transport_(transport),
       endpoints_(endpoints),
       rank_(rank),
       groupId_(groupId),
       seq_(seq),
       deadline_(deadline),
-      aborted_(aborted) {}
+      aborted_(aborted),
+      scratch_(scratch) {}
 
 GroupChannel::~GroupChannel() {
-  quiesce();
+  if (quiesce()) scratch_.trim();
 }
 
 bool GroupChannel::quiesce() {
@@ -61,11 +85,7 @@ bool GroupChannel::quiesce() {
     const auto until = now + (lost ? std::chrono::milliseconds(100) : std::chrono::seconds(1));
     clean_ = transport_.wait(*p.request, until) && clean_;
   }
-  if (!clean_) {
-    // A transfer may still touch the scratch buffer: it is never freed (leaked on
-    // purpose).
-    new std::vector<char>(std::move(scratch_));
-  }
+  if (!clean_) scratch_.abandon();  // a transfer may still touch it
   return clean_;
 }
 
@@ -134,8 +154,7 @@ void GroupChannel::wait(const RequestPtr& r) {
 }
 
 char* GroupChannel::scratch(size_t bytes) {
-  if (scratch_.size() < bytes) scratch_.resize(bytes);
-  return scratch_.data();
+  return scratch_.get(bytes);
 }
 
 } // namespace tdx

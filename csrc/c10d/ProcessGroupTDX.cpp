@@ -438,7 +438,7 @@ void ProcessGroupTDX::runTask(Task& task) {
       ctx.ready = task.readyEvent;
       if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
-                      Clock::now() + timeout(), aborted_);
+                      Clock::now() + timeout(), aborted_, scratch_);
       try {
         if (checkFingerprints_) checkFingerprint(ch, task.fingerprint);
         if (task.deviceBody) {

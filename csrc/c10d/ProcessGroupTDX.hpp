@@ -218,6 +218,8 @@ class ProcessGroupTDX : public c10d::Backend {
   std::unique_ptr<transport::HostWindow> window_;
   int windowState_ = 0;  // 0: not tried, 1: ready, -1: unavailable
 
+  // Lent to each op's channel in turn; ops run one at a time, on the worker thread.
+  ScratchBuffer scratch_;
   FlightRecorder flight_;
   // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's
   // fingerprint (op, dtype, shapes, root, reduce op) before running it.
