@@ -355,13 +355,15 @@ def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) ->
 
     out, js = tmp_path / "cal.json", tmp_path / "fit.json"
     rc = bench.main(["calibrate", "--world", "2", "--sizes", "4K,256K", "--ops",
-                     "all_reduce,all_gather,broadcast", "-n", "3", "-w", "1", "--dry-run",
+                     "all_reduce,all_gather,broadcast", "-n", "3", "-w", "1", "--rounds", "2",
+                     "--dry-run",
                      "--out", str(out), "--json", str(js), "--no-progress"])
     text = capfd.readouterr().out
     assert rc == 0 and not out.exists()
     data = json.loads(js.read_text())
     # Spawned ranks share this host: their messages fit `local`; `net` is left alone.
     assert set(data["links"]) == {"local", "shm", "cma"} and data["world"] == 2
+    assert data["rounds"] == 2 and "2 round(s)" in text
     assert any(n.startswith("net: no points") for n in data["notes"]), data["notes"]
     for link, terms in data["links"].items():
         assert set(terms) == {"alpha", "beta", "gamma"}

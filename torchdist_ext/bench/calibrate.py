@@ -166,17 +166,19 @@ def _labels(ops: Sequence[str], links: Sequence[str]) -> list[str]:
 def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
               ops: Sequence[str] = DEFAULT_OPS, links: Sequence[str] = LINKS,
               iters: int = 20, warmup: int = 3, stat: str = "median", timeout: float = 300.0,
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, rounds: int = 1) -> dict[str, Any]:
     """Measure and fit; returns the calibration (what :func:`calibration.save` takes):
     ``links`` (the fitted terms), ``previous`` (the model before), ``kept`` (terms per link
     that no point determined), ``points`` (with ``model_s`` and ``rel_error`` under the fit),
-    ``host``, ``date``, ``world``, sizes, ops, iters and versions.
+    ``host``, ``date``, ``world``, sizes, ops, iters, rounds and versions. ``rounds`` > 1
+    times every size that many times with the algorithms taking turns and keeps each
+    one's median round, so a slow spell of a shared machine lands on all of them.
 
     Under torchrun every rank measures; all return the same result."""
     ops = [canonical_op(o) for o in ops]
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops, links)), world=world,
                    sizes=tuple(sizes), iters=iters, warmup=warmup, stat=stat, timeout=timeout,
-                   quiet=True, progress=progress)
+                   quiet=True, progress=progress, rounds=rounds)
     rows = run(opts)
     points = points_from_rows(rows, links)
     previous = torchdist_ext.cost_model()
@@ -209,6 +211,7 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "ops": list(ops),
         "sizes": sorted({p["size"] for p in points}),
         "iters": iters,
+        "rounds": rounds,
         "warmup": warmup,
         "stat": stat,
         "tdx_version": torchdist_ext.__version__,
@@ -256,7 +259,7 @@ def report_lines(data: dict[str, Any]) -> list[str]:
     lines = [
         f"# tdx cost-model calibration on {data['host']}: world {data['world']}, "
         f"ops {', '.join(data['ops'])}, {len(data['sizes'])} sizes, {len(points)} points, "
-        f"{data['iters']} iters ({data['stat']})",
+        f"{data['iters']} iters ({data['stat']}), {data.get('rounds', 1)} round(s)",
         "# model: t = alpha * steps + beta * bytes_moved + gamma * bytes_reduced, per link; "
         "fit: non-negative least squares on the relative error",
         "#",
@@ -344,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="links to fit, any of net, local, shm, cma (default all)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every size this many times, the algorithms taking turns, and "
+                        "keep each one's median round (default 1)")
     p.add_argument("--stat", choices=("mean", "median"), default="median",
                    help="per-op time of a point: median of the iterations (default), or "
                         "their mean")
@@ -371,10 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
     except ValueError as exc:
         parser.error(str(exc))
-    if a.world < 1 or a.iters < 1 or a.warmup < 0:
-        parser.error("need --world >= 1, -n >= 1, -w >= 0")
+    if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
+        parser.error("need --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
     data = calibrate(world=a.world, sizes=a.sizes, ops=ops, links=links, iters=a.iters,
-                     warmup=a.warmup, stat=a.stat, timeout=a.timeout, progress=a.progress)
+                     warmup=a.warmup, stat=a.stat, timeout=a.timeout, progress=a.progress,
+                     rounds=a.rounds)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
         return 0
     for line in report_lines(data):
