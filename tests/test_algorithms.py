@@ -275,25 +275,39 @@ def test_chain_wins_large_broadcasts_across_hosts() -> None:
 
 def test_messages_on_one_host_are_priced_apart() -> None:
     """Message algorithms are priced on ``local`` when every rank shares a host (with or
-    without windows) and on ``net`` across hosts; window algorithms on their own link."""
-    ring = _C._algorithm_cost("allreduce", "ring", float(1 << 20), 4)
-    assert ring["link"] == "net" and ring["priced_on"] == "local"
-    across = _C._algorithm_cost("allreduce", "ring", float(1 << 20), 4, one_host=False)
-    assert across["priced_on"] == "net" and across["steps"] == ring["steps"]
-    shm = _C._algorithm_cost("allreduce", "shm", float(1 << 20), 4, one_host=False)
-    assert shm["priced_on"] == "shm" and "one host" in shm["unusable"]
-    model = torchdist_ext.cost_model()
-    assert set(model) == {"net", "local", "shm", "cma"}
-    for link, cost in (("local", ring), ("net", across)):
-        t = model[link]
-        want = t["alpha"] * cost["steps"] + t["beta"] * cost["bytes_moved"] + \
-            t["gamma"] * cost["bytes_reduced"]
-        assert cost["seconds"] == pytest.approx(want, rel=1e-12), link
-    # TDX_SHM=0 on one host: no windows, yet messages priced as same-host ones.
-    local = torchdist_ext.predict("allreduce", 1 << 20, 4, same_host=False, one_host=True)
-    assert local[0] in ("ring", "rhd", "direct")
-    assert local[1] == pytest.approx(
-        _C._algorithm_cost("allreduce", local[0], float(1 << 20), 4)["seconds"])
+    without windows) and on ``net`` across hosts; window algorithms on their own link.
+    The two message links get different terms here, so pricing that ignored the
+    placement would fail."""
+    before = torchdist_ext.cost_model()
+    try:
+        torchdist_ext.set_cost_model({"net": {"alpha": 5e-5, "beta": 1e-9, "gamma": 1e-9},
+                                      "local": {"alpha": 2e-6, "beta": 1e-11, "gamma": 1e-11}})
+        model = torchdist_ext.cost_model()
+        assert set(model) == {"net", "local", "shm", "cma"}
+        ring = _C._algorithm_cost("allreduce", "ring", float(1 << 20), 4)
+        assert ring["link"] == "net" and ring["priced_on"] == "local"
+        across = _C._algorithm_cost("allreduce", "ring", float(1 << 20), 4, one_host=False)
+        assert across["priced_on"] == "net" and across["steps"] == ring["steps"]
+        shm = _C._algorithm_cost("allreduce", "shm", float(1 << 20), 4, one_host=False)
+        assert shm["priced_on"] == "shm" and "one host" in shm["unusable"]
+        for link, cost in (("local", ring), ("net", across)):
+            t = model[link]
+            want = t["alpha"] * cost["steps"] + t["beta"] * cost["bytes_moved"] + \
+                t["gamma"] * cost["bytes_reduced"]
+            assert cost["seconds"] == pytest.approx(want, rel=1e-12), link
+        assert ring["seconds"] < across["seconds"] / 10
+        # TDX_SHM=0 on one host: no windows, yet messages priced as same-host ones.
+        local = torchdist_ext.predict("allreduce", 1 << 20, 4, same_host=False, one_host=True)
+        assert local[0] in ("ring", "rhd", "direct")
+        assert local[1] == pytest.approx(
+            _C._algorithm_cost("allreduce", local[0], float(1 << 20), 4)["seconds"])
+        remote = torchdist_ext.predict("allreduce", 1 << 20, 4, same_host=False)
+        assert remote[1] == pytest.approx(
+            _C._algorithm_cost("allreduce", remote[0], float(1 << 20), 4,
+                               one_host=False)["seconds"])
+        assert local[1] < remote[1] / 10
+    finally:
+        torchdist_ext.set_cost_model(before)
     try:
         torchdist_ext.set_algorithm("allreduce", "shm")
         with pytest.raises(ValueError, match="TDX_SHM=0"):
@@ -494,3 +508,37 @@ def test_chain_broadcast_of_more_steps_than_the_tag_holds() -> None:
     (it wraps); one message per pair and step, matched in order, keeps it exact."""
     assert all(run_ranks(_long_chain, 3, timeout=120, args=((65 << 20) + 3,),
                          env={"TDX_SHM": "0"}))
+
+
+def _shm_on_some_ranks(rank: int, n: int) -> dict:
+    """Rank 0 turns the windows off before a new group, the others leave them on: the group
+    must agree on no windows, not hang with half its ranks in shared memory."""
+    import os
+
+    os.environ["TDX_SHM"] = "0" if rank == 0 else "1"
+    try:
+        group = dist.new_group(list(range(n)), backend="tdx")
+    finally:
+        os.environ.pop("TDX_SHM", None)
+    out = {}
+    for op in ("all_reduce", "broadcast", "barrier"):
+        t = torch.full((70_001,), float(rank + 1))
+        if op == "all_reduce":
+            dist.all_reduce(t, group=group)
+            ok = torch.equal(t, torch.full_like(t, float(n * (n + 1) // 2)))
+        elif op == "broadcast":
+            dist.broadcast(t, src=n - 1, group=group)
+            ok = torch.equal(t, torch.full_like(t, float(n)))
+        else:
+            dist.barrier(group=group)
+            ok = True
+        out[op] = (ok, torchdist_ext.flight_recorder(group)[-1]["path"])
+    return out
+
+
+def test_ranks_that_disagree_on_tdx_shm_agree_on_no_windows() -> None:
+    window = {a["name"] for a in _C._algorithms() if a["link"] != "net"}
+    for rank, res in enumerate(run_ranks(_shm_on_some_ranks, 3, timeout=60)):
+        for op, (ok, path) in res.items():
+            assert ok, (rank, op, path)
+            assert path not in window, (rank, op, path)

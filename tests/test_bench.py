@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import torchdist_ext
 from torchdist_ext import bench
 from torchdist_ext.bench import Options, count_wrong, expected_output, make_input
 
@@ -349,8 +350,9 @@ def test_nnls_recovers_known_terms() -> None:
 
 
 def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """One spawn of 2 ranks, 2 sizes, 3 ops: both links fitted, non-negative, nothing
-    saved; the result is what calibration.save accepts."""
+    """One spawn of 2 ranks, 2 sizes, 3 ops, 2 rounds: the same-host links (local, shm,
+    cma) fitted, non-negative, nothing saved; the result is what calibration.save
+    accepts."""
     from torchdist_ext import calibration
 
     out, js = tmp_path / "cal.json", tmp_path / "fit.json"
@@ -375,3 +377,36 @@ def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) ->
     assert all(p["measured_s"] > 0 and "rel_error" in p for p in data["points"])
     assert "dry run: nothing saved" in text and " local: alpha " in text and " shm: alpha " in text
     assert calibration.load(calibration.save(data, out))["links"] == data["links"]
+
+
+def test_calibration_files_old_and_merged(tmp_path: Path) -> None:
+    """A file from before the `local` link prices same-host messages with its `net` terms,
+    as it did when saved; saving a one-host fit keeps the file's `net` (from a run across
+    hosts) instead of dropping it."""
+    from torchdist_ext import calibration
+
+    net = {"alpha": 2e-5, "beta": 1e-10, "gamma": 2e-10}
+    shm = {"alpha": 1e-6, "beta": 5e-11, "gamma": 1e-10}
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"links": {"net": net, "shm": shm}}))
+    data = calibration.load(old)
+    assert data["links"]["local"] == net and data["links"]["net"] == net
+    local = {"alpha": 9e-6, "beta": 3e-10, "gamma": 4e-10}
+    calibration.save({"links": {"local": local, "shm": shm}}, old)
+    saved = json.loads(old.read_text())
+    assert saved["links"] == {"net": net, "local": local, "shm": shm}
+    assert saved["kept_from_file"] == ["net"]
+    # A fresh file has nothing to keep.
+    fresh = tmp_path / "fresh.json"
+    calibration.save({"links": {"local": local}}, fresh)
+    assert json.loads(fresh.read_text())["links"] == {"local": local}
+    # What the backend gets from an old file: both message links at its net terms.
+    before = torchdist_ext.cost_model()
+    try:
+        assert calibration.load_into_backend(tmp_path / "nothing.json") is False
+        old.write_text(json.dumps({"links": {"net": net}}))
+        assert calibration.load_into_backend(old) is True
+        model = torchdist_ext.cost_model()
+        assert model["local"] == pytest.approx(net) and model["net"] == pytest.approx(net)
+    finally:
+        torchdist_ext.set_cost_model(before)

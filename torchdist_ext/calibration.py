@@ -59,14 +59,26 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
     if not _valid(data.get("links")):
         warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}")
         return None
+    links = data["links"]
+    if "net" in links and "local" not in links:
+        # Written before same-host messages had a link of their own: its `net` priced
+        # them (spawned ranks share a host), as it did when it was saved.
+        links["local"] = dict(links["net"])
     return data
 
 
 def save(data: dict[str, Any], path: Path | None = None) -> Path:
-    """Write a calibration (with its ``links``) atomically; returns the path."""
+    """Write a calibration (with its ``links``) atomically; returns the path. Links the
+    file already holds and ``data`` does not (``net`` from a run across hosts, when this
+    one ran on one host) are kept; their names go to ``data["kept_from_file"]``."""
     if not _valid(data.get("links")):
         raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}} >= 0")
     path = path or calibration_path()
+    before = load(path) if path.exists() else None
+    if before is not None:
+        kept = sorted(set(before["links"]) - set(data["links"]))
+        data = {**data, "links": {**before["links"], **data["links"]},
+                "kept_from_file": kept}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True))

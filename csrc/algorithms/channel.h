@@ -34,7 +34,8 @@ class Channel {
   // A receive that got fewer bytes than posted is an error too.
   virtual void wait(const RequestPtr& request) = 0;
 
-  // Scratch memory owned by the channel for the duration of the op.
+  // Scratch memory for the op, at least `bytes`, contents unspecified. A larger request
+  // may move it: earlier pointers are invalid after one.
   virtual char* scratch(size_t bytes) = 0;
 
   void waitAll(std::vector<RequestPtr>& requests) {

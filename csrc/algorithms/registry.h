@@ -7,8 +7,8 @@
 // with (alpha, beta, gamma) per link, calibrated by `python -m torchdist_ext.bench
 // calibrate` or left at defaults. Messages are priced by where the group's ranks are:
 // between hosts they cross TCP or RDMA (`net`); among ranks of one host UCX carries them
-// through shared memory and cross-memory reads (`local`), several times cheaper per
-// byte, so the two have terms of their own. `auto` picks the cheapest usable algorithm; overrides
+// through shared memory and cross-memory reads (`local`), whose cost a calibration of
+// that host measures, so the two have terms of their own. `auto` picks the cheapest usable algorithm; overrides
 // (TDX_ALGO=allreduce:ring,broadcast:tree, or set_algorithm from Python) pin one.
 //
 // Choices must agree across the ranks of a group: they depend only on the collective,

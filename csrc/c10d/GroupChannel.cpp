@@ -85,7 +85,7 @@ bool GroupChannel::quiesce() {
     const auto until = now + (lost ? std::chrono::milliseconds(100) : std::chrono::seconds(1));
     clean_ = transport_.wait(*p.request, until) && clean_;
   }
-  if (!clean_) scratch_.abandon();  // a transfer may still touch it
+  if (!clean_ && scratchUsed_) scratch_.abandon();  // a transfer may still touch it
   return clean_;
 }
 
@@ -154,6 +154,7 @@ void GroupChannel::wait(const RequestPtr& r) {
 }
 
 char* GroupChannel::scratch(size_t bytes) {
+  scratchUsed_ = true;
   return scratch_.get(bytes);
 }
 

@@ -24,10 +24,11 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
 // a fresh one per op was zeroed and, from 16 MiB up, page-faulted in on every op, which
 // on the development VM cost more than the transfer it staged (a 16 MiB message reduced
 // on arrival took 31 ms instead of 8). Grows to the largest op's need, is not zeroed, and
-// is given back after an op that needed more than kKeepBytes.
+// is given back after an op that needed more than kKeepBytes (a 128 MiB all_reduce at 2
+// ranks stages 64 MiB), so a process with many groups does not hold a large one each.
 class ScratchBuffer {
  public:
-  static constexpr size_t kKeepBytes = size_t(256) << 20;
+  static constexpr size_t kKeepBytes = size_t(64) << 20;
 
   ScratchBuffer() = default;
   ScratchBuffer(const ScratchBuffer&) = delete;
@@ -111,6 +112,7 @@ class GroupChannel final : public algorithms::Channel {
   const std::atomic<bool>& aborted_;
   std::vector<Posted> posted_;
   ScratchBuffer& scratch_;
+  bool scratchUsed_ = false;  // this op took the scratch (so an unclean end abandons it)
   bool quiesced_ = false;
   bool clean_ = true;
   uint32_t stepsDone_ = 0;

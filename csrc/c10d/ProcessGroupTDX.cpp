@@ -160,8 +160,17 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     localRanks += std::string(theirs.begin(), theirs.end()) == key ? 1 : 0;
   }
   const bool oneHost = localRanks == size;
+  // Windows only if every rank allows them: ranks that disagreed on TDX_SHM would choose
+  // different algorithms for the same op and wait on each other forever.
+  store_->set("tdx/shm/" + std::to_string(rank),
+              bytesOf(env::getInt("TDX_SHM") != 0 ? "1" : "0"));
+  bool windowsEverywhere = true;
+  for (int r = 0; r < size; ++r) {
+    const auto theirs = store_->get("tdx/shm/" + std::to_string(r));
+    windowsEverywhere = windowsEverywhere && std::string(theirs.begin(), theirs.end()) == "1";
+  }
   placement_.oneHost = oneHost;
-  placement_.windows = oneHost && env::getInt("TDX_SHM") != 0;
+  placement_.windows = oneHost && windowsEverywhere;
 
   try {
     transport::UcxTransport::Hints hints;
@@ -500,6 +509,9 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
       algorithms::Placement noCrossMemory = placement_;
       noCrossMemory.crossMemory = false;
       choice = reg.choose(c, bytes, size_, noCrossMemory, costModel_);
+      // The next best may be a message algorithm, which must not be run (or reported)
+      // as a window one.
+      if (choice.algorithm->link == algorithms::Link::Net) sel.window = nullptr;
     }
   }
   sel.algorithm = choice.algorithm;

@@ -23,9 +23,10 @@ Usage::
     python -m torchdist_ext.bench calibrate --out /tmp/cal.json --json fit.json
 
 A term that no point depends on (say gamma when only all_gather ran) keeps its current
-value. Spawned ranks share this host, so their message algorithms fit ``local`` and
-leave ``net`` as it was; ``net`` is fitted by a run under torchrun whose ranks span
-hosts (which has no shared-memory points).
+value. Spawned ranks share this host, so their message algorithms fit ``local``;
+``net`` is fitted by a run under torchrun whose ranks span hosts (which has no
+shared-memory points). Saving keeps the links of the existing file that this run did not
+fit, so the two runs add up.
 """
 
 from __future__ import annotations
@@ -395,8 +396,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.dry_run:
         print(f"# dry run: nothing saved (would write {target})")
     else:
+        before = calibration.load(target) if target.exists() else None
         path = calibration.save(data, target)
         print(f"# saved to {path}; processes that import torchdist_ext from now on use it")
+        kept = sorted(set(before["links"]) - set(data["links"])) if before else []
+        if kept:
+            print(f"# kept from the file, not measured by this run: {', '.join(kept)}")
     return 0
 
 
