@@ -113,6 +113,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "ProcessGroupTDX")
       .def_property_readonly("group_name", &tdx::ProcessGroupTDX::groupName)
       .def_property_readonly("peer_ops_run", &tdx::ProcessGroupTDX::peerOpsRun)
+      .def_property_readonly("placement",
+                             [](const tdx::ProcessGroupTDX& pg) {
+                               py::dict d;
+                               d["one_host"] = pg.placement().oneHost;
+                               d["windows"] = pg.placement().windows;
+                               return d;
+                             })
       .def("flight_record", [](const tdx::ProcessGroupTDX& pg) {
         py::list out;
         for (const auto& e : pg.flightRecord()) {

@@ -533,12 +533,16 @@ def _shm_on_some_ranks(rank: int, n: int) -> dict:
             dist.barrier(group=group)
             ok = True
         out[op] = (ok, torchdist_ext.flight_recorder(group)[-1]["path"])
+    out["placement"] = (torchdist_ext.placement(group), torchdist_ext.placement())
     return out
 
 
 def test_ranks_that_disagree_on_tdx_shm_agree_on_no_windows() -> None:
     window = {a["name"] for a in _C._algorithms() if a["link"] != "net"}
     for rank, res in enumerate(run_ranks(_shm_on_some_ranks, 3, timeout=60)):
+        group, world = res.pop("placement")
+        assert group == {"one_host": True, "windows": False}, (rank, group)
+        assert world == {"one_host": True, "windows": True}, (rank, world)
         for op, (ok, path) in res.items():
             assert ok, (rank, op, path)
             assert path not in window, (rank, op, path)

@@ -200,6 +200,7 @@ def test_bench_pinned_algorithms(tmp_path: Path, capfd: pytest.CaptureFixture[st
             assert r["algo"] is None and r["pinned"] is None, where
             continue
         assert r["algo_from"] == "flight recorder" and r["predicted_us"] > 0, where
+        assert r["one_host"] is True, where  # the tdx group's own placement
         if r["backend"] == "tdx":
             assert not r["pinned"], where
             assert r["algo"] == torchdist_ext.predict(collective[r["op"]], r["size"], 2)[0], where

@@ -46,6 +46,7 @@ __all__ = [
     "cost_model",
     "set_cost_model",
     "predict",
+    "placement",
 ]
 __version__ = "0.1.0"
 
@@ -233,6 +234,14 @@ def predict(collective: str, nbytes: int, world: int, same_host: bool = True,
     Both False: ranks on several hosts."""
     return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host),
                                       bool(one_host)))
+
+
+def placement(group: Any = None) -> dict[str, bool]:
+    """Where ``group``'s ranks are (default: the world), as its ranks agreed at creation:
+    ``one_host`` (every rank on this host: same boot id and mount, IPC and pid
+    namespaces; messages are priced on the ``local`` link) and ``windows`` (that, with
+    ``TDX_SHM`` not 0 on every rank: shared-memory algorithms may run)."""
+    return dict(_tdx_backend(group).placement)
 
 
 from . import calibration as _calibration  # noqa: E402

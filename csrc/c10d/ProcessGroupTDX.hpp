@@ -155,6 +155,10 @@ class ProcessGroupTDX : public c10d::Backend {
   const std::string& groupName() const {
     return groupName_;
   }
+  // Where the group's ranks are, as every rank of it agreed at creation.
+  const algorithms::Placement& placement() const {
+    return placement_;
+  }
 
  private:
   using DeviceBody = std::function<void(GroupChannel&, DeviceContext&)>;

@@ -369,7 +369,9 @@ def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Rank 0's machine description (same on every rank) and one line per rank.
 
     ``one_host``: every rank on one host, so tdx prices its messages as same-host ones;
-    ``same_host``: that and ``TDX_SHM`` not 0, so its shared-memory algorithms can run."""
+    ``same_host``: that and ``TDX_SHM`` not 0, so its shared-memory algorithms can run.
+    Both from host names here; the caller replaces them with the tdx group's own
+    placement when there is one."""
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
     mine = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
             "device": str(ctx.device), "gpu": gpu}
@@ -450,6 +452,11 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
             groups.pop(b, None)
             notes.append(f"{b} skipped: could not create its group: {error}")
     meta, rank_lines = _meta(ctx, list(groups))
+    if TDX in groups:
+        # The group's own answer (boot id and namespaces, TDX_SHM on every rank), which
+        # host names only approximate: containers may share one.
+        placed = torchdist_ext.placement(groups[TDX])
+        meta["one_host"], meta["same_host"] = placed["one_host"], placed["windows"]
     same_host = bool(meta["same_host"])
     one_host = bool(meta["one_host"])
 
