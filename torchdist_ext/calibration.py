@@ -21,7 +21,8 @@ from . import _C
 
 __all__ = ["calibration_path", "load", "save", "load_into_backend"]
 
-LINKS = ("net", "local", "shm", "cma")
+# The backend's links, in its order: net, local, shm, cma.
+LINKS = tuple(_C._cost_model())
 
 
 def calibration_path() -> Path:

@@ -152,23 +152,22 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // Same host? It decides whether shared-memory algorithms may run and, when the default
   // group starts the process's transport, whether UCX needs TCP at all: every other
   // group is a subset of the default one.
+  // Each rank publishes whether it allows windows (TDX_SHM) ahead of its host key. Windows
+  // run only if every rank allows them: ranks that disagreed would choose different
+  // algorithms for the same op and wait on each other forever.
   const std::string key = transport::hostKey();
-  store_->set("tdx/host/" + std::to_string(rank), bytesOf(key));
+  store_->set("tdx/host/" + std::to_string(rank),
+              bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + key));
   int localRanks = 0;
-  for (int r = 0; r < size; ++r) {
-    const auto theirs = store_->get("tdx/host/" + std::to_string(r));
-    localRanks += std::string(theirs.begin(), theirs.end()) == key ? 1 : 0;
-  }
-  const bool oneHost = localRanks == size;
-  // Windows only if every rank allows them: ranks that disagreed on TDX_SHM would choose
-  // different algorithms for the same op and wait on each other forever.
-  store_->set("tdx/shm/" + std::to_string(rank),
-              bytesOf(env::getInt("TDX_SHM") != 0 ? "1" : "0"));
   bool windowsEverywhere = true;
   for (int r = 0; r < size; ++r) {
-    const auto theirs = store_->get("tdx/shm/" + std::to_string(r));
-    windowsEverywhere = windowsEverywhere && std::string(theirs.begin(), theirs.end()) == "1";
+    const auto theirs = store_->get("tdx/host/" + std::to_string(r));
+    const std::string text(theirs.begin(), theirs.end());
+    if (text.empty()) continue;  // not a rank of this build: neither local nor windowed
+    localRanks += text.compare(1, std::string::npos, key) == 0 ? 1 : 0;
+    windowsEverywhere = windowsEverywhere && text[0] == '1';
   }
+  const bool oneHost = localRanks == size;
   placement_.oneHost = oneHost;
   placement_.windows = oneHost && windowsEverywhere;
 

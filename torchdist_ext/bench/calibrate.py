@@ -54,7 +54,7 @@ __all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "build_parser", "calibrate",
 
 TERMS = ("alpha", "beta", "gamma")
 _COLUMNS = ("steps", "bytes_moved", "bytes_reduced")  # what each term multiplies
-LINKS = ("net", "local", "shm", "cma")
+LINKS = calibration.LINKS
 DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all",
                "reduce")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4K, 16K, ..., 16M
