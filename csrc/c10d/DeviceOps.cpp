@@ -473,12 +473,19 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
   // Allgather of `bytes` per rank over the group's host channel; data[rank] is ours.
+  // The transfers land in the channel's scratch, and only a finished exchange is copied
+  // into `data`: `data` lives in a caller's frame, which an error unwinds, while a receive
+  // that UCX cannot cancel may still write its buffer afterwards. The scratch is
+  // abandoned, not freed, when that can happen (GroupChannel::quiesce).
   static void exchange(GroupChannel& ch, void* data, size_t bytes) {
-    std::vector<algorithms::Block> blocks(ch.size());
-    for (int p = 0; p < ch.size(); ++p) {
-      blocks[p] = algorithms::Block{static_cast<char*>(data) + p * bytes, bytes};
-    }
+    const int n = ch.size();
+    const size_t mine = static_cast<size_t>(ch.rank()) * bytes;
+    char* buf = ch.scratch(n * bytes);
+    std::memcpy(buf + mine, static_cast<const char*>(data) + mine, bytes);
+    std::vector<algorithms::Block> blocks(n);
+    for (int p = 0; p < n; ++p) blocks[p] = algorithms::Block{buf + p * bytes, bytes};
     algorithms::ringAllgather(ch, blocks);
+    std::memcpy(data, buf, n * bytes);
   }
 
   struct Pending {
