@@ -63,6 +63,12 @@ def _bad_calls(rank: int, n: int) -> list[str]:
                   lambda: pg.send([torch.ones(2)], 0, -5), "tag")
     _expect_error(fails, "sparse tensor",
                   lambda: dist.all_reduce(torch.ones(3).to_sparse()), "")
+    _expect_error(fails, "all_reduce into an expanded tensor",
+                  lambda: dist.all_reduce(torch.zeros(1).expand(4)),
+                  "all_reduce", "share memory", "clone")
+    _expect_error(fails, "recv into an expanded tensor",
+                  lambda: pg.recv([torch.zeros(1).expand(4)], (rank + 1) % n, 0),
+                  "recv", "share memory")
     # The group still works after all of that.
     t = torch.full((5,), float(rank))
     dist.all_reduce(t)
@@ -154,3 +160,65 @@ def test_failed_point_to_point_breaks_the_group() -> None:
     assert r["second"].startswith("DistBackendError"), r
     assert "unusable" in r["second"] and "recv" in r["second"], r
     assert r["seconds"] < 1.0, r
+
+
+def _slow_peer(rank: int, n: int) -> dict:
+    import time
+
+    ts = [torch.ones(4) for _ in range(3)]
+    out: dict = {}
+    if rank == 0:
+        start = time.monotonic()
+        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        try:
+            works[-1].wait()  # no timeout of its own: it ends when the op does
+            out["last"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out["last"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+        out["values"] = [t[0].item() for t in ts]
+    else:
+        for t in ts:  # each op starts 1.2 s after the last: within the 2 s group timeout
+            time.sleep(1.2)
+            dist.all_reduce(t)
+    return out
+
+
+def test_wait_counts_the_timeout_from_the_op_not_the_call() -> None:
+    """Three ops queued at once, each run within the group timeout: waiting on the last
+    must not fail because the three together took longer than the timeout."""
+    r = run_ranks(_slow_peer, 2, timeout=2)[0]
+    assert r["last"] == "ok" and r["values"] == [2.0] * 3, r
+    assert r["seconds"] > 2.0, r  # the point of the test: longer than one timeout
+
+
+def _abort_while_stuck(rank: int, n: int) -> dict:
+    import time
+
+    out: dict = {}
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(4), async_op=True)  # rank 1 never calls it
+        time.sleep(0.3)
+        start = time.monotonic()
+        dist.distributed_c10d._abort_process_group()
+        out["abort_seconds"] = time.monotonic() - start
+        try:
+            work.wait()
+            out["work"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out["work"] = f"{type(e).__name__}: {e}"
+        # The abort took the default group away; the harness destroys one at the end.
+        import os
+        import tempfile
+
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "solo"), 1)
+        dist.init_process_group("tdx", store=store, rank=0, world_size=1)
+    else:
+        time.sleep(3)
+    return out
+
+
+def test_abort_does_not_wait_for_peers() -> None:
+    r = run_ranks(_abort_while_stuck, 2, timeout=60)[0]
+    assert r["abort_seconds"] < 2.0, r
+    assert r["work"].startswith("DistBackendError") and "abort" in r["work"], r

@@ -208,3 +208,78 @@ def test_repeated_init_destroy(tmp_path) -> None:
     results = run_ranks(_reinit, 3, args=(str(tmp_path),))
     want = [float(sum(range(3)) + 3 * i) for i in range(3)]
     assert results == [want] * 3
+
+
+def _fnv_group_id(name: str) -> int:
+    """The backend's first candidate id for a group name (FNV-1a folded to 20 bits)."""
+    h = 1469598103934665603
+    for c in name.encode():
+        h = ((h ^ c) * 1099511628211) % (1 << 64)
+    return (h ^ (h >> 20) ^ (h >> 40)) & ((1 << 20) - 1)
+
+
+def _colliding_groups(rank: int, n: int, names: tuple[str, str]) -> list[float]:
+    from datetime import timedelta
+
+    import torchdist_ext
+
+    store = dist.distributed_c10d._get_default_store()
+    groups = [torchdist_ext._C._create_backend(dist.PrefixStore(name, store), rank, n,
+                                               timedelta(seconds=30), name, list(range(n)))
+              for name in names]
+    a = torch.full((4,), 1.0 + rank)
+    b = torch.full((4,), 100.0 * (rank + 1))
+    opts = dist.AllreduceOptions()
+    # The two ranks issue the two groups' ops in opposite orders: with one id between
+    # them, each op's messages would land in the other group's op.
+    if rank == 0:
+        works = [groups[0].allreduce([a], opts)]
+        time.sleep(0.3)
+        works.append(groups[1].allreduce([b], opts))
+    else:
+        works = [groups[1].allreduce([b], opts)]
+        time.sleep(0.3)
+        works.append(groups[0].allreduce([a], opts))
+    for w in works:
+        w.wait()
+    for g in groups:
+        g.shutdown()
+    return [a[0].item(), b[0].item()]
+
+
+def test_groups_whose_names_hash_alike_keep_their_messages_apart() -> None:
+    names = ("1898", "2109")  # torch's own default group names, colliding in 20 bits
+    assert _fnv_group_id(names[0]) == _fnv_group_id(names[1])
+    results = run_ranks(_colliding_groups, 2, args=(names,), timeout=60,
+                        env={"TDX_SHM": "0"})  # messages, not the window, carry the data
+    assert results == [[3.0, 300.0]] * 2, results
+
+
+def _receive_left_posted(rank: int, n: int, store_dir: str) -> dict:
+    import os
+
+    import torchdist_ext
+
+    stale = torch.zeros(2)
+    if rank == 1:
+        dist.irecv(stale, src=0)  # never matched, never waited for
+    dist.barrier()
+    dist.destroy_process_group()
+    out = {"running_after_destroy": torchdist_ext.transport_info()["running"]}
+    # The new default group has the old one's name: its first message must not land in
+    # the receive the old group left posted.
+    store = dist.FileStore(os.path.join(store_dir, "again"), n)
+    dist.init_process_group("tdx", store=store, rank=rank, world_size=n)
+    if rank == 0:
+        dist.send(torch.tensor([42.0, 43.0]), 1)
+    else:
+        fresh = torch.zeros(2)
+        dist.recv(fresh, 0)
+        out.update(fresh=fresh.tolist(), stale=stale.tolist())
+    return out
+
+
+def test_receive_left_posted_at_destroy_takes_nothing_later(tmp_path) -> None:
+    results = run_ranks(_receive_left_posted, 2, args=(str(tmp_path),), timeout=60)
+    assert [r["running_after_destroy"] for r in results] == [False, False], results
+    assert results[1]["fresh"] == [42.0, 43.0] and results[1]["stale"] == [0.0, 0.0], results

@@ -140,6 +140,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
     reds.push_back(makeReduction(ctx, opts.reduceOp, tensors[i].scalar_type()));
   }
   std::vector<at::Tensor> ts = tensors;
+  if (!reds.empty()) noteFingerprint(-1, &reds[0]);
   return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ts,
                  [this, ts, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ts[i], reds[i]);
@@ -395,6 +396,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
     reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type()));
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
+  if (!reds.empty()) noteFingerprint(-1, &reds[0]);
   return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outs, ins,
                  [this, outs, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {

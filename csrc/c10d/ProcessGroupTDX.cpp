@@ -15,7 +15,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <set>
 #include <sstream>
 
 #include "algorithms/collectives.h"
@@ -51,7 +54,7 @@ bool shapesMustMatch(c10d::OpType t) {
 }
 
 std::string fingerprintOf(c10d::OpType type, const std::string& what,
-                          const std::vector<at::Tensor>& tensors) {
+                          const std::vector<at::Tensor>& tensors, const std::string& extra) {
   std::ostringstream os;
   os << what;
   for (const auto& t : tensors) {
@@ -66,7 +69,7 @@ std::string fingerprintOf(c10d::OpType type, const std::string& what,
       if (t.defined()) os << t.sizes();
     }
   }
-  os << tFingerprintExtra;
+  os << extra;
   return os.str();
 }
 
@@ -95,6 +98,64 @@ uint32_t hashGroupName(const std::string& name) {
   }
   return static_cast<uint32_t>((h ^ (h >> 20) ^ (h >> 40)) & tag::kGroupMask);
 }
+
+// The group ids this process holds. A group's id is in every tag it sends, and the tag
+// field has 20 bits, so hashes of two names can collide: two live groups sharing an id
+// and a pair of members would take each other's messages. An id also stays held for a
+// while after its group is destroyed, since a message sent to that group and never
+// received may still wait in the transport. Each group picks the first of a few hashes
+// of its name that every member has free.
+class GroupIds {
+ public:
+  static constexpr int kCandidates = 64;
+  static constexpr size_t kRetired = 32;  // destroyed groups whose ids stay held
+
+  static GroupIds& get() {
+    static GroupIds ids;
+    return ids;
+  }
+
+  static std::vector<uint32_t> candidates(const std::string& name) {
+    std::vector<uint32_t> c(kCandidates);
+    c[0] = hashGroupName(name);
+    for (int k = 1; k < kCandidates; ++k) c[k] = hashGroupName(name + "#" + std::to_string(k));
+    return c;
+  }
+
+  // Holds every free candidate (so a group created meanwhile on another thread cannot
+  // take one) and returns which were free, a bit per candidate.
+  uint64_t reserve(const std::vector<uint32_t>& c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t mask = 0;
+    for (int k = 0; k < kCandidates; ++k) {
+      if (held_.insert(c[k]).second) mask |= uint64_t{1} << k;
+    }
+    return mask;
+  }
+
+  // Keeps candidate `chosen` (-1: none) and gives back the others `reserve` held.
+  void settle(const std::vector<uint32_t>& c, uint64_t reserved, int chosen) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int k = 0; k < kCandidates; ++k) {
+      if (k != chosen && (reserved >> k & 1)) held_.erase(c[k]);
+    }
+  }
+
+  // A destroyed group's id, held until kRetired later groups have been destroyed.
+  void retire(uint32_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    retired_.push_back(id);
+    if (retired_.size() > kRetired) {
+      held_.erase(retired_.front());
+      retired_.pop_front();
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<uint32_t> held_;  // live groups' ids, reserved candidates and retired ids
+  std::deque<uint32_t> retired_;
+};
 
 std::string errorText(const std::exception& e) {
   if (auto* ce = dynamic_cast<const c10::Error*>(&e)) return ce->what_without_backtrace();
@@ -135,6 +196,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     : Backend(rank, size),
       store_(store),
       options_(std::move(options)),
+      timeoutMs_(options_->timeout.count()),
       globalRanks_(std::move(globalRanks)),
       flight_(static_cast<size_t>(std::max<int64_t>(1, env::getInt("TDX_FLIGHT_OPS")))) {
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
@@ -147,26 +209,63 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   if (globalRanks_.empty()) {
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }
-  groupId_ = hashGroupName(groupName_);
 
-  // Same host? It decides whether shared-memory algorithms may run and, when the default
-  // group starts the process's transport, whether UCX needs TCP at all: every other
-  // group is a subset of the default one.
-  // Each rank publishes whether it allows windows (TDX_SHM) ahead of its host key. Windows
-  // run only if every rank allows them: ranks that disagreed would choose different
-  // algorithms for the same op and wait on each other forever.
+  // One round of store reads settles three things. Each rank publishes whether it allows
+  // windows (TDX_SHM), which of its group-id candidates it has free (16 hex digits) and
+  // its host key:
+  // - the group id: the first candidate free on every rank (GroupIds);
+  // - same host? It decides whether shared-memory algorithms may run and, when the
+  //   default group starts the process's transport, whether UCX needs TCP at all: every
+  //   other group is a subset of the default one;
+  // - windows run only if every rank allows them: ranks that disagreed would choose
+  //   different algorithms for the same op and wait on each other forever.
+  const auto idCandidates = GroupIds::candidates(groupName_);
+  const uint64_t idsFree = GroupIds::get().reserve(idCandidates);
+  constexpr size_t kMaskDigits = 16;
+  char maskText[kMaskDigits + 1];
+  std::snprintf(maskText, sizeof(maskText), "%016llx", static_cast<unsigned long long>(idsFree));
   const std::string key = transport::hostKey();
-  store_->set("tdx/host/" + std::to_string(rank),
-              bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + key));
+  uint64_t idsFreeEverywhere = idsFree;
   int localRanks = 0;
   bool windowsEverywhere = true;
-  for (int r = 0; r < size; ++r) {
-    const auto theirs = store_->get("tdx/host/" + std::to_string(r));
-    const std::string text(theirs.begin(), theirs.end());
-    if (text.empty()) continue;  // not a rank of this build: neither local nor windowed
-    localRanks += text.compare(1, std::string::npos, key) == 0 ? 1 : 0;
-    windowsEverywhere = windowsEverywhere && text[0] == '1';
+  try {
+    store_->set("tdx/host/" + std::to_string(rank),
+                bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) + key));
+    for (int r = 0; r < size; ++r) {
+      const auto theirs = store_->get("tdx/host/" + std::to_string(r));
+      const std::string text(theirs.begin(), theirs.end());
+      if (text.size() < 1 + kMaskDigits) {
+        C10_THROW_ERROR(DistBackendError,
+                        prefix() + " rank " + std::to_string(r) +
+                            " published no group record under tdx/host/: every rank of a tdx "
+                            "group must run the same torchdist_ext version");
+      }
+      idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
+      localRanks += text.compare(1 + kMaskDigits, std::string::npos, key) == 0 ? 1 : 0;
+      windowsEverywhere = windowsEverywhere && text[0] == '1';
+    }
+  } catch (...) {
+    GroupIds::get().settle(idCandidates, idsFree, -1);
+    throw;
   }
+  const int chosenId = idsFreeEverywhere == 0 ? -1 : __builtin_ctzll(idsFreeEverywhere);
+  GroupIds::get().settle(idCandidates, idsFree, chosenId);
+  if (chosenId < 0) {
+    C10_THROW_ERROR(DistBackendError,
+                    prefix() + " found no group id free on every rank (" +
+                        std::to_string(GroupIds::kCandidates) +
+                        " tried): too many groups are alive in these processes; destroy "
+                        "the ones no longer used (torch.distributed.destroy_process_group)");
+  }
+  groupId_ = idCandidates[chosenId];
+  // Retired with the group at shutdown, or here if the rest of the set-up fails.
+  struct RetireOnThrow {
+    uint32_t id;
+    bool armed = true;
+    ~RetireOnThrow() {
+      if (armed) GroupIds::get().retire(id);
+    }
+  } retireOnThrow{groupId_};
   const bool oneHost = localRanks == size;
   placement_.oneHost = oneHost;
   placement_.windows = oneHost && windowsEverywhere;
@@ -210,6 +309,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
   if (checkFingerprints_) listenForMismatchNotices();
   worker_ = std::thread([this] { runLoop(); });
+  retireOnThrow.armed = false;
   init();
   TDX_LOG(Info, prefix()) << "group ready (id " << groupId_ << ", timeout "
                           << options_->timeout.count() << " ms)";
@@ -226,10 +326,12 @@ std::string ProcessGroupTDX::prefix() const {
 }
 
 std::chrono::milliseconds ProcessGroupTDX::timeout() const {
-  return options_->timeout;
+  return std::chrono::milliseconds(timeoutMs_.load(std::memory_order_relaxed));
 }
 
 void ProcessGroupTDX::setTimeout(std::chrono::milliseconds timeout) {
+  // The worker and the transport's threads read the timeout: they read the atomic copy.
+  timeoutMs_.store(timeout.count(), std::memory_order_relaxed);
   options_->timeout = timeout;
 }
 
@@ -260,6 +362,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     c10d::OpType type, const std::string& what, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body,
     PeerAttempt peerAttempt) {
+  // Taken first, so an op that fails its checks leaves nothing for the next one.
+  const std::string fingerprintExtra = std::move(tFingerprintExtra);
+  tFingerprintExtra.clear();
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    checkWritable(prefix() + " " + what, outputs[i],
+                  outputs.size() == 1 ? std::string("output") : "output " + std::to_string(i));
+  }
+  // Sequence numbers must reach the queue in order: ranks match ops by them, and two
+  // threads issuing ops on one group could otherwise queue #2 ahead of #1 on one rank.
+  std::lock_guard<std::mutex> ordered(enqueueMu_);
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
                                            outputs, timeout(), what.c_str(), inputs);
@@ -283,10 +395,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   if (checkFingerprints_) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides();
-    task.fingerprint = fingerprintOf(type, what, task.keepAlive) +
+    task.fingerprint = fingerprintOf(type, what, task.keepAlive, fingerprintExtra) +
                        (pins.empty() ? std::string() : " algorithms=" + pins);
   }
-  tFingerprintExtra.clear();
   if (auto dev = firstDeviceTensor(task.keepAlive)) {
     // The op must see what the caller's stream produced: record an event now, wait for
     // it on the worker thread.
@@ -340,6 +451,7 @@ void ProcessGroupTDX::runLoop() {
       if (!queue_.empty()) {
         task = std::move(queue_.front());
         queue_.pop_front();
+        running_.store(true);  // before queued_ drops, so shutdown sees one or the other
         queued_.fetch_sub(1, std::memory_order_release);
         have = true;
       } else if (stopping_) {
@@ -355,7 +467,10 @@ void ProcessGroupTDX::runLoop() {
       }
     }
     if (p2pInFlight_->load() > 0) cancelPointToPointIfBroken();
-    if (have) runTask(task);
+    if (have) {
+      runTask(task);
+      running_.store(false);
+    }
   }
 }
 
@@ -672,6 +787,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   const char* op = isSend ? "send" : (peer < 0 ? "recv (any source)" : "recv");
   const std::string ctx = prefix() + " " + op;
   checkTensor(ctx, t, "tensor");
+  if (!isSend) checkWritable(ctx, t, "tensor");
   if (peer >= 0) checkRank(ctx, peer, size_, isSend ? "destination rank" : "source rank");
   TORCH_CHECK_VALUE(userTag >= 0 && static_cast<uint64_t>(userTag) <= tag::kMaxUserTag, ctx,
                     ": tag ", userTag, " is out of range; use 0..", tag::kMaxUserTag);
@@ -722,14 +838,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     }
   }
 
-  auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what,
-                     transport = transport_, endpoints = sharedEndpoints_, self = rank_,
+  // A CUDA receive is copied in on the device's default stream once it arrives: that
+  // copy must come after what the caller's stream still does with the tensor.
+  std::shared_ptr<c10::Event> ready;
+  if (!isSend && !t.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(t.device().type());
+    ready = std::make_shared<c10::Event>(t.device().type());
+    ready->record(impl.getStream(t.device()));
+  }
+  // The completion lives in the transport (with its request) and holds the transport
+  // weakly: a strong reference from there would keep the transport alive for good once
+  // the request outlived its group.
+  std::weak_ptr<transport::Transport> weakTransport = transport_;
+  auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what, ready,
+                     weakTransport, endpoints = sharedEndpoints_, self = rank_,
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
                      inFlight = p2pInFlight_](transport::Request& r) {
     std::string failure;  // why the op failed ("" when it did not)
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
+    // Null only while the transport is being torn down (which fails what is in flight).
+    const auto transport = weakTransport.lock();
     if (!r.ok()) {
-      failure = r.error + lostRanksNote(*transport, *endpoints, self);
+      failure = r.error + (transport ? lostRanksNote(*transport, *endpoints, self) : "");
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
                p2pHeaderText(wire) != mine) {
       const std::string theirs = p2pHeaderText(wire);
@@ -745,7 +875,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
           ". Sender and receiver need the same dtype and shape; the group is unusable now");
       if (text->size() > 1000) text->resize(1000);  // the notice receives hold 1024 bytes
       fault->record(*text, /*abort=*/true);
-      for (size_t q = 0; q < endpoints->size(); ++q) {
+      for (size_t q = 0; transport && q < endpoints->size(); ++q) {
         if (static_cast<int>(q) == self || transport->endpointFailed((*endpoints)[q])) continue;
         transport->isend((*endpoints)[q], tag::pointToPoint(group, self, tag::kMismatchTag),
                          text->data(), text->size(), transport::MemType::Host,
@@ -769,8 +899,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
           // current, with unrelated work queued on it.
           c10::OptionalStreamGuard guard;
           if (!t.is_cpu()) {
-            guard.reset_stream(
-                c10::impl::VirtualGuardImpl(t.device().type()).getDefaultStream(t.device()));
+            const c10::Stream stream =
+                c10::impl::VirtualGuardImpl(t.device().type()).getDefaultStream(t.device());
+            guard.reset_stream(stream);
+            if (ready) ready->block(stream);
           }
           t.copy_(host);
           if (!t.is_cpu()) syncCurrentStream(t.device());
@@ -830,9 +962,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     }
     p2pRequests_.push_back(weak);
   }
-  // The transport is held weakly by the work: one kept past its group must not keep the
-  // transport alive.
-  std::weak_ptr<transport::Transport> weakTransport = transport_;
+  // The transport is held weakly by the work too: one kept past its group must not keep
+  // the transport alive.
   work->setOnTimeout([weakTransport, weak] {
     auto t = weakTransport.lock();
     auto r = weak.lock();
@@ -947,18 +1078,35 @@ void ProcessGroupTDX::shutdownLocked() {
   if (shutDown_) return;
   shutDown_ = true;
   // A group that lost a member waits for nobody: a survivor may be stuck on this rank
-  // (a point-to-point receive from it, say), and only this rank's exit releases it.
+  // (a point-to-point receive from it, say), and only this rank's exit releases it. Nor
+  // does an aborted group, or one with an op queued or running, which is abandoned
+  // below: its peers cannot finish that op either.
   const bool lost = !lostRanksNote(*transport_, endpoints_, rank_).empty();
-  sayGoodbye(/*awaitPeers=*/!aborted_ && brokenReason().empty() && !lost);
+  const bool busy = queued_.load() > 0 || running_.load();
+  sayGoodbye(/*awaitPeers=*/!aborted_ && brokenReason().empty() && !lost && !busy);
   // The notice's buffer lives on with its completion, so a cancel is all it needs.
   if (noticeRecv_ && !noticeRecv_->done()) {
     transport_->cancel(*noticeRecv_, "the process group was shut down");
+  }
+  // Point-to-point ops still posted end with an error, as their buffers live on with
+  // their completions. A receive left posted would take a message meant for a later
+  // group that reuses this one's id.
+  std::vector<std::weak_ptr<transport::Request>> p2p;
+  {
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    p2p.swap(p2pRequests_);
+  }
+  for (auto& weak : p2p) {
+    if (auto r = weak.lock()) {
+      if (!r->done()) transport_->cancel(*r, "the process group was shut down");
+    }
   }
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;
   stopWorker("the process group was shut down before the op ran");
   transport_.reset();
+  GroupIds::get().retire(groupId_);
   TDX_LOG(Info, prefix()) << "shut down";
 }
 
@@ -1004,6 +1152,9 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
 }
 
 void ProcessGroupTDX::abort() {
+  // Ops in flight stop at their next check (100 ms at most), and shutdown waits for no
+  // peer's goodbye.
+  aborted_ = true;
   shutdown();
 }
 

@@ -202,6 +202,7 @@ class ProcessGroupTDX : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend::Options> options_;
+  std::atomic<int64_t> timeoutMs_;  // options_->timeout, for threads other than the caller's
   std::string groupName_;
   std::vector<int64_t> globalRanks_;
   uint32_t groupId_;
@@ -280,10 +281,12 @@ class ProcessGroupTDX : public c10d::Backend {
   transport::RequestPtr noticeRecv_;
   void listenForMismatchNotices();
 
+  std::mutex enqueueMu_;  // held from taking a sequence number to queueing the op
   std::mutex queueMu_;
   std::condition_variable queueCv_;
   std::deque<Task> queue_;
   std::atomic<int> queued_{0};  // queue_.size(), readable without the lock
+  std::atomic<bool> running_{false};  // the worker is running an op
   // The worker sleeps with no deadline (no point-to-point op to watch). Set under
   // queueMu_ before it checks the in-flight count; a point-to-point op reads it after
   // raising the count, so one of the two sees the other (both seq_cst) and only an op

@@ -19,6 +19,9 @@ std::optional<DType> toDType(at::ScalarType t);
 
 // `ctx` is the message prefix, e.g. "[tdx r0/4 pg=0] all_reduce".
 void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string& name);
+// A tensor the op writes: no two of its elements may share memory (an expand()ed view),
+// since the result would be whichever write came last.
+void checkWritable(const std::string& ctx, const at::Tensor& t, const std::string& name);
 void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
                      const std::string& name, bool sameNumel);
 // `output` may be `input` itself, or memory of its own; never a part of `input`.

@@ -71,7 +71,16 @@ bool WorkTDX::isSuccess() const {
 }
 
 bool WorkTDX::wait(std::chrono::milliseconds timeout) {
-  // kNoTimeout means "the group's timeout": ops never wait forever.
+  std::function<void()> onTimeout;
+  {
+    std::lock_guard<std::mutex> g(timeoutMu_);
+    onTimeout = onTimeout_;
+  }
+  // Without a timeout of its own, a wait ends when the op does. A collective's worker
+  // gives each op the group's timeout from the moment the op starts, so one queued
+  // behind slow ops is not failed by a clock that started at this call. Point-to-point
+  // ops (those with an onTimeout) have no deadline but the wait's: the group's timeout.
+  const bool unbounded = timeout == kNoTimeout && !onTimeout;
   const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
   std::unique_lock<std::mutex> lock(mutex_);
   if (!completed_) {
@@ -98,17 +107,16 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
       lock.lock();
     }
   }
-  if (!cv_.wait_for(lock, limit, [&] { return completed_; })) {
-    lock.unlock();
-    std::function<void()> onTimeout;
-    {
-      std::lock_guard<std::mutex> g(timeoutMu_);
-      onTimeout = onTimeout_;
+  if (unbounded) {
+    cv_.wait(lock, [&] { return completed_; });
+  } else if (!cv_.wait_for(lock, limit, [&] { return completed_; })) {
+    if (onTimeout) {
+      lock.unlock();
+      onTimeout();
+      lock.lock();
+      // Cancellation completes the parts quickly; if it does not, report the timeout.
+      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return completed_; });
     }
-    if (onTimeout) onTimeout();
-    lock.lock();
-    // Cancellation completes the parts quickly; if it does not, report the timeout.
-    cv_.wait_for(lock, std::chrono::seconds(1), [&] { return completed_; });
     if (!completed_) {
       C10_THROW_ERROR(DistBackendError,
                       description_ + " did not complete within " +
