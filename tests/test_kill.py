@@ -139,3 +139,30 @@ def test_point_to_point_refused_once_a_member_is_lost() -> None:
             assert err.startswith("DistBackendError"), (rank, r)
             assert "rank 2" in err and "unusable" in err, (rank, err)
         assert r["seconds"] < 1.0, (rank, r)
+
+
+def _killed_part_way_through_a_message(rank: int, n: int) -> dict:
+    count = (64 << 20) // 4
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        dist.isend(torch.ones(count), 0)
+        time.sleep(0.02)  # some fragments are on their way, most are not
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.recv(torch.empty(count), 1)
+        return {"error": None, "seconds": time.monotonic() - start}
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+
+
+def test_receive_of_a_message_cut_off_by_a_kill_fails_at_once() -> None:
+    """A 64 MiB message sent eagerly in fragments (UCX_RNDV_THRESH=inf), the sender killed
+    20 ms in: UCX cannot cancel the receive it has begun to fill, so the transport fails
+    it once the fragments already sent have landed, naming the lost rank, instead of
+    leaving it to the group timeout."""
+    r = run_ranks(_killed_part_way_through_a_message, 2, timeout=TIMEOUT,
+                  env={"UCX_RNDV_THRESH": "inf"}, may_exit=[1])[0]
+    assert r["error"] and r["error"].startswith("DistBackendError"), r
+    assert "rank 1" in r["error"], r
+    assert r["seconds"] < 5.0, r

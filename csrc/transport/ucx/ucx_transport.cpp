@@ -585,6 +585,10 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
         if (void* h = r->handle.load()) ucp_request_cancel(worker_, h);
       }
     }
+    {
+      std::lock_guard<std::mutex> lock(closingMu_);
+      recvSweeps_.emplace_back(endpoint, Clock::now() + kRecvSweepGrace);
+    }
     if (!forceClose) return;
     // Sends the force close cancels should say why, not just "canceled".
     for (auto& r : sends) {
@@ -681,9 +685,14 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
   RequestPtr r = track(endpoint, false, std::move(onComplete));
   r->postedBytes = bytes;
   if (endpoint >= 0 && endpointFailed(endpoint)) {
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(endpointsMu_);
+      failure = endpoints_.at(endpoint).failure;
+    }
     {
       std::lock_guard<std::mutex> lock(r->mu);
-      r->error = "connection to peer lost";
+      r->error = "connection to peer lost (" + failure + ")";
     }
     finishImmediately(r, UCS_ERR_CONNECTION_RESET, 0, 0);
     return r;
@@ -712,6 +721,9 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
     finishImmediately(r, st, 0, 0);
   } else {
     r->handle.store(s);
+    // The peer may have been declared lost between the check above and the store, when
+    // its clean-up found no handle to cancel.
+    if (endpoint >= 0 && endpointFailed(endpoint)) cancel(*r, "connection to peer lost");
     wake();
   }
   return r;
@@ -739,17 +751,22 @@ void UcxTransport::cancel(Request& r, const std::string& reason) {
     if (r.done()) return;
     if (r.error.empty()) r.error = reason;
   }
-  Request* raw = &r;
-  defer([this, raw] {
-    // Queued actions run in order, so a request freed by an earlier action is no longer
-    // tracked when this one looks. UCX is called without inflightMu_ held: its
-    // callbacks take that lock under UCX's worker lock.
-    RequestPtr keep;
+  // The request is held from here, not looked up by address when the action runs: by
+  // then it may have completed and been freed, and a new request may have its address.
+  RequestPtr keep;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    auto it = inflight_.find(&r);
+    if (it == inflight_.end()) return;
+    keep = it->second;
+  }
+  defer([this, keep] {
+    // Still tracked means UCX still owns the handle. UCX is called without inflightMu_
+    // held: its callbacks take that lock under UCX's worker lock.
     {
       std::lock_guard<std::mutex> lock(inflightMu_);
-      auto it = inflight_.find(raw);
-      if (it == inflight_.end() || raw->done()) return;
-      keep = it->second;
+      auto it = inflight_.find(keep.get());
+      if (it == inflight_.end() || it->second != keep || keep->done()) return;
     }
     if (void* h = keep->handle.load()) ucp_request_cancel(worker_, h);
   });
@@ -818,6 +835,7 @@ void UcxTransport::checkWatched() {
     }
     failEndpoint(id, "process " + std::to_string(pid) + " on this host exited");
   }
+  sweepLostReceives();
   std::lock_guard<std::mutex> lock(closingMu_);
   for (size_t i = 0; i < forceClosing_.size();) {
     if (ucp_request_check_status(forceClosing_[i]) == UCS_INPROGRESS) {
@@ -827,6 +845,49 @@ void UcxTransport::checkWatched() {
     ucp_request_free(forceClosing_[i]);
     forceClosing_[i] = forceClosing_.back();
     forceClosing_.pop_back();
+  }
+}
+
+void UcxTransport::sweepLostReceives() {
+  std::vector<int> due;
+  {
+    std::lock_guard<std::mutex> lock(closingMu_);
+    const auto now = Clock::now();
+    for (size_t i = 0; i < recvSweeps_.size();) {
+      if (recvSweeps_[i].second > now) {
+        ++i;
+        continue;
+      }
+      due.push_back(recvSweeps_[i].first);
+      recvSweeps_[i] = recvSweeps_.back();
+      recvSweeps_.pop_back();
+    }
+  }
+  for (int endpoint : due) {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(endpointsMu_);
+      why = endpoints_[endpoint].failure;
+    }
+    std::vector<RequestPtr> stuck;
+    {
+      std::lock_guard<std::mutex> lock(inflightMu_);
+      for (auto& kv : inflight_) {
+        const Request& r = *kv.second;
+        // A receive without a handle is being posted right now; its post looks at the
+        // endpoint again and cancels it.
+        if (r.endpoint == endpoint && !r.isSend && !r.done() && r.handle.load() != nullptr) {
+          stuck.push_back(kv.second);
+        }
+      }
+    }
+    // Failed here, the UCX request stays tracked (it still points at the Request) until
+    // UCX lets go of it, as a force-closed endpoint's sends do. Nothing more can arrive
+    // for it: its sender is gone.
+    for (auto& r : stuck) {
+      finishRequest(*r, false, "connection to peer lost (" + why + ") part way through a message");
+      r->runOnComplete();
+    }
   }
 }
 

@@ -129,6 +129,8 @@ class UcxTransport final : public Transport {
   // Reports watched peers that exited; frees force-close requests that finished
   // (progress thread).
   void checkWatched();
+  // Fails the receives of lost endpoints still pending after the grace (recvSweeps_).
+  void sweepLostReceives();
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -140,6 +142,12 @@ class UcxTransport final : public Transport {
   std::shared_mutex postMu_;
   std::mutex closingMu_;
   std::vector<void*> forceClosing_;  // ucp_ep_close_nbx requests of lost watched peers
+  // Lost endpoints whose receives still pending at the given time are failed then: UCX
+  // cancels only receives it has not matched yet, and one that had begun taking in a
+  // message in fragments waits forever for the rest from a dead peer. The grace lets
+  // fragments already queued in this process's FIFOs and sockets land first.
+  std::vector<std::pair<int, Clock::time_point>> recvSweeps_;  // under closingMu_
+  static constexpr std::chrono::milliseconds kRecvSweepGrace{100};
   int eventFd_ = -1;
   int epollFd_ = -1;
   std::chrono::microseconds spin_;
