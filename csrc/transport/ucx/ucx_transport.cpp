@@ -247,8 +247,8 @@ UcxTransport::UcxTransport(const Hints& hints)
       peerErrors_(peerErrorsSetting()) {
   ucp_config_t* config = nullptr;
   check(ucp_config_read(nullptr, nullptr, &config), "config read");
-  tcpLoaded_ = chooseTcp(hints.tcpWanted);
   try {
+    tcpLoaded_ = chooseTcp(hints.tcpWanted);
     configureTcp(config, tcpLoaded_);
     rendezvousThreshold_ = configureRendezvous(config, hints.localRanks);
   } catch (...) {
@@ -265,14 +265,29 @@ UcxTransport::UcxTransport(const Hints& hints)
   ucs_status_t st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   check(st, "context init");
+  try {
+    startWorker();
+  } catch (...) {
+    // The destructor does not run for a constructor that throws.
+    if (epollFd_ >= 0) ::close(epollFd_);
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+    throw;
+  }
+  progressThread_ = std::thread([this] { progressLoop(); });
+  TDX_LOG(Info, kPrefix) << "UCX " << ucp_get_version_string() << " worker up, "
+                         << env::describe();
+}
 
+void UcxTransport::startWorker() {
+  ucs_status_t st;
   ucp_worker_params_t wp;
   std::memset(&wp, 0, sizeof(wp));
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_MULTI;
   st = ucp_worker_create(context_, &wp, &worker_);
   if (st != UCS_OK) {
-    ucp_cleanup(context_);
+    worker_ = nullptr;
     check(st, "worker create");
   }
 
@@ -282,8 +297,12 @@ UcxTransport::UcxTransport(const Hints& hints)
   check(ucp_worker_query(worker_, &attr), "worker query");
   multiThreaded_ = attr.thread_mode == UCS_THREAD_MODE_MULTI;
   if (!multiThreaded_) {
-    TDX_LOG(Warn, kPrefix) << "UCX worker is not multi-threaded (thread mode "
-                           << attr.thread_mode << "); this UCX build lacks --enable-mt";
+    // The progress thread, waiters and the groups' threads all call into the worker.
+    ucp_worker_release_address(worker_, attr.address);
+    throw std::runtime_error(
+        "the UCX worker is not multi-threaded (thread mode " + std::to_string(attr.thread_mode) +
+        "): this UCX build lacks --enable-mt, which tdx needs. Use the libucx-cu13 wheel "
+        "or a UCX built with --enable-mt");
   }
   address_ = frameAddress(self_.serialize(),
                          std::string(reinterpret_cast<const char*>(attr.address),
@@ -310,9 +329,6 @@ UcxTransport::UcxTransport(const Hints& hints)
     }
   }
 
-  progressThread_ = std::thread([this] { progressLoop(); });
-  TDX_LOG(Info, kPrefix) << "UCX " << ucp_get_version_string() << " worker up, "
-                         << env::describe();
 }
 
 UcxTransport::~UcxTransport() {
@@ -431,7 +447,15 @@ int UcxTransport::connect(const std::string& address) {
   ep.err_handler.cb = endpointErrorCallback;
   ep.err_handler.arg = arg;
   ucp_ep_h handle = nullptr;
-  check(ucp_ep_create(worker_, &ep, &handle), "endpoint create");
+  const ucs_status_t created = ucp_ep_create(worker_, &ep, &handle);
+  if (created != UCS_OK) {
+    // The entry stays (ids index a deque) but is failed: nothing posts on it, a later
+    // connect to the address makes a new one, and the watch's exit report is ignored.
+    std::lock_guard<std::mutex> lock(endpointsMu_);
+    endpoints_[id].failed = true;
+    endpoints_[id].failure = std::string("endpoint create: ") + ucs_status_string(created);
+  }
+  check(created, "endpoint create");
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
     endpoints_[id].ep = handle;
@@ -652,6 +676,9 @@ RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, siz
     if (e.failed || ep == nullptr) failure = e.failure.empty() ? "endpoint closed" : e.failure;
   }
   if (!failure.empty()) {
+    // Completions run with no transport lock held: one that drives progress() could run
+    // a force close, which takes postMu_ exclusively.
+    posting.unlock();
     {
       std::lock_guard<std::mutex> lock(r->mu);
       r->error = "connection to peer lost (" + failure + ")";
@@ -668,13 +695,17 @@ RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, siz
   p.datatype = ucp_dt_make_contig(1);
   p.memory_type = mem == MemType::Cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   ucs_status_ptr_t s = ucp_tag_send_nbx(ep, data, bytes, tag, &p);
+  if (s != nullptr && !UCS_PTR_IS_ERR(s)) {
+    r->handle.store(s);  // before a force close of the endpoint may look for it
+    posting.unlock();
+    wake();
+    return r;
+  }
+  posting.unlock();  // the completion below runs with no transport lock held
   if (s == nullptr) {
     finishImmediately(r, UCS_OK, bytes, tag);
-  } else if (UCS_PTR_IS_ERR(s)) {
-    finishImmediately(r, UCS_PTR_STATUS(s), 0, 0);
   } else {
-    r->handle.store(s);
-    wake();
+    finishImmediately(r, UCS_PTR_STATUS(s), 0, 0);
   }
   return r;
 }

@@ -121,6 +121,8 @@ class UcxTransport final : public Transport {
   void drain();
   void runDeferred();  // drain()'s loop, with drainMu_ held
   void progressLoop();
+  // The constructor's worker, its address and the progress thread's epoll set.
+  void startWorker();
   void wake();
   void closeEndpoints();
   bool chooseTcp(bool tcpWanted) const;
