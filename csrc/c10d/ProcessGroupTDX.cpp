@@ -705,6 +705,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
     all = all && v.size() == 1 && v[0] == '1';
   }
   if (window_ && rank_ == 0) window_->unlinkName();
+  if (window_ && all) window_->watchPeers();
   if (!all) {
     window_.reset();
     TDX_LOG(Warn, prefix()) << "shared-memory window unavailable"

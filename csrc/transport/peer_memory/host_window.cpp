@@ -210,13 +210,14 @@ void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
     iovec l{static_cast<char*>(local) + done, bytes - done};
     iovec rm{const_cast<char*>(static_cast<const char*>(remote)) + done, bytes - done};
     const ssize_t n = process_vm_readv(pid(r), &l, 1, &rm, 1, 0);
+    const int err = n < 0 ? errno : 0;  // checkAlive() below makes calls that set errno
     if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno == ESRCH) checkAlive(r, wc);  // names every rank that is gone
+      if (err == EINTR) continue;
+      if (err == ESRCH) checkAlive(r, wc);  // names every rank that is gone
       throw std::runtime_error(std::string("reading rank ") + std::to_string(r) +
                                "'s buffer in place failed during " + wc.what + ": " +
-                               (n < 0 ? std::strerror(errno) : "no progress") +
-                               (errno == ESRCH ? " (that rank has exited)" : ""));
+                               (n < 0 ? std::strerror(err) : "no progress") +
+                               (err == ESRCH ? " (that rank has exited)" : ""));
     }
     done += static_cast<size_t>(n);
   }
@@ -233,6 +234,12 @@ void HostWindow::post() {
 
 uint64_t HostWindow::posted() const {
   return posted_;
+}
+
+void HostWindow::watchPeers() {
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) (void)exited(r);  // opens the pidfd while the pid is still the rank's
+  }
 }
 
 bool HostWindow::exited(int r) {

@@ -42,6 +42,10 @@ class HostWindow {
 
   // Removes the name (rank 0, once every rank has attached); the mapping stays valid.
   void unlinkName();
+  // Opens a pidfd on every peer, once all have attached: a pid looked up only when a
+  // wait first stalls could by then be another process's, if the rank died and its pid
+  // was reused, and the wait would run to its deadline instead of naming the rank.
+  void watchPeers();
 
   int rank() const {
     return rank_;

@@ -564,6 +564,7 @@ void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
 
 void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
   std::string why;
+  std::string peer;  // for the log: which process this endpoint reached
   bool forceClose = false;
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
@@ -573,6 +574,8 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     e.failure = failure;
     why = e.failure;
     forceClose = e.watched && !e.peerErrors;
+    peer = "endpoint " + std::to_string(endpoint) + " (pid " + std::to_string(e.pid) +
+           (e.sameHost ? " on this host)" : " on another host)");
   }
   // A peer that shut down cleanly closes its side too; that is only worth a warning
   // when something was still waiting on it.
@@ -582,9 +585,9 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     for (auto& kv : inflight_) busy = busy || kv.second->endpoint == endpoint;
   }
   if (busy) {
-    TDX_LOG(Warn, kPrefix) << "lost connection to endpoint " << endpoint << ": " << why;
+    TDX_LOG(Warn, kPrefix) << "lost connection to " << peer << ": " << why;
   } else {
-    TDX_LOG(Info, kPrefix) << "endpoint " << endpoint << " closed by its peer: " << why;
+    TDX_LOG(Info, kPrefix) << peer << " closed by its peer: " << why;
   }
   // Sends on the endpoint complete with an error by themselves (peer error mode), or
   // when a watched peer's endpoint is closed by force below; receives are posted on the
