@@ -69,6 +69,11 @@ def _bad_calls(rank: int, n: int) -> list[str]:
     _expect_error(fails, "recv into an expanded tensor",
                   lambda: pg.recv([torch.zeros(1).expand(4)], (rank + 1) % n, 0),
                   "recv", "share memory")
+    # A rank that only reads its tensor may pass an expanded one: a broadcast's root.
+    src = torch.full((1,), 5.0).expand(4) if rank == 0 else torch.zeros(4)
+    dist.broadcast(src, src=0)
+    if src.tolist() != [5.0] * 4:
+        fails.append(f"broadcast from an expanded root tensor gave {src.tolist()}")
     # The group still works after all of that.
     t = torch.full((5,), float(rank))
     dist.all_reduce(t)
@@ -165,8 +170,9 @@ def test_failed_point_to_point_breaks_the_group() -> None:
 def _slow_peer(rank: int, n: int) -> dict:
     import time
 
-    ts = [torch.ones(4) for _ in range(3)]
+    ts = [torch.ones(4) for _ in range(4)]
     out: dict = {}
+    dist.barrier()  # both ranks start the clock together
     if rank == 0:
         start = time.monotonic()
         works = [dist.all_reduce(t, async_op=True) for t in ts]
@@ -178,18 +184,18 @@ def _slow_peer(rank: int, n: int) -> dict:
         out["seconds"] = time.monotonic() - start
         out["values"] = [t[0].item() for t in ts]
     else:
-        for t in ts:  # each op starts 1.2 s after the last: within the 2 s group timeout
-            time.sleep(1.2)
+        for t in ts:  # each op starts 1 s after the last: well within the 3 s timeout
+            time.sleep(1.0)
             dist.all_reduce(t)
     return out
 
 
 def test_wait_counts_the_timeout_from_the_op_not_the_call() -> None:
-    """Three ops queued at once, each run within the group timeout: waiting on the last
-    must not fail because the three together took longer than the timeout."""
-    r = run_ranks(_slow_peer, 2, timeout=2)[0]
-    assert r["last"] == "ok" and r["values"] == [2.0] * 3, r
-    assert r["seconds"] > 2.0, r  # the point of the test: longer than one timeout
+    """Four ops queued at once, each run within the group timeout: waiting on the last
+    must not fail because the four together took longer than the timeout."""
+    r = run_ranks(_slow_peer, 2, timeout=3)[0]
+    assert r["last"] == "ok" and r["values"] == [2.0] * 4, r
+    assert r["seconds"] > 3.0, r  # the point of the test: longer than one timeout
 
 
 def _abort_while_stuck(rank: int, n: int) -> dict:

@@ -142,7 +142,7 @@ def test_point_to_point_refused_once_a_member_is_lost() -> None:
 
 
 def _killed_part_way_through_a_message(rank: int, n: int) -> dict:
-    count = (64 << 20) // 4
+    count = (256 << 20) // 4  # more than 20 ms of copying, even through shared memory
     dist.all_reduce(torch.ones(4))
     if rank == 1:
         dist.isend(torch.ones(count), 0)
@@ -157,7 +157,7 @@ def _killed_part_way_through_a_message(rank: int, n: int) -> dict:
 
 
 def test_receive_of_a_message_cut_off_by_a_kill_fails_at_once() -> None:
-    """A 64 MiB message sent eagerly in fragments (UCX_RNDV_THRESH=inf), the sender killed
+    """A 256 MiB message sent eagerly in fragments (UCX_RNDV_THRESH=inf), the sender killed
     20 ms in: UCX cannot cancel the receive it has begun to fill, so the transport fails
     it once the fragments already sent have landed, naming the lost rank, instead of
     leaving it to the group timeout."""

@@ -261,11 +261,16 @@ def _receive_left_posted(rank: int, n: int, store_dir: str) -> dict:
     import torchdist_ext
 
     stale = torch.zeros(2)
-    if rank == 1:
-        dist.irecv(stale, src=0)  # never matched, never waited for
+    work = dist.irecv(stale, src=0) if rank == 1 else None  # never matched
     dist.barrier()
     dist.destroy_process_group()
     out = {"running_after_destroy": torchdist_ext.transport_info()["running"]}
+    if work is not None:
+        try:
+            work.wait()
+            out["left_posted"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out["left_posted"] = f"{type(e).__name__}: {e}"
     # The new default group has the old one's name: its first message must not land in
     # the receive the old group left posted.
     store = dist.FileStore(os.path.join(store_dir, "again"), n)
@@ -283,3 +288,5 @@ def test_receive_left_posted_at_destroy_takes_nothing_later(tmp_path) -> None:
     results = run_ranks(_receive_left_posted, 2, args=(str(tmp_path),), timeout=60)
     assert [r["running_after_destroy"] for r in results] == [False, False], results
     assert results[1]["fresh"] == [42.0, 43.0] and results[1]["stale"] == [0.0, 0.0], results
+    # ended by the destroy, not left to take a later message
+    assert "shut down" in results[1]["left_posted"], results

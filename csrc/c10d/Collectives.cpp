@@ -97,7 +97,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
   return enqueue(OpType::BROADCAST, "broadcast", {t}, {t}, host,
                  [t, root](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
                    return pm.broadcast(ch, t, root, ctx);
-                 });
+                 },
+                 /*writesOutputs=*/!isRoot);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor>& tensors,
@@ -167,7 +168,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
       finishAverage(img.data(), img.numel(), red, ch.size());
       img.copyOut();
     }
-  });
+  }, /*peerAttempt=*/nullptr, /*writesOutputs=*/isRoot);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(

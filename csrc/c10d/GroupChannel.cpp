@@ -69,7 +69,10 @@ bool GroupChannel::quiesce() {
   }
   const auto now = Clock::now();
   for (auto& p : posted_) {
-    if (p.request->done()) continue;
+    if (p.request->done()) {
+      clean_ = clean_ && !p.request->orphaned.load();  // UCX may still write its buffer
+      continue;
+    }
     if (p.request->isSend) {
       // A send only reads its buffer, and one that UCX cannot cancel (a rendezvous
       // waiting for a peer that has given up on it) may wait for that peer's exit: it

@@ -361,11 +361,11 @@ std::exception_ptr ProcessGroupTDX::wrapError(const std::string& what,
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     c10d::OpType type, const std::string& what, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body,
-    PeerAttempt peerAttempt) {
+    PeerAttempt peerAttempt, bool writesOutputs) {
   // Taken first, so an op that fails its checks leaves nothing for the next one.
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
-  for (size_t i = 0; i < outputs.size(); ++i) {
+  for (size_t i = 0; writesOutputs && i < outputs.size(); ++i) {
     checkWritable(prefix() + " " + what, outputs[i],
                   outputs.size() == 1 ? std::string("output") : "output " + std::to_string(i));
   }
@@ -375,6 +375,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   const uint64_t seq = ++seq_;
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
                                            outputs, timeout(), what.c_str(), inputs);
+  // Each op ahead of this one (and this one) ends within the group timeout of its start,
+  // so a wait without a timeout of its own is still bounded: by that sum, plus a margin.
+  const int ahead = queued_.load() + (running_.load() ? 1 : 0);
+  const std::chrono::duration<double> span =
+      std::chrono::duration<double>(timeout()) * (ahead + 1) + std::chrono::seconds(5);
+  if (span < std::chrono::hours(24 * 365 * 10)) {  // else none: the sum would overflow
+    work->setBackstop(std::chrono::steady_clock::now() +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(span));
+  }
   Task task;
   task.work = work;
   task.flightId = flight_.record(seq, what, work->description(), "host");
@@ -467,10 +476,7 @@ void ProcessGroupTDX::runLoop() {
       }
     }
     if (p2pInFlight_->load() > 0) cancelPointToPointIfBroken();
-    if (have) {
-      runTask(task);
-      running_.store(false);
-    }
+    if (have) runTask(task);  // clears running_ before the op's waiters hear
   }
 }
 
@@ -605,6 +611,8 @@ void ProcessGroupTDX::runTask(Task& task) {
       dumpFlightRecord(op + " failed");
     }
   }
+  // Not running from here on: the caller may destroy the group as soon as it hears.
+  running_.store(false);
   task.work->finishPart(error);
 }
 
@@ -859,6 +867,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
     // Null only while the transport is being torn down (which fails what is in flight).
     const auto transport = weakTransport.lock();
+    if (r.orphaned.load()) {
+      // UCX still holds the receive buffer (a lost peer left the message part-filled):
+      // never give it back to the allocator.
+      new std::vector<at::Tensor>{wire, host};
+    }
     if (!r.ok()) {
       failure = r.error + (transport ? lostRanksNote(*transport, *endpoints, self) : "");
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&

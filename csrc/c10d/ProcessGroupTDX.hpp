@@ -177,11 +177,14 @@ class ProcessGroupTDX : public c10d::Backend {
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
+  // `writesOutputs` false: this rank only reads `outputs` (a broadcast's root, a reduce's
+  // other ranks), which then need not be writable.
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const std::string& what,
                                          std::vector<at::Tensor> outputs,
                                          std::vector<at::Tensor> inputs,
                                          std::function<void(GroupChannel&)> body,
-                                         PeerAttempt peerAttempt = nullptr);
+                                         PeerAttempt peerAttempt = nullptr,
+                                         bool writesOutputs = true);
   c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, at::Tensor tensor, int peer,
                                               int tag);
   void registerWork(const c10::intrusive_ptr<WorkTDX>& work);

@@ -107,9 +107,22 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
       lock.lock();
     }
   }
-  if (unbounded) {
-    cv_.wait(lock, [&] { return completed_; });
-  } else if (!cv_.wait_for(lock, limit, [&] { return completed_; })) {
+  bool done = true;
+  if (!unbounded) {
+    done = cv_.wait_for(lock, limit, [&] { return completed_; });
+  } else if (backstop_ == std::chrono::steady_clock::time_point::max()) {
+    cv_.wait(lock, [&] { return completed_; });  // no backstop (a timeout of years)
+  } else {
+    done = cv_.wait_until(lock, backstop_, [&] { return completed_; });
+  }
+  if (!done && unbounded) {
+    C10_THROW_ERROR(DistBackendError,
+                    description_ + " did not complete although it and every op queued ahead "
+                                   "of it had " + std::to_string(limit.count()) +
+                        " ms each: the backend failed to end it. Destroy the group and "
+                        "report this with the log (TDX_DEBUG=INFO)");
+  }
+  if (!done) {
     if (onTimeout) {
       lock.unlock();
       onTimeout();

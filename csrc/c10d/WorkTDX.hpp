@@ -44,6 +44,12 @@ class WorkTDX : public c10d::Work {
 
   // Called when wait() gives up; should make the outstanding parts finish (cancel).
   void setOnTimeout(std::function<void()> fn);
+  // The latest a wait() without a timeout of its own waits for a collective: the op and
+  // those queued ahead of it each end within the group timeout of their start, so this
+  // is reached only if something below the op failed to end it.
+  void setBackstop(std::chrono::steady_clock::time_point t) {
+    backstop_ = t;
+  }
   // While wait() polls before sleeping, it calls `fn` to drive the op's transfers on the
   // waiting thread (a point-to-point op's transport) instead of only yielding: a small
   // op then completes right there, without waking the progress thread and then this one.
@@ -74,6 +80,7 @@ class WorkTDX : public c10d::Work {
   uint64_t seq_;
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds timeout_;
+  std::chrono::steady_clock::time_point backstop_ = std::chrono::steady_clock::time_point::max();
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> parts_{1};
   std::mutex errorMu_;

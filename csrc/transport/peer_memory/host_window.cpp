@@ -245,11 +245,14 @@ void HostWindow::watchPeers() {
 bool HostWindow::exited(int r) {
   const pid_t process = pid(r);
   if (process <= 0) return false;
+  if (pidfds_[r] == kExited) return true;
   if (pidfds_[r] == -1) {
     pidfds_[r] = pidfdOpen(process);
     if (pidfds_[r] < 0) {
-      pidfds_[r] = -2;  // unavailable: fall back to /proc
-      if (errno == ESRCH) return true;
+      // Gone already: remembered, as the pid may belong to another process later.
+      // Otherwise unavailable: fall back to /proc.
+      pidfds_[r] = errno == ESRCH ? kExited : -2;
+      if (pidfds_[r] == kExited) return true;
     }
   }
   if (pidfds_[r] >= 0) {

@@ -125,7 +125,8 @@ class HostWindow {
   uint64_t posted_ = 0;
   int nextHalf_ = 0;
   uint64_t freeAt_[2] = {0, 0};
-  std::vector<int> pidfds_;  // per rank; -1: not open / unavailable
+  std::vector<int> pidfds_;  // per rank; -1: not open, -2: unavailable, kExited
+  static constexpr int kExited = -3;  // the rank was gone when its pidfd was opened
   int64_t spinUs_ = 0;
   bool crossMemory_ = false;
 };

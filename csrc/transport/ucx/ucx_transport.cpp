@@ -757,7 +757,11 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
     r->handle.store(s);
     // The peer may have been declared lost between the check above and the store, when
     // its clean-up found no handle to cancel.
-    if (endpoint >= 0 && endpointFailed(endpoint)) cancel(*r, "connection to peer lost");
+    if (endpoint >= 0 && endpointFailed(endpoint)) {
+      cancel(*r, "connection to peer lost");
+      std::lock_guard<std::mutex> lock(closingMu_);  // in case UCX had matched it already
+      recvSweeps_.emplace_back(endpoint, Clock::now() + kRecvSweepGrace);
+    }
     wake();
   }
   return r;
@@ -919,6 +923,7 @@ void UcxTransport::sweepLostReceives() {
     // UCX lets go of it, as a force-closed endpoint's sends do. Nothing more can arrive
     // for it: its sender is gone.
     for (auto& r : stuck) {
+      r->orphaned.store(true);
       finishRequest(*r, false, "connection to peer lost (" + why + ") part way through a message");
       r->runOnComplete();
     }
