@@ -179,3 +179,32 @@ def test_bad_arguments_raise_clearly() -> None:
         assert "share part of their memory" in m[2], m[2]
         assert "tensors" in m[3], m[3]
         assert "cannot reduce" in m[4], m[4]
+
+
+def _shapes_apart(rank: int, n: int) -> list[str]:
+    fails = []
+    base = torch.arange(24.0).reshape(4, 6) + rank
+    want = n * torch.arange(24.0).reshape(4, 6) + sum(range(n))
+    # Under fingerprint checks, an output shaped apart from its input still meets the
+    # other ranks' in-place all_reduce of the same count.
+    x = base.clone()
+    if rank == 0:
+        out = torch.empty(24)
+        torchdist_ext.all_reduce_into(out, x)
+        got = out.view(4, 6)
+    else:
+        dist.all_reduce(x)
+        got = x
+    if not torch.equal(got, want):
+        fails.append(f"r{rank}: reshaped output got {got.flatten()[:4].tolist()}")
+    # A view of the input's whole memory is the in-place op, not a partial overlap.
+    y = base.clone()
+    torchdist_ext.all_reduce_into(y.view(-1), y)
+    if not torch.equal(y, want):
+        fails.append(f"r{rank}: y.view(-1) from y got {y.flatten()[:4].tolist()}")
+    return fails
+
+
+def test_outputs_shaped_apart_and_whole_views() -> None:
+    fails = run_ranks(_shapes_apart, 3, env={"TDX_DEBUG": "DETAIL"}, timeout=120)
+    assert fails == [[], [], []], fails

@@ -130,8 +130,9 @@ def all_reduce_into(
     their own copies, so this costs what the in-place op does. Elsewhere (CUDA tensors,
     other backends) it is exactly ``output.copy_(input)`` then ``dist.all_reduce(output)``.
 
-    ``output`` needs ``input``'s dtype, device and number of elements; it may be ``input``
-    itself (in place) but must not overlap part of it. Returns a work handle when
+    ``output`` needs ``input``'s dtype, device and number of elements, in any shape; it
+    may be ``input`` itself or a contiguous view of all of its memory (in place), but
+    must not overlap part of it. Returns a work handle when
     ``async_op`` is true, else None, like ``dist.all_reduce``.
     """
     pg = group if group is not None else dist.distributed_c10d._get_default_group()

@@ -121,9 +121,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduceInto(
   const std::string ctx = prefix() + " all_reduce_into";
   checkTensor(ctx, input, "input");
   checkSameLayout(ctx, input, output, "output", /*sameNumel=*/true);
-  checkDisjointOrSame(ctx, output, input);
+  // A contiguous view of the input's own memory (x.view(-1) for x) is the in-place op.
+  const bool sameMemory = input.is_contiguous() && output.is_contiguous() &&
+                          input.data_ptr() == output.data_ptr();
+  if (!sameMemory) checkDisjointOrSame(ctx, output, input);
   Reduction red = makeReduction(ctx, opts.reduceOp, input.scalar_type());
-  at::Tensor out = output, in = input;
+  at::Tensor out = output, in = sameMemory ? output : input;
   auto host = [this, out, in, red](GroupChannel& ch) { runAllreduce(*this, ch, out, in, red); };
   // Same fingerprint as all_reduce: ranks may mix the two forms of one reduction.
   noteFingerprint(-1, &red);

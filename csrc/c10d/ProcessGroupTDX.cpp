@@ -63,7 +63,16 @@ std::string fingerprintOf(c10d::OpType type, const std::string& what,
       break;
     }
   }
-  if (shapesMustMatch(type)) {
+  if (type == c10d::OpType::ALLREDUCE) {
+    // Element-wise over the flat data: only the count must agree, so all_reduce and
+    // all_reduce_into (whose output may be shaped apart from its input) can meet.
+    for (const auto& t : tensors) {
+      if (t.defined()) {
+        os << " numel=" << t.numel();
+        break;
+      }
+    }
+  } else if (shapesMustMatch(type)) {
     os << " shapes=";
     for (const auto& t : tensors) {
       if (t.defined()) os << t.sizes();
