@@ -264,6 +264,11 @@ def _receive_left_posted(rank: int, n: int, store_dir: str) -> dict:
     work = dist.irecv(stale, src=0) if rank == 1 else None  # never matched
     dist.barrier()
     dist.destroy_process_group()
+    # The transport stops once the last reference goes; the cancelled receive's
+    # completion may hold one for a moment on the transport's own thread.
+    deadline = time.monotonic() + 5
+    while torchdist_ext.transport_info()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     out = {"running_after_destroy": torchdist_ext.transport_info()["running"]}
     if work is not None:
         try:
