@@ -375,8 +375,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
   for (size_t i = 0; writesOutputs && i < outputs.size(); ++i) {
-    checkWritable(prefix() + " " + what, outputs[i],
-                  outputs.size() == 1 ? std::string("output") : "output " + std::to_string(i));
+    // The message is built only for a tensor that fails: this runs on every op.
+    if (!isWritable(outputs[i])) {
+      checkWritable(prefix() + " " + what, outputs[i],
+                    outputs.size() == 1 ? std::string("output") : "output " + std::to_string(i));
+    }
   }
   // Sequence numbers must reach the queue in order: ranks match ops by them, and two
   // threads issuing ops on one group could otherwise queue #2 ahead of #1 on one rank.
@@ -491,7 +494,10 @@ void ProcessGroupTDX::runLoop() {
 
 void ProcessGroupTDX::cancelPointToPointIfBroken() {
   const std::string broken = brokenReason();
-  if (broken.empty()) return;
+  if (!broken.empty()) cancelPointToPoint(refusal(broken));
+}
+
+void ProcessGroupTDX::cancelPointToPoint(const std::string& reason) {
   std::vector<std::weak_ptr<transport::Request>> requests;
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
@@ -499,7 +505,7 @@ void ProcessGroupTDX::cancelPointToPointIfBroken() {
   }
   for (auto& weak : requests) {
     if (auto r = weak.lock()) {
-      if (!r->done()) transport_->cancel(*r, refusal(broken));
+      if (!r->done()) transport_->cancel(*r, reason);
     }
   }
 }
@@ -1114,16 +1120,7 @@ void ProcessGroupTDX::shutdownLocked() {
   // Point-to-point ops still posted end with an error, as their buffers live on with
   // their completions. A receive left posted would take a message meant for a later
   // group that reuses this one's id.
-  std::vector<std::weak_ptr<transport::Request>> p2p;
-  {
-    std::lock_guard<std::mutex> lock(p2pMu_);
-    p2p.swap(p2pRequests_);
-  }
-  for (auto& weak : p2p) {
-    if (auto r = weak.lock()) {
-      if (!r->done()) transport_->cancel(*r, "the process group was shut down");
-    }
-  }
+  cancelPointToPoint("the process group was shut down");
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;

@@ -276,6 +276,8 @@ class ProcessGroupTDX : public c10d::Backend {
   size_t p2pPruneAt_ = 64;  // sweep finished requests out of p2pRequests_ at this size
   std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
   void cancelPointToPointIfBroken();
+  // Ends every point-to-point request still in flight with `reason`.
+  void cancelPointToPoint(const std::string& reason);
 
   // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not
   // only on the receiver that saw it: the receiver sends each member a notice naming both

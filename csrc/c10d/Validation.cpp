@@ -37,8 +37,12 @@ void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string&
                     "; tdx handles cpu and cuda tensors. Move it with .cpu() or .cuda()");
 }
 
+bool isWritable(const at::Tensor& t) {
+  return !t.defined() || at::has_internal_overlap(t) != at::MemOverlap::Yes;
+}
+
 void checkWritable(const std::string& ctx, const at::Tensor& t, const std::string& name) {
-  TORCH_CHECK_VALUE(!t.defined() || at::has_internal_overlap(t) != at::MemOverlap::Yes, ctx,
+  TORCH_CHECK_VALUE(isWritable(t), ctx,
                     ": ", name, " ", shapeOf(t), " with strides ", t.strides(),
                     " has elements that share memory (an expand()ed or as_strided view), and "
                     "the op writes it; pass a tensor that owns its elements, e.g. t.clone()");

@@ -21,6 +21,7 @@ std::optional<DType> toDType(at::ScalarType t);
 void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string& name);
 // A tensor the op writes: no two of its elements may share memory (an expand()ed view),
 // since the result would be whichever write came last.
+bool isWritable(const at::Tensor& t);
 void checkWritable(const std::string& ctx, const at::Tensor& t, const std::string& name);
 void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
                      const std::string& name, bool sameNumel);

@@ -647,18 +647,7 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     // leave them pending forever. They fail here; the UCX request stays tracked until
     // UCX lets go of it, since it still points at the Request. Looked up again after the
     // close: a send posted since the first look is among them now.
-    {
-      std::lock_guard<std::mutex> lock(inflightMu_);
-      sends.clear();
-      for (auto& kv : inflight_) {
-        if (kv.second->endpoint == endpoint && kv.second->isSend) sends.push_back(kv.second);
-      }
-    }
-    for (auto& r : sends) {
-      if (r->done()) continue;
-      finishRequest(*r, false, lost);
-      r->runOnComplete();
-    }
+    failPending(endpoint, /*sends=*/true, lost);
   });
   wake();
 }
@@ -907,26 +896,32 @@ void UcxTransport::sweepLostReceives() {
       std::lock_guard<std::mutex> lock(endpointsMu_);
       why = endpoints_[endpoint].failure;
     }
-    std::vector<RequestPtr> stuck;
-    {
-      std::lock_guard<std::mutex> lock(inflightMu_);
-      for (auto& kv : inflight_) {
-        const Request& r = *kv.second;
-        // A receive without a handle is being posted right now; its post looks at the
-        // endpoint again and cancels it.
-        if (r.endpoint == endpoint && !r.isSend && !r.done() && r.handle.load() != nullptr) {
-          stuck.push_back(kv.second);
-        }
+    failPending(endpoint, /*sends=*/false,
+                "connection to peer lost (" + why + ") part way through a message");
+  }
+}
+
+void UcxTransport::failPending(int endpoint, bool sends, const std::string& why) {
+  std::vector<RequestPtr> pending;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    for (auto& kv : inflight_) {
+      const Request& r = *kv.second;
+      // A receive without a handle is being posted right now; its post looks at the
+      // endpoint again and cancels it.
+      if (r.endpoint == endpoint && r.isSend == sends && !r.done() &&
+          (sends || r.handle.load() != nullptr)) {
+        pending.push_back(kv.second);
       }
     }
-    // Failed here, the UCX request stays tracked (it still points at the Request) until
-    // UCX lets go of it, as a force-closed endpoint's sends do. Nothing more can arrive
-    // for it: its sender is gone.
-    for (auto& r : stuck) {
-      r->orphaned.store(true);
-      finishRequest(*r, false, "connection to peer lost (" + why + ") part way through a message");
-      r->runOnComplete();
-    }
+  }
+  // Failed here, the UCX request stays tracked (it still points at the Request) until
+  // UCX lets go of it. A receive's buffer may still be UCX's: it is orphaned. Nothing
+  // more can arrive for it, its sender being gone.
+  for (auto& r : pending) {
+    if (!sends) r->orphaned.store(true);
+    finishRequest(*r, false, why);
+    r->runOnComplete();
   }
 }
 

@@ -133,6 +133,9 @@ class UcxTransport final : public Transport {
   void checkWatched();
   // Fails the receives of lost endpoints still pending after the grace (recvSweeps_).
   void sweepLostReceives();
+  // Fails the endpoint's pending sends (or posted receives) with `why`, leaving their
+  // UCX requests tracked until UCX lets go of them.
+  void failPending(int endpoint, bool sends, const std::string& why);
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
