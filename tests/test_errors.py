@@ -198,6 +198,42 @@ def test_wait_counts_the_timeout_from_the_op_not_the_call() -> None:
     assert r["seconds"] > 3.0, r  # the point of the test: longer than one timeout
 
 
+def _slow_peer_coalesced(rank: int, n: int) -> dict:
+    import time
+
+    ts = [torch.ones(4) for _ in range(4)]
+    out: dict = {}
+    pg = dist.group.WORLD
+    cpu = torch.device("cpu")
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        pg._start_coalescing(cpu)
+        for t in ts:
+            dist.all_reduce(t, async_op=True)
+        block = pg._end_coalescing(cpu)
+        try:
+            block.wait()  # the block ends when its last op does
+            out["block"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out["block"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+        out["values"] = [t[0].item() for t in ts]
+    else:
+        for t in ts:
+            time.sleep(1.0)
+            dist.all_reduce(t)
+    return out
+
+
+def test_coalesced_block_waits_for_its_ops_not_one_timeout() -> None:
+    """A coalesced block of collectives, each within the group timeout of its own start,
+    is not failed because the block as a whole took longer than one timeout."""
+    r = run_ranks(_slow_peer_coalesced, 2, timeout=3)[0]
+    assert r["block"] == "ok" and r["values"] == [2.0] * 4, r
+    assert r["seconds"] > 3.0, r
+
+
 def _abort_while_stuck(rank: int, n: int) -> dict:
     import time
 

@@ -72,9 +72,11 @@ bool WorkTDX::isSuccess() const {
 
 bool WorkTDX::wait(std::chrono::milliseconds timeout) {
   std::function<void()> onTimeout;
+  auto backstop = std::chrono::steady_clock::time_point::max();
   {
     std::lock_guard<std::mutex> g(timeoutMu_);
     onTimeout = onTimeout_;
+    backstop = backstop_;
   }
   // Without a timeout of its own, a wait ends when the op does. A collective's worker
   // gives each op the group's timeout from the moment the op starts, so one queued
@@ -109,11 +111,17 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
   }
   bool done = true;
   if (!unbounded) {
-    done = cv_.wait_for(lock, limit, [&] { return completed_; });
-  } else if (backstop_ == std::chrono::steady_clock::time_point::max()) {
+    auto deadline = std::chrono::steady_clock::now() + limit;
+    // A coalesced block of point-to-point ops and collectives: the point-to-point ops
+    // get the group timeout from this call, the collectives as long as they need.
+    if (timeout == kNoTimeout && backstop != std::chrono::steady_clock::time_point::max()) {
+      deadline = std::max(deadline, backstop);
+    }
+    done = cv_.wait_until(lock, deadline, [&] { return completed_; });
+  } else if (backstop == std::chrono::steady_clock::time_point::max()) {
     cv_.wait(lock, [&] { return completed_; });  // no backstop (a timeout of years)
   } else {
-    done = cv_.wait_until(lock, backstop_, [&] { return completed_; });
+    done = cv_.wait_until(lock, backstop, [&] { return completed_; });
   }
   if (!done && unbounded) {
     C10_THROW_ERROR(DistBackendError,
@@ -211,13 +219,24 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
     }
   }
   std::function<void()> childProgress;
+  bool childTimesItself = false;
+  auto childBackstop = std::chrono::steady_clock::time_point::max();
   {
     std::lock_guard<std::mutex> g(child->timeoutMu_);
     childProgress = child->progress_;
+    childTimesItself = !child->onTimeout_;
+    childBackstop = child->backstop_;
   }
   {
     std::lock_guard<std::mutex> lock(timeoutMu_);
     if (!progress_) progress_ = childProgress;
+    if (childTimesItself) {
+      // A collective is timed by the worker from its own start: the block waits for the
+      // latest of its collectives' backstops, not for the group timeout from the call.
+      backstop_ = backstopFromChildren_ ? std::max(backstop_, childBackstop) : childBackstop;
+      backstopFromChildren_ = true;
+      return;
+    }
     auto previous = onTimeout_;
     onTimeout_ = [previous, child] {
       if (previous) previous();

@@ -48,6 +48,7 @@ class WorkTDX : public c10d::Work {
   // those queued ahead of it each end within the group timeout of their start, so this
   // is reached only if something below the op failed to end it.
   void setBackstop(std::chrono::steady_clock::time_point t) {
+    std::lock_guard<std::mutex> lock(timeoutMu_);
     backstop_ = t;
   }
   // While wait() polls before sleeping, it calls `fn` to drive the op's transfers on the
@@ -80,7 +81,9 @@ class WorkTDX : public c10d::Work {
   uint64_t seq_;
   std::vector<at::Tensor> outputs_;
   std::chrono::milliseconds timeout_;
+  // Guarded by timeoutMu_, as are onTimeout_ and progress_.
   std::chrono::steady_clock::time_point backstop_ = std::chrono::steady_clock::time_point::max();
+  bool backstopFromChildren_ = false;  // a coalesced block's: taken from its collectives
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> parts_{1};
   std::mutex errorMu_;
