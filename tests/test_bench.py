@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -401,6 +404,8 @@ def test_calibration_files_old_and_merged(tmp_path: Path) -> None:
     fresh = tmp_path / "fresh.json"
     calibration.save({"links": {"local": local}}, fresh)
     assert json.loads(fresh.read_text())["links"] == {"local": local}
+    # Nothing but the two files is left in the directory (no temporary files).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh.json", "old.json"]
     # What the backend gets from an old file: both message links at its net terms.
     before = torchdist_ext.cost_model()
     try:
@@ -411,3 +416,32 @@ def test_calibration_files_old_and_merged(tmp_path: Path) -> None:
         assert model["local"] == pytest.approx(net) and model["net"] == pytest.approx(net)
     finally:
         torchdist_ext.set_cost_model(before)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", '"net"', '{"links": []}',
+                                  '{"links": {"net": {"alpha": 1e-5, "beta": true, "gamma": 0}}}',
+                                  '{"links": {"net": {"alpha": NaN, "beta": 1e-10, "gamma": 0}}}',
+                                  '{"links": {"net": {"alpha": 1e-5, "beta": Infinity, "gamma": 0}}}',
+                                  '{"links": {"net": {"alpha": -1, "beta": 1e-10, "gamma": 0}}}',
+                                  '{"links": {"wire": {"alpha": 1, "beta": 1, "gamma": 1}}}'])
+def test_malformed_calibration_is_ignored_with_a_warning(tmp_path: Path, text: str) -> None:
+    """A calibration file that is not an object of finite non-negative terms is ignored
+    (with a warning naming it), never applied and never an error at import."""
+    from torchdist_ext import calibration
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    before = torchdist_ext.cost_model()
+    with pytest.warns(UserWarning, match="malformed calibration"):
+        assert calibration.load_into_backend(bad) is False
+    assert torchdist_ext.cost_model() == before
+    with pytest.raises(ValueError, match="finite number"):
+        calibration.save(json.loads(text), tmp_path / "out.json")
+    if text != "[]":
+        return
+    # The import itself survives such a file (one case: each import takes seconds).
+    env = {**os.environ, "TDX_CALIBRATION": str(bad)}
+    proc = subprocess.run([sys.executable, "-c", "import torchdist_ext"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "malformed calibration" in proc.stderr

@@ -11,8 +11,10 @@ The file is ``$TDX_CALIBRATION`` when set, else
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,7 +44,9 @@ def _valid(links: Any) -> bool:
             return False
         for key in ("alpha", "beta", "gamma"):
             v = terms.get(key)
-            if not isinstance(v, (int, float)) or v < 0:
+            # JSON admits NaN and Infinity, and bool is an int: none is a cost. A NaN
+            # term would make every comparison false and auto pick the first algorithm.
+            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
                 return False
     return True
 
@@ -57,8 +61,9 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         warnings.warn(f"torchdist_ext: ignoring unreadable calibration {path}: {exc}")
         return None
-    if not _valid(data.get("links")):
-        warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}")
+    if not isinstance(data, dict) or not _valid(data.get("links")):
+        warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}; "
+                      "rerun `python -m torchdist_ext.bench calibrate` or delete it")
         return None
     links = data["links"]
     if "net" in links and "local" not in links:
@@ -72,8 +77,9 @@ def save(data: dict[str, Any], path: Path | None = None) -> Path:
     """Write a calibration (with its ``links``) atomically; returns the path. Links the
     file already holds and ``data`` does not (``net`` from a run across hosts, when this
     one ran on one host) are kept; their names go to ``data["kept_from_file"]``."""
-    if not _valid(data.get("links")):
-        raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}} >= 0")
+    if not isinstance(data, dict) or not _valid(data.get("links")):
+        raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}}, "
+                         "each a finite number >= 0")
     path = path or calibration_path()
     before = load(path) if path.exists() else None
     if before is not None:
@@ -81,9 +87,21 @@ def save(data: dict[str, Any], path: Path | None = None) -> Path:
         data = {**data, "links": {**before["links"], **data["links"]},
                 "kept_from_file": kept}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    # A temporary file of its own in the same directory: two saves at once never write
+    # into one file, and the rename is atomic.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, indent=2, sort_keys=True))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return path
 
 
