@@ -376,6 +376,17 @@ def test_registry_and_overrides() -> None:
     assert torchdist_ext.predict("allreduce", 64, 8, same_host=False)[0] in ("direct", "rhd")
 
 
+def _pins(rank: int, world: int) -> tuple[str, str]:
+    return torchdist_ext.get_algorithm("allreduce"), torchdist_ext.get_algorithm("broadcast")
+
+
+def test_tdx_algo_pins_every_rank() -> None:
+    """TDX_ALGO is read when torchdist_ext is imported: ranks started with it run the
+    pinned algorithms (and the harness's env reaches them before that import)."""
+    got = run_ranks(_pins, 2, timeout=120, env={"TDX_ALGO": "allreduce:ring,broadcast:chain"})
+    assert got == [("ring", "chain")] * 2, got
+
+
 def _sweep(rank: int, world: int, counts: list[int] | None = None,
            names: list[tuple[str, str]] | None = None) -> list[str]:
     """Runs every algorithm (pinned), or those in ``names``, on this rank at the usual

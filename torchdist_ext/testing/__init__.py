@@ -45,11 +45,9 @@ def _child(
     timeout: float,
     fn: Callable[..., Any],
     args: Sequence[Any],
-    env: Mapping[str, str],
     results: Any,
 ) -> None:
     try:
-        os.environ.update(env)
         torch.set_num_threads(1)
         import torch.distributed as dist
 
@@ -98,13 +96,25 @@ def run_ranks(
         ctx.Process(
             target=_child,
             args=(r, world_size, backend, os.path.join(tmp, "store"), timeout, fn, args,
-                  child_env, results),
+                  results),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # A spawned child imports torchdist_ext to unpickle its target, before any code of
+    # ours runs there, and the import reads TDX_ALGO and TDX_CALIBRATION: the variables
+    # must be in the environment it starts with.
+    saved = {k: os.environ.get(k) for k in child_env}
+    os.environ.update(child_env)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     values: dict[int, Any] = {}
     vanished = set()
     deadline = time.monotonic() + timeout + 30.0  # ranks time out first, with evidence
