@@ -53,8 +53,8 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
   c10d::ReduceOp rop;  // the PREMUL_SUM constructor refuses a factor-less op, so set fields
   rop.op_ = it->second;
   if (op == "PREMUL_SUM") rop.supplement_ = c10::make_intrusive<c10d::NCCLPreMulSumSupplement>(factor);
-  const tdx::Reduction red = tdx::makeReduction("_multi_reduce", rop, ref.scalar_type());
   const int n = static_cast<int>(inputs.size());
+  const tdx::Reduction red = tdx::makeReduction("_multi_reduce", rop, ref.scalar_type(), n);
   if (ref.is_cuda()) {
 #ifdef TDX_WITH_CUDA
     TORCH_CHECK_VALUE(n <= tdx::kernels::kMaxMultiBuffers &&

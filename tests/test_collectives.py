@@ -330,3 +330,98 @@ def test_layouts_async_coalesced_objects(world_size: int) -> None:
 def test_matches_gloo(world_size: int) -> None:
     fails = [f for r in run_ranks(_versus_gloo, world_size) for f in r]
     assert not fails, "\n".join(fails)
+
+
+def test_reduction_kernel_edge_values() -> None:
+    """The CPU kernels on values the sweeps above never reach: NaN in MIN/MAX (whichever
+    operand holds it), integer sums that wrap, int64 beyond 2^53, AVG over more ranks
+    than an int8 can count."""
+    import torchdist_ext
+
+    mr = torchdist_ext._C._multi_reduce
+
+    def run(xs: list[torch.Tensor], op: str, factor: float = 1.0) -> torch.Tensor:
+        out = torch.empty_like(xs[0])
+        mr(xs, [out], op, factor)
+        return out
+
+    nan = float("nan")
+    for dtype in FLOATS:
+        a = torch.tensor([nan, 1.0, 2.0], dtype=dtype)
+        b = torch.tensor([1.0, nan, 3.0], dtype=dtype)
+        for op, last in (("MIN", 2.0), ("MAX", 3.0)):
+            for xs in ([a, b], [b, a]):
+                got = run(xs, op)
+                assert got[:2].isnan().all() and got[2].item() == last, (dtype, op, got)
+    # float16 AVG: each share scaled before the sum, so no overflow past 65504.
+    got = run([torch.full((5,), 40000.0, dtype=torch.float16)] * 4, "AVG")
+    assert torch.equal(got, torch.full((5,), 40000.0, dtype=torch.float16)), got
+    # int32 SUM/PRODUCT wrap modulo 2^32, as torch's own ops do.
+    big = torch.tensor([2**31 - 1, -(2**31)], dtype=torch.int32)
+    one = torch.tensor([1, -1], dtype=torch.int32)
+    assert torch.equal(run([big, one], "SUM"), big + one)
+    assert torch.equal(run([big, big], "PRODUCT"), big * big)
+    # int64 PREMUL_SUM with a whole factor is exact beyond 2^53.
+    x = torch.tensor([2**53 + 1, -(2**61) - 3], dtype=torch.int64)
+    assert torch.equal(run([x, x], "PREMUL_SUM", 3.0), x * 6), run([x, x], "PREMUL_SUM", 3.0)
+    # int8 AVG over 128 ranks divides by 128, not by int8(128) == -128.
+    got = run([torch.full((3,), -1, dtype=torch.int8)] * 128, "AVG")
+    assert torch.equal(got, torch.full((3,), -1, dtype=torch.int8)), got
+
+
+def test_uint8_average_over_256_ranks_does_not_divide_by_zero() -> None:
+    """uint8(256) is 0: dividing by the group size in the element type raised SIGFPE.
+    Run in a child so that a regression fails this test instead of killing the suite."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torchdist_ext\n"
+        "xs = [torch.full((4,), 3, dtype=torch.uint8)] * 256\n"
+        "out = torch.empty_like(xs[0])\n"
+        "torchdist_ext._C._multi_reduce(xs, [out], 'AVG', 1.0)\n"
+        "print(out.tolist())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    # 256 × 3 wraps to 0 in uint8 (the sum runs in the element type); 0 / 256 = 0.
+    assert proc.stdout.strip() == "[0, 0, 0, 0]", proc.stdout
+
+
+def _edge_values_every_algorithm(rank: int, n: int) -> list[str]:
+    import torchdist_ext
+
+    fails: list[str] = []
+    nan = float("nan")
+    names = torchdist_ext.algorithms("allreduce")["allreduce"]
+    for name in ["auto"] + names:
+        torchdist_ext.set_algorithm("allreduce", name)
+        try:
+            # NaN held by one rank, at positions spread over the chunks of every plan.
+            for op in (R.MIN, R.MAX):
+                t = torch.ones(1001)
+                t[rank::n] = nan
+                dist.all_reduce(t, op=op)
+                if not t.isnan().all():
+                    fails.append(f"r{rank} {name} {op}: {int((~t.isnan()).sum())} NaN lost")
+            h = torch.full((1001,), 40000.0, dtype=torch.float16)
+            dist.all_reduce(h, op=R.AVG)
+            if not torch.equal(h, torch.full_like(h, 40000.0)):
+                fails.append(f"r{rank} {name} float16 AVG: {h[:3].tolist()}")
+            x = torch.full((1001,), 2**53 + 1, dtype=torch.int64)
+            dist.all_reduce(x, op=dist._make_nccl_premul_sum(1.0))
+            if not torch.equal(x, torch.full_like(x, n * (2**53 + 1))):
+                fails.append(f"r{rank} {name} int64 PREMUL_SUM: {x[:2].tolist()}")
+        except Exception as e:  # noqa: BLE001 - e.g. an algorithm this world cannot run
+            if "power-of-two" not in str(e) and "one host" not in str(e):
+                fails.append(f"r{rank} {name}: {type(e).__name__}: {e}")
+        finally:
+            torchdist_ext.set_algorithm("allreduce", "auto")
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_edge_values_agree_across_algorithms(world_size: int) -> None:
+    fails = [f for r in run_ranks(_edge_values_every_algorithm, world_size) for f in r]
+    assert not fails, "\n".join(fails)

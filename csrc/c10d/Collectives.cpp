@@ -106,7 +106,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
   const std::string ctx = prefix() + " all_reduce";
   checkSingle(ctx, tensors);
   at::Tensor t = tensors[0];
-  Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
+  Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type(), size_);
   auto host = [this, t, red](GroupChannel& ch) { runAllreduce(*this, ch, t, t, red); };
   noteFingerprint(-1, &red);
   // CUDA: ranks of one host reduce through each other's memory when they all can.
@@ -125,7 +125,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduceInto(
   const bool sameMemory = input.is_contiguous() && output.is_contiguous() &&
                           input.data_ptr() == output.data_ptr();
   if (!sameMemory) checkDisjointOrSame(ctx, output, input);
-  Reduction red = makeReduction(ctx, opts.reduceOp, input.scalar_type());
+  Reduction red = makeReduction(ctx, opts.reduceOp, input.scalar_type(), size_);
   at::Tensor out = output, in = sameMemory ? output : input;
   auto host = [this, out, in, red](GroupChannel& ch) { runAllreduce(*this, ch, out, in, red); };
   // Same fingerprint as all_reduce: ranks may mix the two forms of one reduction.
@@ -141,7 +141,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
   std::vector<Reduction> reds;
   for (size_t i = 0; i < tensors.size(); ++i) {
     checkTensor(ctx, tensors[i], "tensor " + std::to_string(i));
-    reds.push_back(makeReduction(ctx, opts.reduceOp, tensors[i].scalar_type()));
+    reds.push_back(makeReduction(ctx, opts.reduceOp, tensors[i].scalar_type(), size_));
   }
   std::vector<at::Tensor> ts = tensors;
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
@@ -157,7 +157,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   checkSingle(ctx, tensors);
   checkRank(ctx, opts.rootRank, size_, "root rank");
   at::Tensor t = tensors[0];
-  Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type());
+  Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type(), size_);
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
   noteFingerprint(root, &red);
@@ -344,7 +344,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   for (int r = 0; r < size_; ++r) {
     checkSameLayout(ctx, output, inputs[0][r], "input_list[" + std::to_string(r) + "]", true);
   }
-  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
+  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type(), size_);
   std::vector<at::Tensor> ins = inputs[0];
   noteFingerprint(-1, &red);
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
@@ -373,7 +373,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, ctx, ": input has ", input.numel(),
                     " elements but must have output.numel() * world_size = ",
                     output.numel() * size_);
-  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type());
+  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type(), size_);
   at::Tensor in = input, out = output;
   auto host = [this, out, in, red](GroupChannel& ch) {
     runReduceScatterInto(*this, ch, out, in, red);
@@ -397,7 +397,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
     TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, ctx, ": input ", i,
                       " has ", inputs[i].numel(), " elements but must have ",
                       outputs[i].numel() * size_);
-    reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type()));
+    reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type(), size_));
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);

@@ -96,7 +96,7 @@ double Reduction::factor() const {
 }
 
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
-                        at::ScalarType scalar) {
+                        at::ScalarType scalar, int groupSize) {
   Reduction r;
   auto dt = toDType(scalar);
   TORCH_CHECK_TYPE(dt.has_value(), ctx, ": cannot reduce tensors of dtype ", scalar,
@@ -115,8 +115,15 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
       TORCH_CHECK_TYPE(r.dtype != DType::Bool, ctx,
                        ": AVG is not defined for bool tensors; use SUM (logical or) or MIN");
       r.kind = ReduceKind::Sum;
-      r.average = true;
       r.name = "AVG";
+      if (floating) {
+        // Each rank scales its share by 1/size before the sum (as NCCL does): a sum of
+        // float16 values each within range can overflow, their average cannot.
+        r.premul = true;
+        r.premulFactor = 1.0 / groupSize;
+      } else {
+        r.average = true;  // integers: sum, then divide with truncation
+      }
       break;
     case c10d::ReduceOp::PREMUL_SUM: {
       TORCH_CHECK_TYPE(r.dtype != DType::Bool, ctx,

@@ -37,15 +37,18 @@ struct Reduction {
   ReduceKind kind = ReduceKind::Sum;
   DType dtype = DType::Float32;
   kernels::ReduceFn fn = nullptr;
-  bool average = false;                // divide the SUM by the group size afterwards
-  bool premul = false;                 // scale inputs before the SUM
+  bool average = false;                // divide the SUM by the group size afterwards (integers)
+  bool premul = false;                 // scale inputs before the SUM (also floating AVG)
   double premulFactor = 1.0;
   at::Tensor premulTensor;             // a one-element factor read when the op runs
   std::string name;                    // "SUM", "AVG", ...
 
   double factor() const;               // the PREMUL_SUM factor
 };
-Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op, at::ScalarType dtype);
+// AVG of a floating dtype becomes a PREMUL_SUM by 1/groupSize; of an integer one, a SUM
+// divided afterwards (`average`).
+Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op, at::ScalarType dtype,
+                        int groupSize);
 
 // A contiguous host image of a tensor for the duration of one op: the tensor itself when
 // it is a contiguous CPU tensor, otherwise a staged copy that copyOut() writes back.

@@ -1,7 +1,9 @@
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/half.h"
 #include "kernels/reduce.h"
@@ -65,10 +67,35 @@ bool isFloating(DType t) {
 namespace kernels {
 namespace {
 
-struct Sum { template <class T> static T apply(T a, T b) { return a + b; } };
-struct Prod { template <class T> static T apply(T a, T b) { return a * b; } };
-struct Min { template <class T> static T apply(T a, T b) { return b < a ? b : a; } };
-struct Max { template <class T> static T apply(T a, T b) { return b > a ? b : a; } };
+// Integers add and multiply modulo 2^bits, as torch's own ops do. Done on an unsigned
+// type at least as wide as int: signed overflow (and the promotion of 16-bit operands
+// to int) would be undefined behaviour that the optimiser may exploit.
+template <class T>
+using Wrap = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+
+struct Sum {
+  template <class T> static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<T>(static_cast<Wrap<T>>(a) + static_cast<Wrap<T>>(b));
+    } else {
+      return a + b;
+    }
+  }
+};
+struct Prod {
+  template <class T> static T apply(T a, T b) {
+    if constexpr (std::is_integral_v<T>) {
+      return static_cast<T>(static_cast<Wrap<T>>(a) * static_cast<Wrap<T>>(b));
+    } else {
+      return a * b;
+    }
+  }
+};
+// NaN wins whichever operand holds it (as torch.minimum/maximum): algorithms reduce
+// chunks with the operands in different orders, and a NaN must not survive in some
+// elements and vanish in others. `b != b` is false for integers.
+struct Min { template <class T> static T apply(T a, T b) { return (b < a || b != b) ? b : a; } };
+struct Max { template <class T> static T apply(T a, T b) { return (b > a || b != b) ? b : a; } };
 struct BitAnd { template <class T> static T apply(T a, T b) { return a & b; } };
 struct BitOr { template <class T> static T apply(T a, T b) { return a | b; } };
 struct BitXor { template <class T> static T apply(T a, T b) { return a ^ b; } };
@@ -160,13 +187,29 @@ ReduceFn boolFn(ReduceKind op) {
 template <class T>
 void scaleLoop(void* bufv, size_t n, double f) {
   T* buf = static_cast<T*>(bufv);
+  if constexpr (std::is_integral_v<T>) {
+    // A whole factor multiplies exactly (modulo 2^bits): through double, int64 values
+    // above 2^53 would be rounded.
+    if (f == std::trunc(f) && std::fabs(f) < 9.2e18) {
+      const uint64_t k = static_cast<uint64_t>(static_cast<int64_t>(f));
+      for (size_t i = 0; i < n; ++i) {
+        buf[i] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(buf[i])) * k);
+      }
+      return;
+    }
+  }
   for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] * f);
 }
 
 template <class T>
 void divideLoop(void* bufv, size_t n, int64_t d) {
   T* buf = static_cast<T*>(bufv);
-  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] / static_cast<T>(d));
+  if constexpr (std::is_integral_v<T>) {
+    // Divided as int64: the group size need not fit T (256 ranks is 0 as a uint8).
+    for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(static_cast<int64_t>(buf[i]) / d);
+  } else {
+    for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] / static_cast<T>(d));
+  }
 }
 
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>

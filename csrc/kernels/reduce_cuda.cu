@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/reduce_cuda.h"
 
@@ -45,8 +46,12 @@ template <> __device__ __forceinline__ __nv_bfloat16 fromAcc<__nv_bfloat16>(floa
 // The same expressions as the CPU kernels, so NaN handling of MIN/MAX agrees.
 struct Sum { template <class A> __device__ static A apply(A a, A b) { return a + b; } };
 struct Prod { template <class A> __device__ static A apply(A a, A b) { return a * b; } };
-struct Min { template <class A> __device__ static A apply(A a, A b) { return b < a ? b : a; } };
-struct Max { template <class A> __device__ static A apply(A a, A b) { return b > a ? b : a; } };
+struct Min {
+  template <class A> __device__ static A apply(A a, A b) { return (b < a || b != b) ? b : a; }
+};
+struct Max {
+  template <class A> __device__ static A apply(A a, A b) { return (b > a || b != b) ? b : a; }
+};
 struct BitAnd { template <class A> __device__ static A apply(A a, A b) { return a & b; } };
 struct BitOr { template <class A> __device__ static A apply(A a, A b) { return a | b; } };
 struct BitXor { template <class A> __device__ static A apply(A a, A b) { return a ^ b; } };
@@ -73,7 +78,14 @@ __device__ __forceinline__ typename AccOf<T>::type start(const Params<T>& p, T x
 template <typename T>
 __device__ __forceinline__ T finish(const Params<T>& p, typename AccOf<T>::type a) {
   using A = typename AccOf<T>::type;
-  if (p.divisor > 1) a = a / static_cast<A>(p.divisor);  // integers: C++ truncation
+  if (p.divisor > 1) {
+    if constexpr (std::is_integral<A>::value) {
+      // Truncating, in int64: the group size need not fit A (256 ranks is 0 as a uint8).
+      a = static_cast<A>(static_cast<long long>(a) / static_cast<long long>(p.divisor));
+    } else {
+      a = a / static_cast<A>(p.divisor);
+    }
+  }
   return fromAcc<T>(a);
 }
 
