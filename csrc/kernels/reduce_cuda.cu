@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -65,13 +66,25 @@ struct Params {
   size_t count;
   bool premul;
   double factor;
+  bool wholeFactor;    // factor is a whole number: integers multiply by intFactor exactly
+  long long intFactor;
   int64_t divisor;
 };
 
 template <typename T>
 __device__ __forceinline__ typename AccOf<T>::type start(const Params<T>& p, T x) {
   using A = typename AccOf<T>::type;
-  if (p.premul) return static_cast<A>(static_cast<double>(toAcc<T>(x)) * p.factor);
+  if (p.premul) {
+    if constexpr (std::is_integral<A>::value) {
+      // A whole factor multiplies exactly, modulo 2^bits, as on the CPU (through double,
+      // int64 values above 2^53 would be rounded).
+      if (p.wholeFactor) {
+        return static_cast<A>(static_cast<unsigned long long>(static_cast<long long>(x)) *
+                              static_cast<unsigned long long>(p.intFactor));
+      }
+    }
+    return static_cast<A>(static_cast<double>(toAcc<T>(x)) * p.factor);
+  }
   return toAcc<T>(x);
 }
 
@@ -163,6 +176,8 @@ void launch(const MultiReduceArgs& a, cudaStream_t stream) {
   p.count = a.count;
   p.premul = a.premul;
   p.factor = a.premulFactor;
+  p.wholeFactor = a.premulFactor == std::trunc(a.premulFactor) && std::fabs(a.premulFactor) < 9.2e18;
+  p.intFactor = p.wholeFactor ? static_cast<long long>(a.premulFactor) : 0;
   p.divisor = a.divisor;
 
   constexpr size_t kV = 16 / sizeof(T);
