@@ -387,6 +387,34 @@ def test_tdx_algo_pins_every_rank() -> None:
     assert got == [("ring", "chain")] * 2, got
 
 
+def _pin_while_queued(rank: int, world: int) -> str:
+    import time
+
+    a, b = torch.ones(4 << 20), torch.ones(1024)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 pins while both its ops wait for this rank
+    wa = dist.all_reduce(a, async_op=True)
+    wb = dist.all_reduce(b, async_op=True)
+    if rank == 1:
+        wa.wait()
+        wb.wait()
+    try:
+        torchdist_ext.set_algorithm("allreduce", "ring")
+        wa.wait()
+        wb.wait()
+        dist.all_reduce(b)  # issued after the pin on both ranks: runs ring on both
+    finally:
+        torchdist_ext.set_algorithm("allreduce", "auto")
+    return f"{a[0].item()} {b[0].item()}"
+
+
+def test_pin_applies_to_ops_issued_after_it() -> None:
+    """set_algorithm on one rank while its ops are queued, on the other after they ran:
+    the queued ops keep the pins they were issued under, so the ranks still meet."""
+    got = run_ranks(_pin_while_queued, 2, timeout=20)
+    assert got == ["2.0 4.0"] * 2, got
+
+
 def _sweep(rank: int, world: int, counts: list[int] | None = None,
            names: list[tuple[str, str]] | None = None) -> list[str]:
     """Runs every algorithm (pinned), or those in ``names``, on this rank at the usual

@@ -214,8 +214,8 @@ Choice Registry::cheapest(Collective c, double bytes, int n, const Placement& p,
 }
 
 Choice Registry::choose(Collective c, double bytes, int n, const Placement& p,
-                        const CostModel& model) const {
-  const std::string pinned = override(c);
+                        const CostModel& model, const Pins* pins) const {
+  const std::string pinned = pins ? (*pins)[static_cast<int>(c)] : override(c);
   if (pinned.empty()) return cheapest(c, bytes, n, p, model);
   const Algorithm* a = find(c, pinned);
   const std::string why = unusable(*a, bytes, n, p);
@@ -238,20 +238,31 @@ void Registry::setOverride(Collective c, const std::string& name) {
                                 name + "'; use auto or one of " + names);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  overrides_[static_cast<int>(c)] = name == "auto" ? "" : name;
+  auto next = std::make_shared<Pins>(*pins_);  // ops issued before keep the old snapshot
+  (*next)[static_cast<int>(c)] = name == "auto" ? "" : name;
+  pins_ = std::move(next);
 }
 
 std::string Registry::override(Collective c) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return overrides_[static_cast<int>(c)];
+  return (*pins())[static_cast<int>(c)];
 }
 
-std::string Registry::overrides() const {
+std::shared_ptr<const Pins> Registry::pins() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return pins_;
+}
+
+std::string Registry::overrides(const Pins* pins) const {
+  std::shared_ptr<const Pins> now;
+  if (pins == nullptr) {
+    now = this->pins();
+    pins = now.get();
+  }
   std::string out;
   for (int i = 0; i < kNumCollectives; ++i) {
-    if (overrides_[i].empty()) continue;
-    out += (out.empty() ? "" : ",") + std::string(kCollectiveNames[i]) + ":" + overrides_[i];
+    const std::string& name = (*pins)[i];
+    if (name.empty()) continue;
+    out += (out.empty() ? "" : ",") + std::string(kCollectiveNames[i]) + ":" + name;
   }
   return out;
 }

@@ -17,7 +17,9 @@
 // by contract, checked with the op fingerprints under TDX_DEBUG=DETAIL).
 #pragma once
 
+#include <array>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -95,6 +97,10 @@ struct Algorithm {
   const char* summary;
 };
 
+// The pinned algorithm of each collective ("" for auto), as of one moment: an op runs
+// with the pins in force when it was issued, which every rank issued in the same order.
+using Pins = std::array<std::string, kNumCollectives>;
+
 struct Choice {
   const Algorithm* algorithm = nullptr;
   double predicted = 0;  // seconds
@@ -119,8 +125,9 @@ class Registry {
 
   // The algorithm for an op; throws std::invalid_argument when a pinned algorithm cannot
   // run it (naming why and what can).
-  Choice choose(Collective c, double bytes, int n, const Placement& p,
-                const CostModel& model) const;
+  // `pins`: the pins to obey (an op's snapshot); null for the ones in force now.
+  Choice choose(Collective c, double bytes, int n, const Placement& p, const CostModel& model,
+                const Pins* pins = nullptr) const;
   // The cheapest usable algorithm ignoring overrides (what `auto` would pick), optionally
   // restricted to algorithms declaring one link.
   Choice cheapest(Collective c, double bytes, int n, const Placement& p, const CostModel& model,
@@ -129,9 +136,11 @@ class Registry {
   // "auto" clears the override. Throws std::invalid_argument for unknown names.
   void setOverride(Collective c, const std::string& name);
   std::string override(Collective c) const;
-  // Every pinned algorithm, "allreduce:ring,broadcast:tree" ("" when none), so ranks can
-  // compare their pins.
-  std::string overrides() const;
+  // The pins in force now; shared, not copied (a new snapshot replaces it on each change).
+  std::shared_ptr<const Pins> pins() const;
+  // Every pinned algorithm of `pins` (default: those in force now),
+  // "allreduce:ring,broadcast:tree" ("" when none), so ranks can compare their pins.
+  std::string overrides(const Pins* pins = nullptr) const;
   // TDX_ALGO syntax: "allreduce:ring,broadcast:tree".
   void applyOverrides(const std::string& spec);
 
@@ -143,7 +152,7 @@ class Registry {
   Registry();
   std::vector<Algorithm> algorithms_;
   mutable std::mutex mu_;
-  std::string overrides_[kNumCollectives];
+  std::shared_ptr<const Pins> pins_ = std::make_shared<const Pins>();  // under mu_
   CostModel model_;
 };
 

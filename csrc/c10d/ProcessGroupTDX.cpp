@@ -413,9 +413,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   } else {
     task.body = std::move(body);
   }
+  task.pins = algorithms::Registry::get().pins();
   if (checkFingerprints_) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
-    const std::string pins = algorithms::Registry::get().overrides();
+    const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
     task.fingerprint = fingerprintOf(type, what, task.keepAlive, fingerprintExtra) +
                        (pins.empty() ? std::string() : " algorithms=" + pins);
   }
@@ -583,6 +584,7 @@ void ProcessGroupTDX::runTask(Task& task) {
       if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + timeout(), aborted_, scratch_);
+      taskPins_ = task.pins.get();
       try {
         if (checkFingerprints_) checkFingerprint(ch, task.fingerprint);
         if (task.deviceBody) {
@@ -626,6 +628,7 @@ void ProcessGroupTDX::runTask(Task& task) {
       dumpFlightRecord(op + " failed");
     }
   }
+  taskPins_ = nullptr;  // the task's snapshot dies with it
   // Not running from here on: the caller may destroy the group as soon as it hears.
   running_.store(false);
   task.work->finishPart(error);
@@ -636,7 +639,7 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   auto& reg = algorithms::Registry::get();
   Selected sel;
   sel.wait = transport::WaitContext{ch.deadline(), &ch.abortedFlag(), what};
-  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_);
+  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_, taskPins_);
   if (choice.algorithm->link != algorithms::Link::Net) {
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
@@ -645,7 +648,7 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
     } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
       algorithms::Placement noCrossMemory = placement_;
       noCrossMemory.crossMemory = false;
-      choice = reg.choose(c, bytes, size_, noCrossMemory, costModel_);
+      choice = reg.choose(c, bytes, size_, noCrossMemory, costModel_, taskPins_);
       // The next best may be a message algorithm, which must not be run (or reported)
       // as a window one.
       if (choice.algorithm->link == algorithms::Link::Net) sel.window = nullptr;

@@ -174,6 +174,9 @@ class ProcessGroupTDX : public c10d::Backend {
     std::shared_ptr<c10::Event> readyEvent;  // recorded on the caller's stream (CUDA)
     uint64_t flightId = 0;
     std::string fingerprint;  // checked across ranks before the op when enabled
+    // The pinned algorithms when the op was issued: set_algorithm between issue and run
+    // must not change it on one rank only.
+    std::shared_ptr<const algorithms::Pins> pins;
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
@@ -221,6 +224,8 @@ class ProcessGroupTDX : public c10d::Backend {
   // make the same choices.
   algorithms::Placement placement_;
   algorithms::CostModel costModel_;
+  // The running op's pins (Task::pins); the worker thread's alone.
+  const algorithms::Pins* taskPins_ = nullptr;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
   std::vector<uint8_t> storeGetWithin(const std::string& key, const transport::WaitContext& wc);
   std::unique_ptr<transport::HostWindow> window_;
