@@ -167,3 +167,43 @@ def test_point_to_point_mismatch_ends_the_senders_sends_in_flight() -> None:
     assert sender["second"].startswith("DistBackendError"), sender
     assert "point-to-point mismatch: rank 0 sent Float[10] to rank 1" in sender["second"], sender
     assert sender["seconds"] < 10 and receiver["seconds"] < 10, results
+
+
+def _one_sided_mismatches(rank: int, n: int) -> dict:
+    """Without DETAIL, mismatches that only one rank's shared-memory op can see."""
+    out: dict = {}
+
+    def attempt(name: str, call) -> None:
+        start = time.monotonic()
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " s"] = time.monotonic() - start
+
+    # Split sizes that disagree: only rank 1, which expects 3 rows from rank 0 that
+    # sends 2, can tell; rank 0 must not wait out the timeout for it.
+    g = dist.new_group(backend="tdx")
+    ins, outs = ([1, 2], [1, 1]) if rank == 0 else ([1, 1], [3, 1])
+    attempt("all_to_all", lambda: dist.all_to_all_single(
+        torch.zeros(sum(outs)), torch.zeros(sum(ins)), outs, ins, group=g))
+    # A broadcast of 4 elements from root 0 into 5 on rank 1: the root's op is right (it
+    # only sends) and ends; its next op must fail at once, naming rank 1.
+    g2 = dist.new_group(backend="tdx")
+    attempt("broadcast", lambda: dist.broadcast(torch.zeros(4 if rank == 0 else 5), 0, group=g2))
+    attempt("next", lambda: dist.all_reduce(torch.ones(1), group=g2))
+    if rank == 1:
+        time.sleep(6)  # alive: the peer cannot learn of the failure from an exit
+    dist.barrier()
+    return out
+
+
+def test_one_sided_mismatch_fails_the_other_ranks_at_once() -> None:
+    r0, r1 = run_ranks(_one_sided_mismatches, 2, timeout=30)
+    assert "split sizes do not match" in r1["all_to_all"], r1
+    assert "rank 1 gave up" in r0["all_to_all"] and "split sizes" in r0["all_to_all"], r0
+    assert r0["all_to_all s"] < 3.0, r0
+    assert "collective mismatch" in r1["broadcast"], r1
+    assert r0["broadcast"] == "no error", r0
+    assert "rank 1 gave up" in r0["next"] and r0["next s"] < 3.0, r0

@@ -43,6 +43,20 @@ class ShmSteps {
   uint64_t start_;
 };
 
+// Runs a shared-memory op. When it fails on this rank (a mismatch only this rank can
+// see, a timeout, an abort), the peers waiting for this rank in the window hear of it at
+// once instead of waiting out their own timeout.
+template <class F>
+void onWindow(GroupChannel& ch, transport::HostWindow& w, F&& op) {
+  ShmSteps steps(ch, w);
+  try {
+    op();
+  } catch (const std::exception& e) {
+    w.publishFailure(e.what());
+    throw;
+  }
+}
+
 size_t totalBytes(const std::vector<Block>& blocks) {
   size_t t = 0;
   for (const auto& b : blocks) t += b.bytes;
@@ -62,15 +76,16 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* o
   }
   if (ch.size() == 1) return;
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    if (!shm) {
-      algorithms::cmaAllreduce(*sel.window, sel.wait, output, count, elemSize, reduce);
-    } else if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
-      algorithms::shmDirectAllreduce(*sel.window, sel.wait, input, output, count, elemSize,
-                                     reduce);
-    } else {
-      algorithms::shmAllreduce(*sel.window, sel.wait, input, output, count, elemSize, reduce);
-    }
+    onWindow(ch, *sel.window, [&] {
+      if (!shm) {
+        algorithms::cmaAllreduce(*sel.window, sel.wait, output, count, elemSize, reduce);
+      } else if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
+        algorithms::shmDirectAllreduce(*sel.window, sel.wait, input, output, count, elemSize,
+                                       reduce);
+      } else {
+        algorithms::shmAllreduce(*sel.window, sel.wait, input, output, count, elemSize, reduce);
+      }
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -85,8 +100,9 @@ void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, 
   auto sel = pg.select(Collective::Broadcast, double(bytes), ch, "broadcast");
   if (ch.size() == 1) return;
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmBroadcast(*sel.window, sel.wait, data, bytes, root);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmBroadcast(*sel.window, sel.wait, data, bytes, root);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -101,8 +117,9 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
             size_t elemSize, kernels::ReduceFn fn, int root) {
   auto sel = pg.select(Collective::Reduce, double(count * elemSize), ch, "reduce");
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -120,8 +137,9 @@ void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& 
   auto sel = pg.select(Collective::Allgather, double(totalBytes(blocks)), ch, "all_gather");
   if (ch.size() == 1) return;
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmAllgather(*sel.window, sel.wait, blocks[ch.rank()].data, blocks);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmAllgather(*sel.window, sel.wait, blocks[ch.rank()].data, blocks);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -137,8 +155,9 @@ void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Bloc
                        "reduce_scatter");
   const size_t bytes = inputs[ch.rank()].bytes;
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmReduceScatter(*sel.window, sel.wait, inputs, output, elemSize, fn);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmReduceScatter(*sel.window, sel.wait, inputs, output, elemSize, fn);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -158,8 +177,9 @@ void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& s
   // host and pairwise exchange across hosts.
   auto sel = pg.select(Collective::Alltoall, 0, ch, "all_to_all");
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmAlltoall(*sel.window, sel.wait, sends, recvs);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmAlltoall(*sel.window, sel.wait, sends, recvs);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -175,8 +195,7 @@ void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
   auto sel = pg.select(Collective::Barrier, 0, ch, "barrier");
   if (ch.size() == 1) return;
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmBarrier(*sel.window, sel.wait);
+    onWindow(ch, *sel.window, [&] { algorithms::shmBarrier(*sel.window, sel.wait); });
     return;
   }
   run(ch, sel, argsFor(ch), Buffers{}, nullptr);
@@ -186,8 +205,9 @@ void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
             const std::vector<Block>& rootBlocks, int root) {
   auto sel = pg.select(Collective::Gather, double(mine.bytes) * ch.size(), ch, "gather");
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmGather(*sel.window, sel.wait, mine, rootBlocks, root);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmGather(*sel.window, sel.wait, mine, rootBlocks, root);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);
@@ -204,8 +224,9 @@ void scatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& ro
              const Block& mine, int root) {
   auto sel = pg.select(Collective::Scatter, double(mine.bytes) * ch.size(), ch, "scatter");
   if (sel.window) {
-    ShmSteps steps(ch, *sel.window);
-    algorithms::shmScatter(*sel.window, sel.wait, rootBlocks, mine, root);
+    onWindow(ch, *sel.window, [&] {
+      algorithms::shmScatter(*sel.window, sel.wait, rootBlocks, mine, root);
+    });
     return;
   }
   PlanArgs a = argsFor(ch);

@@ -176,7 +176,8 @@ void launch(const MultiReduceArgs& a, cudaStream_t stream) {
   p.count = a.count;
   p.premul = a.premul;
   p.factor = a.premulFactor;
-  p.wholeFactor = a.premulFactor == std::trunc(a.premulFactor) && std::fabs(a.premulFactor) < 9.2e18;
+  p.wholeFactor =
+      a.premulFactor == std::trunc(a.premulFactor) && std::fabs(a.premulFactor) < 9.2e18;
   p.intFactor = p.wholeFactor ? static_cast<long long>(a.premulFactor) : 0;
   p.divisor = a.divisor;
 

@@ -81,9 +81,10 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   w->rank_ = rank;
   w->size_ = size;
   w->slotBytes_ = roundUp(slotBytes, 8192);
-  // Header, pids, one counter line per rank, two op-info lines per rank.
+  // Header, pids, one counter line per rank, two op-info lines per rank, one failure
+  // notice per rank.
   const size_t headerBytes = roundUp(sizeof(Header) + size * sizeof(int32_t), kLine) +
-                             size * kLine + 2 * size * kLine;
+                             size * kLine + 2 * size * kLine + size * sizeof(FailureNotice);
   const size_t slotsOffset = roundUp(headerBytes, 4096);
   w->mapBytes_ = slotsOffset + size * w->slotBytes_;
 
@@ -168,6 +169,37 @@ HostWindow::OpInfo* HostWindow::opInfoSlot(int r, int h) const {
                              size_ * kLine;
   static_assert(sizeof(OpInfo) <= kLine, "op info fits a line");
   return reinterpret_cast<OpInfo*>(base_ + countersEnd + (2 * r + h) * kLine);
+}
+
+HostWindow::FailureNotice* HostWindow::failureSlot(int r) const {
+  const size_t opInfoEnd = roundUp(sizeof(Header) + size_ * sizeof(int32_t), kLine) +
+                           size_ * kLine + 2 * size_ * kLine;
+  return reinterpret_cast<FailureNotice*>(base_ + opInfoEnd + r * sizeof(FailureNotice));
+}
+
+void HostWindow::publishFailure(const std::string& why) {
+  FailureNotice* n = failureSlot(rank_);
+  if (n->failed.load(std::memory_order_acquire) != 0) return;  // the first reason stays
+  const size_t len = std::min(why.size(), sizeof(n->reason) - 1);
+  std::memcpy(n->reason, why.data(), len);
+  n->reason[len] = '\0';
+  n->failed.store(1, std::memory_order_seq_cst);
+  // Wake sleepers now: they look at notices between sleeps.
+  header_->epoch.fetch_add(1, std::memory_order_seq_cst);
+  if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->epoch), FUTEX_WAKE, INT32_MAX,
+            nullptr, nullptr, 0);
+  }
+}
+
+void HostWindow::checkFailed(int r, const WaitContext& wc) const {
+  const FailureNotice* n = failureSlot(r);
+  if (n->failed.load(std::memory_order_acquire) == 0) return;
+  char reason[sizeof(n->reason)];
+  std::memcpy(reason, n->reason, sizeof(reason));
+  reason[sizeof(reason) - 1] = '\0';
+  throw std::runtime_error("rank " + std::to_string(r) + " gave up on the group's shared-memory "
+                           "ops while this rank waited for it in " + wc.what + ": " + reason);
 }
 
 void HostWindow::setOpInfo(int h, const OpInfo& info) {
@@ -303,7 +335,9 @@ void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
     if (now >= nextCheck) {
       std::vector<int> who;
       behind(&who);
+      // Exits first: a rank that gave up because another exited is only the messenger.
       for (int r : who) checkAlive(r, wc);
+      for (int r : who) checkFailed(r, wc);
       if (wc.aborted && wc.aborted->load()) {
         throw std::runtime_error(std::string("the process group was aborted during ") + wc.what);
       }

@@ -95,6 +95,12 @@ class HostWindow {
   bool crossMemory() const {
     return crossMemory_;
   }
+  // This rank gave up on the window (an op failed here: a mismatch it detected, a
+  // timeout, an abort): ranks waiting for it fail at their next check, within about
+  // 20 ms, naming it and `why`, instead of waiting out their timeout. Its group is
+  // broken, so the window is not used again. Only the first reason is kept.
+  void publishFailure(const std::string& why);
+
   // Copies `bytes` at `remote` in rank r's address space to `local`; throws naming r.
   void readFrom(int r, const void* remote, void* local, size_t bytes, const WaitContext& wc);
 
@@ -106,6 +112,13 @@ class HostWindow {
   struct Header;
   std::atomic<uint64_t>& counter(int r) const;
   OpInfo* opInfoSlot(int r, int h) const;
+  struct FailureNotice {
+    std::atomic<uint64_t> failed;  // 0 until the rank gives up; reason written before
+    char reason[248];
+  };
+  FailureNotice* failureSlot(int r) const;
+  // Throws naming `r` when that rank has published a failure.
+  void checkFailed(int r, const WaitContext& wc) const;
   // Throws naming `r` when that rank's process has exited.
   void checkAlive(int r, const WaitContext& wc);
   bool exited(int r);
