@@ -3,10 +3,11 @@ keeps working afterwards."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from torchdist_ext.testing import run_ranks
+from torchdist_ext.testing import RankFailure, run_ranks
 
 
 def _expect_error(fails: list[str], what: str, fn, *needles: str) -> None:
@@ -264,3 +265,17 @@ def test_abort_does_not_wait_for_peers() -> None:
     r = run_ranks(_abort_while_stuck, 2, timeout=60)[0]
     assert r["abort_seconds"] < 2.0, r
     assert r["work"].startswith("DistBackendError") and "abort" in r["work"], r
+
+
+def _nothing(rank: int, n: int) -> None:
+    return None
+
+
+def test_tuning_that_ranks_must_share_is_compared_at_creation() -> None:
+    """TDX_SEGMENT_BYTES set on one rank only: the group refuses to start on every rank,
+    naming the variable and both values, instead of failing mid-op with a size error."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_nothing, 2, timeout=60, rank_env={1: {"TDX_SEGMENT_BYTES": "131072"}})
+    msg = str(info.value)
+    assert "TDX_SEGMENT_BYTES is" in msg and "131072" in msg, msg
+    assert "same value on every rank" in msg, msg

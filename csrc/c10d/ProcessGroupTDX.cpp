@@ -22,6 +22,7 @@
 #include <sstream>
 
 #include "algorithms/collectives.h"
+#include "algorithms/executor.h"
 
 #include "c10d/Validation.hpp"
 #include "common/env.h"
@@ -219,15 +220,33 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }
 
-  // One round of store reads settles three things. Each rank publishes whether it allows
-  // windows (TDX_SHM), which of its group-id candidates it has free (16 hex digits) and
-  // its host key:
+  // One round of store reads settles four things. Each rank publishes whether it allows
+  // windows (TDX_SHM), which of its group-id candidates it has free (16 hex digits), its
+  // tuning (kTuning) and its host key:
   // - the group id: the first candidate free on every rank (GroupIds);
   // - same host? It decides whether shared-memory algorithms may run and, when the
   //   default group starts the process's transport, whether UCX needs TCP at all: every
   //   other group is a subset of the default one;
   // - windows run only if every rank allows them: ranks that disagreed would choose
-  //   different algorithms for the same op and wait on each other forever.
+  //   different algorithms for the same op and wait on each other forever;
+  // - the tuning variables must agree: ranks that cut messages into segments of
+  //   different sizes post receives that do not match their peers' sends, and ranks that
+  //   price the window's chunks differently may choose different algorithms. Both would
+  //   fail mid-op with an error that says nothing of the cause.
+  struct Knob {
+    const char* name;
+    uint64_t value;
+  };
+  const Knob kTuning[] = {
+      {"TDX_SEGMENT_BYTES", algorithms::defaultSegmentBytes()},
+      {"TDX_SHM_SLOT_BYTES", transport::HostWindow::defaultSlotBytes()},
+  };
+  std::string tuningText;
+  for (const auto& k : kTuning) {
+    char digits[17];
+    std::snprintf(digits, sizeof(digits), "%016llx", static_cast<unsigned long long>(k.value));
+    tuningText += digits;
+  }
   const auto idCandidates = GroupIds::candidates(groupName_);
   const uint64_t idsFree = GroupIds::get().reserve(idCandidates);
   constexpr size_t kMaskDigits = 16;
@@ -239,19 +258,37 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   bool windowsEverywhere = true;
   try {
     store_->set("tdx/host/" + std::to_string(rank),
-                bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) + key));
+                bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
+                        tuningText + key));
+    std::string disagreement;
     for (int r = 0; r < size; ++r) {
       const auto theirs = store_->get("tdx/host/" + std::to_string(r));
       const std::string text(theirs.begin(), theirs.end());
-      if (text.size() < 1 + kMaskDigits) {
+      if (text.size() < 1 + kMaskDigits + tuningText.size()) {
         C10_THROW_ERROR(DistBackendError,
                         prefix() + " rank " + std::to_string(r) +
                             " published no group record under tdx/host/: every rank of a tdx "
                             "group must run the same torchdist_ext version");
       }
       idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
-      localRanks += text.compare(1 + kMaskDigits, std::string::npos, key) == 0 ? 1 : 0;
+      for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]) && disagreement.empty(); ++k) {
+        const uint64_t v =
+            std::strtoull(text.substr(1 + kMaskDigits + 16 * k, 16).c_str(), nullptr, 16);
+        if (v != kTuning[k].value) {
+          disagreement = std::string(kTuning[k].name) + " is " + std::to_string(v) +
+                         " bytes on rank " + std::to_string(r) + " but " +
+                         std::to_string(kTuning[k].value) + " on this rank";
+        }
+      }
+      localRanks +=
+          text.compare(1 + kMaskDigits + tuningText.size(), std::string::npos, key) == 0 ? 1 : 0;
       windowsEverywhere = windowsEverywhere && text[0] == '1';
+    }
+    if (!disagreement.empty()) {
+      C10_THROW_ERROR(DistBackendError,
+                      prefix() + " " + disagreement +
+                          " (after rounding): set it to the same value on every rank, or "
+                          "leave it unset everywhere");
     }
   } catch (...) {
     GroupIds::get().settle(idCandidates, idsFree, -1);

@@ -45,13 +45,15 @@ const std::vector<Knob>& knobs() {
       {"TDX_SEGMENT_BYTES", "1048576",
        "transfers that the receiver reduces as they land (RecvReduce) are cut into segments "
        "of this size, all in flight at once, so reducing one overlaps receiving the next; "
-       "other transfers move as one message"},
+       "other transfers move as one message; the same on every rank (checked when a group "
+       "is created)"},
       {"TDX_SHM", "1",
        "1: ranks of one host may use shared-memory windows (POSIX shm) for collectives; "
        "0: messages only"},
       {"TDX_SHM_SLOT_BYTES", "2097152",
        "bytes of a rank's shared-memory slot (two halves used alternately); larger slots "
-       "mean fewer signals per op, smaller ones stay in cache"},
+       "mean fewer signals per op, smaller ones stay in cache; the same on every rank "
+       "(checked when a group is created)"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
        "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs, else 0"},

@@ -78,6 +78,7 @@ def run_ranks(
     args: Sequence[Any] = (),
     env: Mapping[str, str] | None = None,
     may_exit: Sequence[int] = (),
+    rank_env: Mapping[int, Mapping[str, str]] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
@@ -85,7 +86,8 @@ def run_ranks(
     and is also the process group's timeout, so a hung collective fails rather than
     blocking the suite. Ranks in ``may_exit`` are allowed to vanish without reporting
     (fault tests kill them on purpose); their value is None. Any other rank that exits
-    without reporting is a failure.
+    without reporting is a failure. ``env`` is set for every rank, ``rank_env[r]`` (on
+    top of it) for rank ``r`` alone.
     """
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tdx-test-")
@@ -104,10 +106,15 @@ def run_ranks(
     # A spawned child imports torchdist_ext to unpickle its target, before any code of
     # ours runs there, and the import reads TDX_ALGO and TDX_CALIBRATION: the variables
     # must be in the environment it starts with.
-    saved = {k: os.environ.get(k) for k in child_env}
-    os.environ.update(child_env)
+    extra = rank_env or {}
+    keys = set(child_env).union(*(set(e) for e in extra.values()))
+    saved = {k: os.environ.get(k) for k in keys}
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
+            for k in keys:
+                os.environ.pop(k, None)
+            os.environ.update(child_env)
+            os.environ.update(extra.get(r, {}))
             p.start()
     finally:
         for k, v in saved.items():
