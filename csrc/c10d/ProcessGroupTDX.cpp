@@ -314,7 +314,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   } retireOnThrow{groupId_};
   const bool oneHost = localRanks == size;
   placement_.oneHost = oneHost;
-  placement_.windows = oneHost && windowsEverywhere;
+  // A window's half must hold 64 bytes per rank (all_to_all's split sizes, scatter's
+  // and gather's per-rank lines): with the smallest slots, beyond 64 ranks it does not.
+  const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
+  placement_.windows = oneHost && windowsEverywhere && halfFits;
 
   try {
     transport::UcxTransport::Hints hints;
