@@ -303,6 +303,14 @@ def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict"]) == 1
     assert cli.main(["--backends", "tdx,tdx:all", "--check-auto=strict",
                      "--auto-tolerance", "60"]) == 0
+    # An op that failed makes the run fail; one that was skipped does not; no rows at all
+    # is a failure too.
+    rows[0]["ip_error"] = report.SKIPPED + " after an earlier error"
+    assert cli.main(["--backends", "tdx,tdx:all"]) == 0
+    rows[0]["ip_error"] = "rank 0: RuntimeError: boom"
+    assert cli.main(["--backends", "tdx,tdx:all"]) == 1
+    monkeypatch.setattr(cli, "run", lambda opts: [])
+    assert cli.main(["--backends", "tdx"]) == 1
 
 
 def test_rounds_take_the_median_round() -> None:
@@ -445,3 +453,35 @@ def test_malformed_calibration_is_ignored_with_a_warning(tmp_path: Path, text: s
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "malformed calibration" in proc.stderr
+
+
+def test_checker_sees_what_a_short_pattern_would_hide() -> None:
+    """The inputs tell ranks apart beyond the pattern's modulus, sums over the ranks vary
+    along the buffer, a never-written bool output is caught, integer AVG wraps as the
+    dtype's SUM does, and bfloat16 sums over many ranks are not flagged."""
+    from torchdist_ext.bench.core import poison, reduced_input
+
+    assert not torch.equal(make_input(0, 64, torch.float32), make_input(13, 64, torch.float32))
+    assert not torch.equal(make_input(0, 64, torch.bool), make_input(3, 64, torch.bool))
+    # World 13: every rank's reduce_scatter chunk differs from every other's.
+    world, chunk = 13, 40
+    wants = [expected_output("reduce_scatter", r, world, world * chunk, torch.float32)
+             for r in range(world)]
+    for r in range(1, world):
+        assert count_wrong(wants[r], wants[0], world) > 0, r
+    # bool OR over several ranks, output never written: caught at most positions.
+    for world in (3, 8):
+        want = expected_output("all_reduce", 0, world, 256, torch.bool, "sum")
+        assert count_wrong(poison(256, torch.bool, "sum"), want) > 128
+        want = expected_output("all_reduce", 0, world, 256, torch.bool, "min")
+        assert count_wrong(poison(256, torch.bool, "min"), want) > 128
+    # int8 AVG at 20 ranks: the sum wraps in int8, then divides.
+    got = reduced_input(20, 50, torch.int8, "avg")
+    wide = sum(make_input(r, 50, torch.int8).to(torch.int64) for r in range(20))
+    assert torch.equal(got, torch.div(wide.to(torch.int8).to(torch.int64), 20,
+                                      rounding_mode="trunc").to(torch.int8))
+    # bfloat16 SUM accumulated rank by rank, as a ring does, at 48 ranks.
+    acc = make_input(0, 512, torch.bfloat16)
+    for r in range(1, 48):
+        acc = acc + make_input(r, 512, torch.bfloat16)
+    assert count_wrong(acc, expected_output("all_reduce", 0, 48, 512, torch.bfloat16), 48) == 0

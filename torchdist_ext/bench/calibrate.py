@@ -7,9 +7,9 @@ shared memory, ``shm``: a shared-memory window, ``cma``: in-place reads of peers
     t = alpha * steps + beta * bytes_moved + gamma * bytes_reduced
 
 where each algorithm states its own steps and bytes (``torchdist_ext._C._algorithm_cost``).
-Calibration spawns ranks with the benchmark's runner, times every algorithm of all_reduce,
-all_gather, broadcast and reduce_scatter pinned in turn (``tdx:<algorithm>``) at a few
-sizes, and fits alpha, beta, gamma per link by non-negative least squares on the relative
+Calibration spawns ranks with the benchmark's runner, times every algorithm of the ops in
+``DEFAULT_OPS`` (all_reduce, all_gather, broadcast, reduce_scatter, all_to_all and reduce,
+or those of ``--ops``) pinned in turn (``tdx:<algorithm>``) at a few sizes, and fits alpha, beta, gamma per link by non-negative least squares on the relative
 error (each point weighted by 1 / its measured time, so small sizes count as much as large
 ones). The time of a point is the in-place one (the op alone), the median of its
 iterations timed one by one, so a stall of a busy machine does not move it. The result goes to

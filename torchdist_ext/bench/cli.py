@@ -104,9 +104,11 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: 0 when every checked element was right (and, with
-    ``--check-auto=strict``, auto never lost), 1 otherwise. ``calibrate`` as the first
-    argument runs :func:`torchdist_ext.bench.calibrate.main` on the rest."""
+    """Entry point: 0 when every op ran and every checked element was right (and, with
+    ``--check-auto=strict``, auto never lost), 1 otherwise: a wrong element, an op that
+    failed (a skip, such as a pinned algorithm that cannot run a size, is not a failure)
+    or a sweep with no rows. ``calibrate`` as the first argument runs
+    :func:`torchdist_ext.bench.calibrate.main` on the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "calibrate":
         from . import calibrate
@@ -114,10 +116,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return calibrate.main(argv[1:])
     opts = options_from_args(argv)
     rows = run(opts)
+    if not rows:
+        print("# no rows: no size in the sweep holds a whole element per rank; widen -b/-e",
+              file=sys.stderr)
+        return 1
     wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
+    failed = sum(1 for r in rows for key in ("oop_error", "ip_error")
+                 if r.get(key) and not report.is_skipped(r[key]))
     if opts.check_auto == "strict" and any(report.auto_losses(rows, opts.auto_tolerance).values()):
         return 1
-    return 0 if wrong == 0 else 1
+    return 0 if wrong == 0 and failed == 0 else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

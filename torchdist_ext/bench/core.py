@@ -401,26 +401,29 @@ def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
                offset: int = 0) -> torch.Tensor:
     """Rank ``rank``'s input elements ``offset .. offset+count`` (CPU).
 
-    Small integers, so every sum, min, max and product over a few dozen ranks is exact in
-    float32, float16 and (up to 256) bfloat16; a product input is 1 or 2. Each element
-    depends on the rank and its position, so a chunk that lands in the wrong place or
-    comes from the wrong rank is counted wrong.
+    Small integers (1..13), so every sum, min and max over a dozen ranks is exact in
+    float32, float16 and bfloat16; a product input is 1 or 2. Each element depends on
+    the rank (an affine map of the position, distinct for the first 156 ranks) and on
+    its position without a short period, so a chunk that lands in the wrong place or
+    comes from the wrong rank is counted wrong, and sums over the ranks are not the
+    same everywhere.
     """
-    index = torch.int32 if offset + count + 3 * rank < 2**31 else torch.int64
+    index = torch.int32 if (offset + count) * 13 + rank < 2**31 else torch.int64
     i = torch.arange(offset, offset + count, dtype=index)
+    mixed = ((i * (1 + rank % 12) + rank // 12) ^ (i >> 4)) % 13
     if dtype == torch.bool:
-        return (i + rank) % 3 == 0
+        return mixed < 6
     if redop == "prod":
-        v = 1 + ((i + rank) % 7 == 0).to(index)
-    else:
-        v = (i + 3 * rank) % 13 + 1
-    return v.to(dtype)
+        return (1 + ((i + rank) % 7 == 0).to(index)).to(dtype)
+    return (mixed + 1).to(dtype)
 
 
-def poison(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A buffer the collective must overwrite: NaN, the dtype's largest integer, or True."""
+def poison(count: int, dtype: torch.dtype, redop: str = "sum") -> torch.Tensor:
+    """A buffer the collective must overwrite: NaN, the dtype's largest integer, or for
+    bool the value the reduction is least likely to give (False where it acts as OR, as
+    it gives True almost everywhere over many ranks; True otherwise)."""
     if dtype == torch.bool:
-        return torch.ones(count, dtype=dtype)
+        return torch.full((count,), redop not in ("sum", "max", "bor"), dtype=dtype)
     if dtype.is_floating_point or dtype.is_complex:
         return torch.full((count,), float("nan"), dtype=dtype)
     return torch.full((count,), torch.iinfo(dtype).max, dtype=dtype)
@@ -444,7 +447,8 @@ def reduced_input(world: int, count: int, dtype: torch.dtype, redop: str,
     """The reduction over all ranks of ``make_input``, computed in float64/int64, then cast.
 
     Bool reduces as 0/1 integers, so the cast back gives SUM=OR and PRODUCT=AND as NCCL
-    does; AVG on integers truncates.
+    does; AVG on integers divides the sum as the dtype holds it (wrapped, as SUM wraps)
+    and truncates.
     """
     wide = torch.complex128 if dtype.is_complex else (
         torch.float64 if dtype.is_floating_point else torch.int64)
@@ -452,7 +456,11 @@ def reduced_input(world: int, count: int, dtype: torch.dtype, redop: str,
     for r in range(1, world):
         acc = _combine(acc, make_input(r, count, dtype, redop, offset).to(wide), redop)
     if redop == "avg":
-        acc = acc / world if wide != torch.int64 else torch.div(acc, world, rounding_mode="trunc")
+        if wide != torch.int64:
+            acc = acc / world
+        else:
+            wrapped = acc.to(dtype).to(torch.int64)
+            acc = torch.div(wrapped, world, rounding_mode="trunc")
     return acc.to(dtype)
 
 
@@ -482,12 +490,13 @@ def expected_output(op: str, rank: int, world: int, count: int, dtype: torch.dty
     raise ValueError(f"unknown op {op!r}")
 
 
-def count_wrong(got: torch.Tensor, want: torch.Tensor) -> int:
+def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2) -> int:
     """Number of elements of ``got`` that differ from ``want``.
 
-    Integers and bools must match exactly. Floating types allow two ulps of relative error
-    (AVG rounds once, in whatever precision the backend divides); NaN is always wrong.
-    A shape mismatch counts every element as wrong.
+    Integers and bools must match exactly. Floating types allow ``max(2, world)`` ulps of
+    relative error: a sum of ``world`` positive terms (each possibly scaled first, as AVG
+    is) rounds at most once per term, and sums in bfloat16 leave the exact integers past
+    256. NaN is always wrong. A shape mismatch counts every element as wrong.
     """
     got = got.detach().to("cpu")
     if got.shape != want.shape:
@@ -496,7 +505,7 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor) -> int:
         return int((got != want).sum())
     wide = torch.complex128 if want.dtype.is_complex else torch.float64
     try:
-        rtol = 2.0 * torch.finfo(want.dtype).eps
+        rtol = max(2, world) * torch.finfo(want.dtype).eps
     except TypeError:  # pragma: no cover - dtypes without finfo
         rtol = 0.0
     close = torch.isclose(got.to(wide), want.to(wide), rtol=rtol, atol=0.0)

@@ -142,7 +142,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
         return make_input(r, n, dtype, redop, offset).to(dev)
 
     def empty(n: int) -> torch.Tensor:
-        return poison(n, dtype).to(dev)
+        return poison(n, dtype, redop).to(dev)
 
     keep: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]] = []  # inputs that must survive
     call: Callable[[], None]
@@ -226,7 +226,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
         want = _expected(name, rank, world, count, dtype, redop, root)
         if want is not None:
             got = _spoil(out) if o._corrupt else out
-            n += count_wrong(got, want)
+            n += count_wrong(got, want, world)
         for tensor, original in keep:  # an out-of-place op must leave its input alone
             n += count_wrong(tensor, original())
         return n
@@ -341,8 +341,11 @@ def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, sam
         name, source = lb.algo, "pinned"
     if name is None:
         source = "predict"
+        # The backend chooses all_to_all's algorithm for an empty message: splits may be
+        # uneven, and every rank must choose alike.
+        chosen_for = 0 if collective == "alltoall" else nbytes
         try:  # predict() answers for a pin set outside the bench (TDX_ALGO) too
-            name = torchdist_ext.predict(collective, nbytes, world, same_host, one_host)[0]
+            name = torchdist_ext.predict(collective, chosen_for, world, same_host, one_host)[0]
         except (RuntimeError, ValueError):  # a pin that cannot run this op
             return out
     out["algo"], out["algo_from"] = name, source
