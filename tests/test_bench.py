@@ -431,6 +431,9 @@ def test_calibration_files_old_and_merged(tmp_path: Path) -> None:
                                   '{"links": {"net": {"alpha": NaN, "beta": 1e-10, "gamma": 0}}}',
                                   '{"links": {"net": {"alpha": 1e-5, "beta": Infinity, "gamma": 0}}}',
                                   '{"links": {"net": {"alpha": -1, "beta": 1e-10, "gamma": 0}}}',
+                                  '{"links": {"net": {"alpha": 1e400, "beta": 0, "gamma": 0}}}',
+                                  '{"links": {"net": {"alpha": 1%s, "beta": 0, "gamma": 0}}}'
+                                  % ("0" * 400),
                                   '{"links": {"wire": {"alpha": 1, "beta": 1, "gamma": 1}}}'])
 def test_malformed_calibration_is_ignored_with_a_warning(tmp_path: Path, text: str) -> None:
     """A calibration file that is not an object of finite non-negative terms is ignored

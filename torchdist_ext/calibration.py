@@ -46,7 +46,11 @@ def _valid(links: Any) -> bool:
             v = terms.get(key)
             # JSON admits NaN and Infinity, and bool is an int: none is a cost. A NaN
             # term would make every comparison false and auto pick the first algorithm.
-            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+            try:  # a huge JSON integer overflows float()
+                ok = type(v) in (int, float) and math.isfinite(float(v)) and v >= 0
+            except OverflowError:
+                ok = False
+            if not ok:
                 return False
     return True
 

@@ -325,7 +325,8 @@ void shmAlltoall(HostWindow& w, const WaitContext& wc, const std::vector<Block>&
       for (int p = 0; p < n; ++p) largest = std::max<uint64_t>(largest, theirs[p]);
       if (theirs[r] != recvs[q].bytes) {
         throw std::runtime_error("rank " + std::to_string(q) + " sends " +
-                                 std::to_string(theirs[r]) + " bytes to this rank, which expects " +
+                                 std::to_string(theirs[r]) + " bytes to rank " +
+                                 std::to_string(r) + ", which expects " +
                                  std::to_string(recvs[q].bytes) +
                                  ": the ranks' split sizes do not match");
       }

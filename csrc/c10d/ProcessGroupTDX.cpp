@@ -259,12 +259,16 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   try {
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
-                        tuningText + key));
+                        "|" + tuningText + "|" + key));
     std::string disagreement;
     for (int r = 0; r < size; ++r) {
       const auto theirs = store_->get("tdx/host/" + std::to_string(r));
       const std::string text(theirs.begin(), theirs.end());
-      if (text.size() < 1 + kMaskDigits + tuningText.size()) {
+      // flag, mask, "|", tuning, "|", host key: the separators tell an older record
+      // (flag, mask, key) apart, whose key would otherwise be read as tuning.
+      const size_t tuningAt = 1 + kMaskDigits + 1;
+      const size_t keyAt = tuningAt + tuningText.size() + 1;
+      if (text.size() < keyAt || text[tuningAt - 1] != '|' || text[keyAt - 1] != '|') {
         C10_THROW_ERROR(DistBackendError,
                         prefix() + " rank " + std::to_string(r) +
                             " published no group record under tdx/host/: every rank of a tdx "
@@ -272,16 +276,14 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       }
       idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
       for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]) && disagreement.empty(); ++k) {
-        const uint64_t v =
-            std::strtoull(text.substr(1 + kMaskDigits + 16 * k, 16).c_str(), nullptr, 16);
+        const uint64_t v = std::strtoull(text.substr(tuningAt + 16 * k, 16).c_str(), nullptr, 16);
         if (v != kTuning[k].value) {
           disagreement = std::string(kTuning[k].name) + " is " + std::to_string(v) +
                          " bytes on rank " + std::to_string(r) + " but " +
                          std::to_string(kTuning[k].value) + " on this rank";
         }
       }
-      localRanks +=
-          text.compare(1 + kMaskDigits + tuningText.size(), std::string::npos, key) == 0 ? 1 : 0;
+      localRanks += text.compare(keyAt, std::string::npos, key) == 0 ? 1 : 0;
       windowsEverywhere = windowsEverywhere && text[0] == '1';
     }
     if (!disagreement.empty()) {

@@ -214,9 +214,9 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
       const std::exception_ptr e = child->exception_;
       lock.unlock();
       finishPart(e);
-    } else {
-      child->parent_ = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
+      return;  // nothing left to drive, time or cancel
     }
+    child->parent_ = c10::intrusive_ptr<WorkTDX>::reclaim_copy(this);
   }
   std::function<void()> childProgress;
   bool childTimesItself = false;

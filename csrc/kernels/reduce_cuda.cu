@@ -45,8 +45,29 @@ template <> __device__ __forceinline__ __nv_bfloat16 fromAcc<__nv_bfloat16>(floa
 }
 
 // The same expressions as the CPU kernels, so NaN handling of MIN/MAX agrees.
-struct Sum { template <class A> __device__ static A apply(A a, A b) { return a + b; } };
-struct Prod { template <class A> __device__ static A apply(A a, A b) { return a * b; } };
+// Integers wrap modulo 2^bits, computed on an unsigned type at least as wide as int (as
+// the CPU kernels do): signed overflow would be undefined behaviour.
+template <class A>
+using Wrap = typename std::conditional<(sizeof(A) < sizeof(unsigned)), unsigned,
+                                       typename std::make_unsigned<A>::type>::type;
+struct Sum {
+  template <class A> __device__ static A apply(A a, A b) {
+    if constexpr (std::is_integral<A>::value) {
+      return static_cast<A>(static_cast<Wrap<A>>(a) + static_cast<Wrap<A>>(b));
+    } else {
+      return a + b;
+    }
+  }
+};
+struct Prod {
+  template <class A> __device__ static A apply(A a, A b) {
+    if constexpr (std::is_integral<A>::value) {
+      return static_cast<A>(static_cast<Wrap<A>>(a) * static_cast<Wrap<A>>(b));
+    } else {
+      return a * b;
+    }
+  }
+};
 struct Min {
   template <class A> __device__ static A apply(A a, A b) { return (b < a || b != b) ? b : a; }
 };

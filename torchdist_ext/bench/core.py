@@ -493,10 +493,12 @@ def expected_output(op: str, rank: int, world: int, count: int, dtype: torch.dty
 def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2) -> int:
     """Number of elements of ``got`` that differ from ``want``.
 
-    Integers and bools must match exactly. Floating types allow ``max(2, world)`` ulps of
-    relative error: a sum of ``world`` positive terms (each possibly scaled first, as AVG
-    is) rounds at most once per term, and sums in bfloat16 leave the exact integers past
-    256. NaN is always wrong. A shape mismatch counts every element as wrong.
+    Integers and bools must match exactly. Floating types allow two ulps of relative
+    error (AVG scales each share, or divides the sum, and rounds once) where the result
+    is an integer the dtype holds exactly, as every partial sum of the small positive
+    inputs then is too; beyond that (bfloat16 past 256, float16 past 2048), where each of
+    a sum's ``world - 1`` additions may round, ``world`` ulps. NaN is always wrong. A shape
+    mismatch counts every element as wrong.
     """
     got = got.detach().to("cpu")
     if got.shape != want.shape:
@@ -504,9 +506,14 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2) -> int:
     if not (want.dtype.is_floating_point or want.dtype.is_complex):
         return int((got != want).sum())
     wide = torch.complex128 if want.dtype.is_complex else torch.float64
+    g, w = got.to(wide), want.to(wide)
     try:
-        rtol = max(2, world) * torch.finfo(want.dtype).eps
+        info = torch.finfo(want.dtype)
     except TypeError:  # pragma: no cover - dtypes without finfo
-        rtol = 0.0
-    close = torch.isclose(got.to(wide), want.to(wide), rtol=rtol, atol=0.0)
+        return int((g != w).sum())
+    exact_below = 2.0 / info.eps  # 2^(mantissa bits + 1): integers up to it are exact
+    rtol = torch.full(w.shape, 2 * info.eps, dtype=torch.float64)
+    if not want.dtype.is_complex:
+        rtol = torch.where(w.abs() > exact_below, max(2, world) * info.eps, rtol)
+    close = (g - w).abs() <= rtol * w.abs()
     return int((~close).sum())

@@ -111,8 +111,11 @@ def run_ranks(
     saved = {k: os.environ.get(k) for k in keys}
     try:
         for r, p in enumerate(procs):
-            for k in keys:
-                os.environ.pop(k, None)
+            for k, v in saved.items():  # the parent's own values, under the overrides
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
             os.environ.update(child_env)
             os.environ.update(extra.get(r, {}))
             p.start()
