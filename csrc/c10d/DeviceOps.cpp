@@ -154,7 +154,12 @@ class CudaPeerMemory final : public PeerMemory {
         }
       }
     }
-    for (auto& f : flags) f = std::max(f, p.seq);
+    // Every op queued behind the stuck one waits on the same flags with a higher
+    // sequence: release them all, or the stream stays blocked on the next one (and no
+    // later pass looks, the watchdog being off from here on).
+    uint64_t last = p.seq;
+    for (const auto& q : pending_) last = std::max(last, q.seq);
+    for (auto& f : flags) f = std::max(f, last);
     cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
     cudaStreamSynchronize(side.stream());
     cudaGetLastError();
