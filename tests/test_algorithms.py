@@ -405,14 +405,18 @@ def _pin_while_queued(rank: int, world: int) -> str:
         dist.all_reduce(b)  # issued after the pin on both ranks: runs ring on both
     finally:
         torchdist_ext.set_algorithm("allreduce", "auto")
-    return f"{a[0].item()} {b[0].item()}"
+    paths = [e["path"] for e in torchdist_ext.flight_recorder()[-3:]]
+    return f"{a[0].item()} {b[0].item()}", paths
 
 
 def test_pin_applies_to_ops_issued_after_it() -> None:
     """set_algorithm on one rank while its ops are queued, on the other after they ran:
     the queued ops keep the pins they were issued under, so the ranks still meet."""
     got = run_ranks(_pin_while_queued, 2, timeout=20)
-    assert got == ["2.0 4.0"] * 2, got
+    for values, paths in got:
+        assert values == "2.0 4.0", got
+        # Queued before the pin: auto's choice (a window on one host); after it: ring.
+        assert paths[0] != "ring" and paths[1] != "ring" and paths[2] == "ring", got
 
 
 def _sweep(rank: int, world: int, counts: list[int] | None = None,

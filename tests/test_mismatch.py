@@ -52,10 +52,16 @@ def test_mismatched_calls_raise_naming_both_ranks() -> None:
     results = run_ranks(_mismatches, 2, timeout=60, env={"TDX_DEBUG": "DETAIL"})
     for rank, res in enumerate(results):
         assert res["ok"] == [1.0] * 4, res["ok"]
-        for name in ("shape", "dtype", "root", "redop", "op", "algorithm"):
+        # Each message names both ranks and both sides of what differed.
+        sides = {"shape": ("numel=10", "numel=20"), "dtype": ("dtype=Float", "dtype=Double"),
+                 "root": ("root=0", "root=1"), "redop": ("op=SUM", "op=MAX"),
+                 "op": ("all_reduce", "broadcast"),
+                 "algorithm": ("allreduce:ring", "allreduce:rhd")}
+        for name, (first, second) in sides.items():
             msg = res[name]
             assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
             assert "rank 0" in msg and "rank 1" in msg, (rank, name, msg)
+            assert first in msg and second in msg, (rank, name, msg)
 
 
 def _p2p(rank: int, n: int) -> dict:
