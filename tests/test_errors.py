@@ -215,6 +215,37 @@ def test_wait_counts_the_timeout_from_the_op_not_the_call() -> None:
     assert r["seconds"] > 3.0, r  # the point of the test: longer than one timeout
 
 
+def _explicit_wait_timeout(rank: int, n: int) -> dict:
+    import time
+    from datetime import timedelta
+
+    out: dict = {}
+    t = torch.ones(4)
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)  # rank 1 joins 3 s later
+        start = time.monotonic()
+        try:
+            work.wait(timeout=timedelta(seconds=0.5))
+            out["wait"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out["wait"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    else:
+        time.sleep(3)
+        try:
+            dist.all_reduce(t)
+        except Exception:  # noqa: BLE001 - rank 0 may have given up on the group by now
+            pass
+    return out
+
+
+def test_explicit_wait_timeout_is_honoured() -> None:
+    """wait(timeout) on a collective raises at that timeout (not the group's 30 s)."""
+    r = run_ranks(_explicit_wait_timeout, 2, timeout=30)[0]
+    assert r["wait"].startswith("DistBackendError") and "did not complete" in r["wait"], r
+    assert 0.4 < r["seconds"] < 2.0, r
+
+
 def _slow_peer_coalesced(rank: int, n: int) -> dict:
     import time
 

@@ -48,13 +48,16 @@ def _timeout(rank: int, n: int, dump_dir: str) -> dict:
         time.sleep(8)  # never joins the second all_reduce, but stays alive past rank 0's timeout
         return {}
     err = ""
+    start = time.monotonic()
     try:
         dist.all_reduce(t)
     except Exception as e:  # noqa: BLE001 - the type is checked by the caller
         err = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - start
     files = sorted(os.listdir(dump_dir)) if os.path.isdir(dump_dir) else []
     text = open(os.path.join(dump_dir, files[0])).read() if files else ""
-    return {"error": err, "record": torchdist_ext.flight_recorder(), "files": files, "text": text}
+    return {"error": err, "record": torchdist_ext.flight_recorder(), "files": files, "text": text,
+            "seconds": seconds}
 
 
 def test_timeout_leaves_evidence(tmp_path) -> None:
@@ -62,6 +65,7 @@ def test_timeout_leaves_evidence(tmp_path) -> None:
     results = run_ranks(_timeout, 2, timeout=4, args=(dump_dir,), env={"TDX_DUMP_DIR": dump_dir})
     r0 = results[0]
     assert r0["error"].startswith("DistBackendError") and "rank 1" in r0["error"], r0["error"]
+    assert 3.5 < r0["seconds"] < 7.0, r0["seconds"]  # the 4 s group timeout, not less or never
     last = r0["record"][-1]
     assert last["op"] == "all_reduce" and last["state"] == "failed", last
     done = r0["record"][-2]
