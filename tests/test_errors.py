@@ -184,17 +184,24 @@ def test_failed_point_to_point_breaks_the_group() -> None:
     assert r["seconds"] < 1.0, r
 
 
-def _slow_peer(rank: int, n: int) -> dict:
+def _slow_peer(rank: int, n: int, coalesced: bool = False) -> dict:
     import time
 
     ts = [torch.ones(4) for _ in range(4)]
     out: dict = {}
+    pg, cpu = dist.group.WORLD, torch.device("cpu")
     dist.barrier()  # both ranks start the clock together
     if rank == 0:
         start = time.monotonic()
-        works = [dist.all_reduce(t, async_op=True) for t in ts]
+        if coalesced:  # one Work for the block
+            pg._start_coalescing(cpu)
+            for t in ts:
+                dist.all_reduce(t, async_op=True)
+            work = pg._end_coalescing(cpu)
+        else:
+            work = [dist.all_reduce(t, async_op=True) for t in ts][-1]
         try:
-            works[-1].wait()  # no timeout of its own: it ends when the op does
+            work.wait()  # no timeout of its own: it ends when the op (or block) does
             out["last"] = "ok"
         except Exception as e:  # noqa: BLE001 - the caller checks
             out["last"] = f"{type(e).__name__}: {e}"
@@ -246,39 +253,11 @@ def test_explicit_wait_timeout_is_honoured() -> None:
     assert 0.4 < r["seconds"] < 2.0, r
 
 
-def _slow_peer_coalesced(rank: int, n: int) -> dict:
-    import time
-
-    ts = [torch.ones(4) for _ in range(4)]
-    out: dict = {}
-    pg = dist.group.WORLD
-    cpu = torch.device("cpu")
-    dist.barrier()
-    if rank == 0:
-        start = time.monotonic()
-        pg._start_coalescing(cpu)
-        for t in ts:
-            dist.all_reduce(t, async_op=True)
-        block = pg._end_coalescing(cpu)
-        try:
-            block.wait()  # the block ends when its last op does
-            out["block"] = "ok"
-        except Exception as e:  # noqa: BLE001 - the caller checks
-            out["block"] = f"{type(e).__name__}: {e}"
-        out["seconds"] = time.monotonic() - start
-        out["values"] = [t[0].item() for t in ts]
-    else:
-        for t in ts:
-            time.sleep(1.0)
-            dist.all_reduce(t)
-    return out
-
-
 def test_coalesced_block_waits_for_its_ops_not_one_timeout() -> None:
     """A coalesced block of collectives, each within the group timeout of its own start,
     is not failed because the block as a whole took longer than one timeout."""
-    r = run_ranks(_slow_peer_coalesced, 2, timeout=3)[0]
-    assert r["block"] == "ok" and r["values"] == [2.0] * 4, r
+    r = run_ranks(_slow_peer, 2, timeout=3, args=(True,))[0]
+    assert r["last"] == "ok" and r["values"] == [2.0] * 4, r
     assert r["seconds"] > 3.0, r
 
 
