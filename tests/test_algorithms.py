@@ -451,9 +451,12 @@ def _sweep(rank: int, world: int, counts: list[int] | None = None,
                     t = mine.clone()
                     dist.all_reduce(t)
                     check(label, t, full)
-                    f = (mine.double() * 0.5).float()
+                    # MAX whose winner rotates over the ranks element by element, so an
+                    # algorithm that copied one rank's data would not pass.
+                    owner = i % world
+                    f = ((i % 7 + 1) + 100 * (owner == rank) + rank).float() * 0.5
                     dist.all_reduce(f, op=dist.ReduceOp.MAX)
-                    check(label + " max", f, ((i % 7 + 1) << (4 * (world - 1))).double().mul(0.5).float())
+                    check(label + " max", f, ((i % 7 + 1) + 100 + owner).float() * 0.5)
                 elif coll == "broadcast":
                     root = world - 1
                     t = (i * 10 + rank).clone()

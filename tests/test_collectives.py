@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from torchdist_ext.testing import run_ranks
 
-WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
 COUNTS = [0, 1, 7, 1000, 12345]
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -298,15 +298,32 @@ def _versus_gloo(rank: int, n: int) -> list[str]:
     """The same calls on tdx and on gloo in the same processes give the same answers."""
     fails: list[str] = []
     gloo = dist.new_group(backend="gloo")
-    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8):
+    for dtype in (torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
+                  torch.uint8, torch.bool):
         for count in (1, 13, 4099):
-            for op in ("SUM", "PRODUCT", "MIN", "MAX"):
+            for op in ("SUM", "PRODUCT", "MIN", "MAX") if dtype != torch.bool else ():
                 a = value(rank, count, dtype, op)
                 b = a.clone()
                 dist.all_reduce(a, op=redop(op))
                 dist.all_reduce(b, op=redop(op), group=gloo)
                 if not close(a, b):
                     fails.append(f"r{rank} vs gloo all_reduce {op} {dtype} n={count}")
+                a, b = value(rank, count, dtype, op), value(rank, count, dtype, op)
+                dist.reduce(a, dst=n - 1, op=redop(op))
+                dist.reduce(b, dst=n - 1, op=redop(op), group=gloo)
+                if rank == n - 1 and not close(a, b):
+                    fails.append(f"r{rank} vs gloo reduce {op} {dtype} n={count}")
+                full = torch.cat([value(rank * n + j, count, dtype, op) for j in range(n)])
+                oa, ob = sentinel(count, dtype), sentinel(count, dtype)
+                dist.reduce_scatter(oa, list(full.chunk(n)), op=redop(op))
+                dist.reduce_scatter(ob, list(full.chunk(n)), op=redop(op), group=gloo)
+                if not close(oa, ob):
+                    fails.append(f"r{rank} vs gloo reduce_scatter {op} {dtype} n={count}")
+            oa, ob = sentinel(n * count, dtype), sentinel(n * count, dtype)
+            dist.all_gather_into_tensor(oa, value(rank, count, dtype))
+            dist.all_gather_into_tensor(ob, value(rank, count, dtype), group=gloo)
+            if not torch.equal(oa, ob):
+                fails.append(f"r{rank} vs gloo all_gather_into_tensor {dtype}")
             a = value(rank, count, dtype)
             b = a.clone()
             dist.broadcast(a, src=n - 1)
@@ -342,7 +359,7 @@ def test_layouts_async_coalesced_objects(world_size: int) -> None:
     assert not fails, "\n".join(fails)
 
 
-@pytest.mark.parametrize("world_size", [2, 5])
+@pytest.mark.parametrize("world_size", [2, 3, 5])
 def test_matches_gloo(world_size: int) -> None:
     fails = [f for r in run_ranks(_versus_gloo, world_size) for f in r]
     assert not fails, "\n".join(fails)
