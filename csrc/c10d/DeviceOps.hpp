@@ -15,11 +15,14 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "c10d/GroupChannel.hpp"
 #include "c10d/Validation.hpp"
@@ -31,10 +34,29 @@ struct DeviceContext {
   std::shared_ptr<c10::Event> done;   // set by an op that left work on `stream`
   std::optional<c10::Stream> stream;  // the backend stream `done` was recorded on
   bool readySynced = false;
+  // The latest the worker waits for `ready`: the caller's stream may be stuck behind
+  // earlier work (a peer-memory op waiting for a lost rank), and a worker blocked for
+  // good would never reach the watchdog that releases such work.
+  std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 
   // Host path: block the worker until the caller's stream has produced the inputs.
   void syncReady() {
-    if (ready && !readySynced) ready->synchronize();
+    if (!ready || readySynced) return;
+    if (deadline == std::chrono::steady_clock::time_point::max()) {
+      ready->synchronize();
+    } else {
+      auto pause = std::chrono::microseconds(20);
+      while (!ready->query()) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          throw std::runtime_error(
+              "the caller's CUDA stream did not reach this op within the group timeout: "
+              "work queued on it before the op (a kernel, or a peer-memory op waiting for "
+              "a lost rank) is stuck");
+        }
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(1000));
+      }
+    }
     readySynced = true;
   }
 };

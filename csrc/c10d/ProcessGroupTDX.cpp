@@ -623,6 +623,7 @@ void ProcessGroupTDX::runTask(Task& task) {
     try {
       DeviceContext ctx;
       ctx.ready = task.readyEvent;
+      ctx.deadline = Clock::now() + timeout();
       if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + timeout(), aborted_, scratch_);
