@@ -45,7 +45,17 @@ WorkTDX::~WorkTDX() = default;
 bool WorkTDX::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!completed_) return false;
-  return !deviceDone_ || exception_ || deviceDone_->query();
+  if (exception_) return true;
+  if (deviceDone_ && !deviceDone_->query()) return false;
+  for (const auto& done : childDone_) {
+    if (!done->query()) return false;
+  }
+  return true;
+}
+
+void WorkTDX::addChildDeviceDone(std::shared_ptr<c10::Event> done) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  childDone_.push_back(std::move(done));
 }
 
 void WorkTDX::setDeviceDone(std::shared_ptr<c10::Event> done, c10::Stream stream) {
@@ -55,14 +65,16 @@ void WorkTDX::setDeviceDone(std::shared_ptr<c10::Event> done, c10::Stream stream
 }
 
 void WorkTDX::synchronize() {
-  std::shared_ptr<c10::Event> done;
+  std::vector<std::shared_ptr<c10::Event>> events;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    done = deviceDone_;
+    if (deviceDone_) events.push_back(deviceDone_);
+    events.insert(events.end(), childDone_.begin(), childDone_.end());
   }
-  if (!done) return;
-  c10::impl::VirtualGuardImpl impl(done->device_type());
-  done->block(impl.getStream(c10::Device(done->device_type(), done->device_index())));
+  for (const auto& done : events) {
+    c10::impl::VirtualGuardImpl impl(done->device_type());
+    done->block(impl.getStream(c10::Device(done->device_type(), done->device_index())));
+  }
 }
 
 bool WorkTDX::isSuccess() const {
@@ -212,7 +224,9 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
     std::unique_lock<std::mutex> lock(child->mutex_);
     if (child->completed_) {
       const std::exception_ptr e = child->exception_;
+      std::shared_ptr<c10::Event> done = e ? nullptr : child->deviceDone_;
       lock.unlock();
+      if (done) addChildDeviceDone(std::move(done));
       finishPart(e);
       return;  // nothing left to drive, time or cancel
     }
@@ -285,8 +299,17 @@ c10::intrusive_ptr<WorkTDX> WorkTDX::completeNow(std::exception_ptr error) {
   }
   finish(error);
   // A parent attached after finish() saw completed_ and counted this one itself.
-  std::lock_guard<std::mutex> lock(mutex_);
-  return std::move(parent_);
+  c10::intrusive_ptr<WorkTDX> parent;
+  std::shared_ptr<c10::Event> done;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    parent = std::move(parent_);
+    done = deviceDone_;
+  }
+  // Device work the block's waiters must also order themselves after; handed over
+  // before the caller finishes this part of the parent.
+  if (parent && done && !error) parent->addChildDeviceDone(std::move(done));
+  return parent;
 }
 
 } // namespace tdx

@@ -64,8 +64,9 @@ class WorkTDX : public c10d::Work {
   // ordered after it.
   void setDeviceDone(std::shared_ptr<c10::Event> done, c10::Stream stream);
 
-  // A work that completes when `child` does (coalescing).
+  // A work that completes when `child` does (coalescing), its device work included.
   void attachChild(const c10::intrusive_ptr<WorkTDX>& child);
+  void addChildDeviceDone(std::shared_ptr<c10::Event> done);
 
   const std::string& description() const {
     return description_;
@@ -104,6 +105,9 @@ class WorkTDX : public c10d::Work {
   c10::intrusive_ptr<WorkTDX> parent_;
   std::shared_ptr<c10::Event> deviceDone_;
   std::optional<c10::Stream> deviceStream_;
+  // A coalesced block's: its children's device work (guarded by mutex_), which wait(),
+  // synchronize() and isCompleted() order after as after deviceDone_.
+  std::vector<std::shared_ptr<c10::Event>> childDone_;
 };
 
 } // namespace tdx
