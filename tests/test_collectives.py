@@ -195,17 +195,21 @@ def _sweep(rank: int, n: int) -> list[str]:
             dist.all_to_all(outs, [value(rank * n + j, count + rank, dtype) for j in range(n)])
             for j in range(n):
                 expect(f"all_to_all [{j}] {dtype}", outs[j], value(j * n + rank, count + j, dtype))
-        # gather / scatter from every root
+        # gather / scatter from every root, at counts 0, 1 and two primes
         for root in range(n):
-            glist = [sentinel(5, dtype) for _ in range(n)] if rank == root else None
-            dist.gather(value(rank, 5, dtype), glist, dst=root)
-            if rank == root:
-                for r in range(n):
-                    expect(f"gather root={root} [{r}] {dtype}", glist[r], value(r, 5, dtype))
-            out = sentinel(5, dtype)
-            slist = [value(root * n + j, 5, dtype) for j in range(n)] if rank == root else None
-            dist.scatter(out, slist, src=root)
-            expect(f"scatter root={root} {dtype}", out, value(root * n + rank, 5, dtype))
+            for count in (0, 1, 5, 10007):
+                glist = [sentinel(count, dtype) for _ in range(n)] if rank == root else None
+                dist.gather(value(rank, count, dtype), glist, dst=root)
+                if rank == root:
+                    for r in range(n):
+                        expect(f"gather root={root} [{r}] {dtype} n={count}", glist[r],
+                               value(r, count, dtype))
+                out = sentinel(count, dtype)
+                slist = ([value(root * n + j, count, dtype) for j in range(n)]
+                         if rank == root else None)
+                dist.scatter(out, slist, src=root)
+                expect(f"scatter root={root} {dtype} n={count}", out,
+                       value(root * n + rank, count, dtype))
     return fails
 
 
