@@ -109,22 +109,22 @@ def run_ranks(
     extra = rank_env or {}
     keys = set(child_env).union(*(set(e) for e in extra.values()))
     saved = {k: os.environ.get(k) for k in keys}
-    try:
-        for r, p in enumerate(procs):
-            for k, v in saved.items():  # the parent's own values, under the overrides
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            os.environ.update(child_env)
-            os.environ.update(extra.get(r, {}))
-            p.start()
-    finally:
+
+    def restore() -> None:  # the parent's own values of the keys set here
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+    try:
+        for r, p in enumerate(procs):
+            restore()  # under this rank's overrides, not the previous rank's
+            os.environ.update(child_env)
+            os.environ.update(extra.get(r, {}))
+            p.start()
+    finally:
+        restore()
     values: dict[int, Any] = {}
     vanished = set()
     deadline = time.monotonic() + timeout + 30.0  # ranks time out first, with evidence

@@ -172,9 +172,9 @@ HostWindow::OpInfo* HostWindow::opInfoSlot(int r, int h) const {
 }
 
 HostWindow::FailureNotice* HostWindow::failureSlot(int r) const {
-  const size_t opInfoEnd = roundUp(sizeof(Header) + size_ * sizeof(int32_t), kLine) +
-                           size_ * kLine + 2 * size_ * kLine;
-  return reinterpret_cast<FailureNotice*>(base_ + opInfoEnd + r * sizeof(FailureNotice));
+  // The notices follow the op-info lines: two per rank, the last at (size - 1, 1).
+  char* opInfoEnd = reinterpret_cast<char*>(opInfoSlot(size_ - 1, 1)) + kLine;
+  return reinterpret_cast<FailureNotice*>(opInfoEnd + r * sizeof(FailureNotice));
 }
 
 void HostWindow::publishFailure(const std::string& why) {
@@ -184,12 +184,7 @@ void HostWindow::publishFailure(const std::string& why) {
   std::memcpy(n->reason, why.data(), len);
   n->reason[len] = '\0';
   n->failed.store(1, std::memory_order_seq_cst);
-  // Wake sleepers now: they look at notices between sleeps.
-  header_->epoch.fetch_add(1, std::memory_order_seq_cst);
-  if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->epoch), FUTEX_WAKE, INT32_MAX,
-            nullptr, nullptr, 0);
-  }
+  wakeSleepers();  // they look at notices between sleeps
 }
 
 void HostWindow::checkFailed(int r, const WaitContext& wc) const {
@@ -257,6 +252,10 @@ void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
 
 void HostWindow::post() {
   counter(rank_).store(++posted_, std::memory_order_seq_cst);
+  wakeSleepers();
+}
+
+void HostWindow::wakeSleepers() {
   header_->epoch.fetch_add(1, std::memory_order_seq_cst);
   if (header_->sleepers.load(std::memory_order_seq_cst) > 0) {
     syscall(SYS_futex, reinterpret_cast<uint32_t*>(&header_->epoch), FUTEX_WAKE, INT32_MAX,

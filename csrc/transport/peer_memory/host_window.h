@@ -111,6 +111,8 @@ class HostWindow {
   HostWindow() = default;
   struct Header;
   std::atomic<uint64_t>& counter(int r) const;
+  // Bumps the futex word and wakes ranks sleeping on it (post(), publishFailure()).
+  void wakeSleepers();
   OpInfo* opInfoSlot(int r, int h) const;
   struct FailureNotice {
     std::atomic<uint64_t> failed;  // 0 until the rank gives up; reason written before
