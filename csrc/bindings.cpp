@@ -79,13 +79,15 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
 #endif
   }
   // CPU: the same arithmetic the host path of the collectives runs.
-  at::Tensor acc = inputs[0].clone();
-  if (red.premul) tdx::kernels::cpuScale(acc.data_ptr(), acc.numel(), red.dtype, red.factor());
+  const tdx::kernels::Load load = red.load();
+  at::Tensor acc = at::empty_like(inputs[0]);
+  load(acc.data_ptr(), inputs[0].data_ptr(), acc.nbytes());
+  at::Tensor scaled = load.scales && n > 1 ? at::empty_like(acc) : at::Tensor();
   for (int k = 1; k < n; ++k) {
     at::Tensor x = inputs[k];
-    if (red.premul) {
-      x = x.clone();
-      tdx::kernels::cpuScale(x.data_ptr(), x.numel(), red.dtype, red.factor());
+    if (load.scales) {
+      load(scaled.data_ptr(), x.data_ptr(), x.nbytes());
+      x = scaled;
     }
     red.fn(acc.data_ptr(), x.data_ptr(), acc.numel());
   }

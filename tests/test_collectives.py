@@ -464,3 +464,73 @@ def _edge_values_every_algorithm(rank: int, n: int) -> list[str]:
 def test_edge_values_agree_across_algorithms(world_size: int) -> None:
     fails = [f for r in run_ranks(_edge_values_every_algorithm, world_size) for f in r]
     assert not fails, "\n".join(fails)
+
+
+def _scaled_reductions_every_algorithm(rank: int, n: int) -> list[str]:
+    """AVG and PREMUL_SUM scale each rank's input where the algorithm first copies it:
+    every algorithm of all_reduce, reduce and reduce_scatter, in place and out of place,
+    over several window chunks, must give the scaled sum and leave its inputs alone."""
+    import torchdist_ext
+
+    fails: list[str] = []
+    names = torchdist_ext.algorithms()
+    count = 40009  # float32: five chunks of the 32 KiB halves these windows have
+
+    def base(r: int) -> torch.Tensor:
+        return value(r, count, torch.float32) * (r + 1)
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor, avg: bool) -> None:
+        if not close(got, want, n if avg else 0):
+            bad = (got.double() - want.double()).abs().argmax().item()
+            fails.append(f"r{rank} {what}: got {got[bad].item()} want {want[bad].item()} at {bad}")
+
+    for op, factor in (("AVG", 1.0), ("PREMUL_SUM", 0.5), ("PREMUL_SUM", 3.0)):
+        avg = op == "AVG"
+        redop_ = R.AVG if avg else dist._make_nccl_premul_sum(factor)
+        want = reference([base(r) for r in range(n)], op, n, torch.float32, factor)
+        for name in names["allreduce"]:
+            torchdist_ext.set_algorithm("allreduce", name)
+            tag = f"all_reduce {op}x{factor} {name}"
+            t = base(rank)
+            dist.all_reduce(t, op=redop_)
+            check(tag + " in place", t, want, avg)
+            inp, out = base(rank), sentinel(count, torch.float32)
+            torchdist_ext.all_reduce_into(out, inp, op=redop_)
+            check(tag + " out of place", out, want, avg)
+            check(tag + " leaves its input", inp, base(rank), False)
+            if torchdist_ext.flight_recorder()[-1]["path"] != name:
+                fails.append(f"r{rank} {tag}: {torchdist_ext.flight_recorder()[-1]['path']} ran")
+        torchdist_ext.set_algorithm("allreduce", "auto")
+        for name in names["reduce"]:
+            torchdist_ext.set_algorithm("reduce", name)
+            t = base(rank)
+            dist.reduce(t, dst=n - 1, op=redop_)
+            check(f"reduce {op}x{factor} {name}", t, want if rank == n - 1 else base(rank), avg)
+        torchdist_ext.set_algorithm("reduce", "auto")
+        full = [torch.cat([base(r * n + j) for j in range(n)]) for r in range(n)]
+        piece = reference([f.chunk(n)[rank] for f in full], op, n, torch.float32, factor)
+        for name in names["reduce_scatter"]:
+            if name == "rh" and n & (n - 1):
+                continue  # recursive halving needs a power-of-two world
+            torchdist_ext.set_algorithm("reduce_scatter", name)
+            tag = f"reduce_scatter {op}x{factor} {name}"
+            inp, out = full[rank].clone(), sentinel(count, torch.float32)
+            dist.reduce_scatter_tensor(out, inp, op=redop_)
+            check(tag + " out of place", out, piece, avg)
+            check(tag + " leaves its input", inp, full[rank], False)
+            inp = full[rank].clone()
+            dist.reduce_scatter_tensor(inp.chunk(n)[rank], inp, op=redop_)
+            check(tag + " in place", inp.chunk(n)[rank], piece, avg)
+            ins, out = [c.clone() for c in full[rank].chunk(n)], sentinel(count, torch.float32)
+            dist.reduce_scatter(out, ins, op=redop_)
+            check(tag + " list", out, piece, avg)
+            check(tag + " list leaves its inputs", torch.cat(ins), full[rank], False)
+        torchdist_ext.set_algorithm("reduce_scatter", "auto")
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_scaled_reductions_every_algorithm(world_size: int) -> None:
+    fails = [f for r in run_ranks(_scaled_reductions_every_algorithm, world_size,
+                                  env={"TDX_SHM_SLOT_BYTES": "65536"}) for f in r]
+    assert not fails, "\n".join(fails[:20])

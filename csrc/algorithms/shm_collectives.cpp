@@ -89,7 +89,8 @@ size_t chunkElems(const HostWindow& w, size_t elemSize) {
 } // namespace
 
 void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
-                  size_t count, size_t elemSize, kernels::ReduceFn reduce) {
+                  size_t count, size_t elemSize, kernels::ReduceFn reduce,
+                  const kernels::Load& load) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
@@ -104,9 +105,9 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char*
     // Only the pieces other ranks reduce go into the slot; this rank's own piece is
     // reduced in place in the output.
     for (int q = 0; q < n; ++q) {
-      if (q != r) std::memcpy(mine + at(q), src + at(q), len(q));
+      if (q != r) load(mine + at(q), src + at(q), len(q));
     }
-    if (src != dst) std::memcpy(dst + at(r), src + at(r), len(r));
+    load(dst + at(r), src + at(r), len(r));
     w.post();
     // Each peer is taken as soon as it has signalled, not after all have: with more
     // ranks than cores, whoever is running makes progress.
@@ -133,7 +134,7 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char*
 
 void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
                         char* output, size_t count, size_t elemSize,
-                        kernels::ReduceFn reduce) {
+                        kernels::ReduceFn reduce, const kernels::Load& load) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
@@ -142,7 +143,7 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
     char* dst = output + first * elemSize;
     const int h = w.acquireHalf(wc);
     if (first == 0) announce(w, h, kDirectAllreduce, count * elemSize);
-    std::memcpy(w.half(r, h), src, cnt * elemSize);
+    load(w.half(r, h), src, cnt * elemSize);
     w.post();
     w.waitAll(w.posted(), wc);
     if (first == 0) verify(w, h);
@@ -221,14 +222,15 @@ void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes
 }
 
 void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
-               size_t count, size_t elemSize, kernels::ReduceFn reduce, int root) {
+               size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
+               const kernels::Load& load) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     const int h = w.acquireHalf(wc);
     if (first == 0) announce(w, h, kReduce, count * elemSize, root);
-    std::memcpy(w.half(r, h), input + first * elemSize, cnt * elemSize);
+    load(w.half(r, h), input + first * elemSize, cnt * elemSize);
     w.post();
     w.waitAll(w.posted(), wc);
     if (first == 0) verify(w, h);
@@ -275,7 +277,8 @@ void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
 }
 
 void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& inputs,
-                      char* output, size_t elemSize, kernels::ReduceFn reduce) {
+                      char* output, size_t elemSize, kernels::ReduceFn reduce,
+                      const kernels::Load& load) {
   const int n = w.size(), r = w.rank();
   const size_t count = inputs[r].bytes / elemSize;
   // Each chunk carries the same range of all N blocks.
@@ -287,13 +290,13 @@ void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Bl
     if (first == 0) announce(w, h, kReduceScatter, count * elemSize);
     // Only the blocks others reduce go into the slot.
     for (int i = 0; i < n; ++i) {
-      if (i != r) std::memcpy(w.half(r, h) + i * len, inputs[i].data + first * elemSize, len);
+      if (i != r) load(w.half(r, h) + i * len, inputs[i].data + first * elemSize, len);
     }
     w.post();
     // The output may be this rank's own input block (in place): start from it.
     char* out = output + first * elemSize;
     const char* own = inputs[r].data + first * elemSize;
-    if (out != own && len > 0) std::memmove(out, own, len);
+    load(out, own, len);
     const uint64_t copied = w.posted();
     for (int k = 1; k < n; ++k) {  // each peer as soon as it is ready
       const int q = (r + k) % n;

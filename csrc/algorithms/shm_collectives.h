@@ -2,6 +2,8 @@
 // (transport/peer_memory/host_window.h): ranks copy chunks into their own slot, signal,
 // and read or reduce each other's slots directly, instead of exchanging messages.
 // Each function is a whole collective; all ranks of the window call the same one.
+// The reductions take this rank's input through a kernels::Load, which scales it on its
+// first copy when the op asks for it (PREMUL_SUM, floating AVG).
 //
 // The window's slots are split in two halves used alternately, so ranks copy the next
 // chunk while slower ranks still read the previous one; a half is reused only once every
@@ -26,12 +28,13 @@ using transport::WaitContext;
 // chunk. For medium and large messages. `input` may be `output` (in place); otherwise
 // it is only read, and the copy an out-of-place call would need costs 1/N of it.
 void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
-                  size_t count, size_t elemSize, kernels::ReduceFn reduce);
+                  size_t count, size_t elemSize, kernels::ReduceFn reduce,
+                  const kernels::Load& load);
 // Every rank reduces every slot itself, in rank order (identical bits everywhere); one
 // signal on the critical path per chunk. For small messages. `input` may be `output`.
 void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
                         char* output, size_t count, size_t elemSize,
-                        kernels::ReduceFn reduce);
+                        kernels::ReduceFn reduce, const kernels::Load& load);
 // Ranks read each other's buffers in place (cross-memory attach) instead of copying
 // through the window: each reduces its 1/N piece from the others' buffers, then reads
 // the others' finished pieces. 3 signals per op, whatever its size, and no copies into
@@ -41,7 +44,8 @@ void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
 void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root);
 // `input` is never written; `output` (root only) receives the result.
 void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
-               size_t count, size_t elemSize, kernels::ReduceFn reduce, int root);
+               size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
+               const kernels::Load& load);
 // blocks[i] receives rank i's block (all the same size); `mine` is this rank's input,
 // which blocks[rank] must already hold.
 void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
@@ -49,7 +53,8 @@ void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
 // inputs[i]: this rank's contribution to rank i (all blocks the same size); output may
 // alias inputs[rank].
 void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& inputs,
-                      char* output, size_t elemSize, kernels::ReduceFn reduce);
+                      char* output, size_t elemSize, kernels::ReduceFn reduce,
+                      const kernels::Load& load);
 // sends[i] goes to rank i, recvs[i] comes from rank i (uneven sizes allowed; the
 // ranks' split sizes are checked against each other first).
 void shmAlltoall(HostWindow& w, const WaitContext& wc, const std::vector<Block>& sends,

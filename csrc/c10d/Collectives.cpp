@@ -19,32 +19,18 @@ Block blockOf(const HostImage& img) {
   return Block{img.data(), img.bytes()};
 }
 
-// A private copy of `img` scaled by the PREMUL_SUM factor (inputs are never modified).
-at::Tensor premultiplied(const HostImage& img, const Reduction& red) {
-  at::Tensor c = img.host().clone();
-  kernels::cpuScale(c.data_ptr(), c.numel(), red.dtype, red.factor());
-  return c;
-}
-
 void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
   if (red.average) kernels::cpuDivide(data, numel, red.dtype, size);
 }
 
-// `input` may be `output` (in place). PREMUL_SUM scales a copy in the output and runs in
-// place there, since its inputs are never modified.
+// `input` may be `output` (in place).
 void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                   const at::Tensor& input, const Reduction& red) {
   const bool inPlace = input.is_same(output);
   HostImage out(output, /*copyIn=*/inPlace);
   HostImage in = inPlace ? out : HostImage(input, /*copyIn=*/true);
-  if (red.premul) {
-    if (out.data() != in.data() && out.bytes() > 0) {
-      std::memcpy(out.data(), in.data(), out.bytes());
-    }
-    kernels::cpuScale(out.data(), out.numel(), red.dtype, red.factor());
-    in = out;
-  }
-  host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn);
+  host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn,
+                  red.load());
   finishAverage(out.data(), out.numel(), red, ch.size());
   out.copyOut();
 }
@@ -66,13 +52,11 @@ void runAllgatherInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& o
 void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                           const at::Tensor& input, const Reduction& red) {
   HostImage in(input, true);
-  at::Tensor src = red.premul ? premultiplied(in, red) : in.host();
   HostImage out(output, false);
   const size_t block = out.bytes();
-  char* base = static_cast<char*>(src.data_ptr());
   std::vector<Block> blocks;
-  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
-  host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn);
+  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{in.data() + r * block, block});
+  host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn, red.load());
   finishAverage(out.data(), out.numel(), red, ch.size());
   out.copyOut();
 }
@@ -163,10 +147,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   noteFingerprint(root, &red);
   return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [this, t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(t, true);
-    at::Tensor src = red.premul ? premultiplied(img, red) : img.host();
     // The root reduces into its own tensor; other ranks leave theirs untouched.
-    host::reduce(*this, ch, static_cast<const char*>(src.data_ptr()), img.data(), img.numel(),
-                 t.element_size(), red.fn, root);
+    host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,
+                 red.load());
     if (isRoot) {
       finishAverage(img.data(), img.numel(), red, ch.size());
       img.copyOut();
@@ -350,16 +333,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
                  [this, output, ins, red](GroupChannel& ch) {
                    std::vector<HostImage> images;
-                   std::vector<at::Tensor> keep;
                    std::vector<Block> blocks;
                    for (const auto& i : ins) images.emplace_back(i, true);
-                   for (const auto& img : images) {
-                     keep.push_back(red.premul ? premultiplied(img, red) : img.host());
-                     blocks.push_back(Block{static_cast<char*>(keep.back().data_ptr()), img.bytes()});
-                   }
+                   for (const auto& img : images) blocks.push_back(blockOf(img));
                    HostImage out(output, false);
                    host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
-                                       red.fn);
+                                       red.fn, red.load());
                    finishAverage(out.data(), out.numel(), red, ch.size());
                    out.copyOut();
                  });

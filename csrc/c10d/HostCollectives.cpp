@@ -1,6 +1,7 @@
 #include "c10d/HostCollectives.hpp"
 
 #include <cstring>
+#include <memory>
 
 #include "algorithms/executor.h"
 #include "algorithms/shm_collectives.h"
@@ -57,6 +58,26 @@ void onWindow(GroupChannel& ch, transport::HostWindow& w, F&& op) {
   }
 }
 
+// The message algorithms send this rank's input as it is: a scaling load first makes a
+// scaled copy to send instead (one pass, which the shared-memory paths fold into the copy
+// they make anyway).
+class Loaded {
+ public:
+  Loaded(const char* input, size_t bytes, const kernels::Load& load) : data_(input) {
+    if (!load.scales || bytes == 0) return;
+    copy_.reset(new char[bytes]);
+    load(copy_.get(), input, bytes);
+    data_ = copy_.get();
+  }
+  char* data() const {
+    return const_cast<char*>(data_);
+  }
+
+ private:
+  std::unique_ptr<char[]> copy_;
+  const char* data_;
+};
+
 size_t totalBytes(const std::vector<Block>& blocks) {
   size_t t = 0;
   for (const auto& b : blocks) t += b.bytes;
@@ -66,14 +87,13 @@ size_t totalBytes(const std::vector<Block>& blocks) {
 } // namespace
 
 void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output,
-               size_t count, size_t elemSize, kernels::ReduceFn reduce) {
+               size_t count, size_t elemSize, kernels::ReduceFn reduce,
+               const kernels::Load& load) {
   auto sel = pg.select(Collective::Allreduce, double(count * elemSize), ch, "all_reduce");
   const bool shm = sel.window && std::strcmp(sel.algorithm->name, "cma") != 0;
   // The shared-memory copies read `input` and write `output` anyway; every other
-  // algorithm works in place, on a copy.
-  if (input != output && (ch.size() == 1 || !shm) && count > 0) {
-    std::memcpy(output, input, count * elemSize);
-  }
+  // algorithm works in place, on a (scaled) copy.
+  if (ch.size() == 1 || !shm) load(output, input, count * elemSize);
   if (ch.size() == 1) return;
   if (sel.window) {
     onWindow(ch, *sel.window, [&] {
@@ -81,9 +101,10 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* o
         algorithms::cmaAllreduce(*sel.window, sel.wait, output, count, elemSize, reduce);
       } else if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
         algorithms::shmDirectAllreduce(*sel.window, sel.wait, input, output, count, elemSize,
-                                       reduce);
+                                       reduce, load);
       } else {
-        algorithms::shmAllreduce(*sel.window, sel.wait, input, output, count, elemSize, reduce);
+        algorithms::shmAllreduce(*sel.window, sel.wait, input, output, count, elemSize, reduce,
+                                 load);
       }
     });
     return;
@@ -114,14 +135,16 @@ void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, 
 }
 
 void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output, size_t count,
-            size_t elemSize, kernels::ReduceFn fn, int root) {
+            size_t elemSize, kernels::ReduceFn fn, int root, const kernels::Load& load) {
   auto sel = pg.select(Collective::Reduce, double(count * elemSize), ch, "reduce");
   if (sel.window) {
     onWindow(ch, *sel.window, [&] {
-      algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root);
+      algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root,
+                            load);
     });
     return;
   }
+  Loaded in(input, count * elemSize, load);
   PlanArgs a = argsFor(ch);
   a.count = count;
   a.elemSize = elemSize;
@@ -129,7 +152,7 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
   a.sendBytes = {count * elemSize};
   Buffers b;
   b.data = output;
-  b.send = {Block{const_cast<char*>(input), count * elemSize}};
+  b.send = {Block{in.data(), count * elemSize}};
   run(ch, sel, a, b, fn);
 }
 
@@ -150,22 +173,32 @@ void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& 
 }
 
 void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& inputs,
-                   char* output, size_t elemSize, kernels::ReduceFn fn) {
+                   char* output, size_t elemSize, kernels::ReduceFn fn,
+                   const kernels::Load& load) {
   auto sel = pg.select(Collective::ReduceScatter, double(totalBytes(inputs)), ch,
                        "reduce_scatter");
   const size_t bytes = inputs[ch.rank()].bytes;
   if (sel.window) {
     onWindow(ch, *sel.window, [&] {
-      algorithms::shmReduceScatter(*sel.window, sel.wait, inputs, output, elemSize, fn);
+      algorithms::shmReduceScatter(*sel.window, sel.wait, inputs, output, elemSize, fn, load);
     });
     return;
+  }
+  // The blocks (this rank's contribution to each rank) are sent as they are, or each from
+  // a scaled copy.
+  std::vector<Loaded> loaded;
+  loaded.reserve(inputs.size());
+  std::vector<Block> sends;
+  for (const auto& blk : inputs) {
+    loaded.emplace_back(blk.data, blk.bytes, load);
+    sends.push_back(Block{loaded.back().data(), blk.bytes});
   }
   PlanArgs a = argsFor(ch);
   a.elemSize = elemSize;
   for (const auto& blk : inputs) a.sendBytes.push_back(blk.bytes);
   a.recvBytes = {bytes};
   Buffers b;
-  b.send = inputs;
+  b.send = sends;
   b.recv = {Block{output, bytes}};
   run(ch, sel, a, b, fn);
 }

@@ -18,17 +18,21 @@ namespace host {
 
 using algorithms::Block;
 
+// The reductions take this rank's input through `load`, which scales it on the way for
+// PREMUL_SUM and floating AVG (inputs themselves are never modified unless in place).
 // `input` may be `output` (in place); otherwise the two must not overlap.
 void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output,
-               size_t count, size_t elemSize, kernels::ReduceFn reduce);
+               size_t count, size_t elemSize, kernels::ReduceFn reduce,
+               const kernels::Load& load);
 void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, int root);
 // `input` is never written; `output` (root only) receives the result.
 void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output, size_t count,
-            size_t elemSize, kernels::ReduceFn reduce, int root);
+            size_t elemSize, kernels::ReduceFn reduce, int root, const kernels::Load& load);
 // blocks[rank] must already hold this rank's data.
 void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& blocks);
 void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& inputs,
-                   char* output, size_t elemSize, kernels::ReduceFn reduce);
+                   char* output, size_t elemSize, kernels::ReduceFn reduce,
+                   const kernels::Load& load);
 void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,
               const std::vector<Block>& recvs);
 void barrier(ProcessGroupTDX& pg, GroupChannel& ch);

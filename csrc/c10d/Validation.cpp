@@ -95,6 +95,14 @@ double Reduction::factor() const {
   return premulFactor;
 }
 
+kernels::Load Reduction::load() const {
+  kernels::Load l;
+  l.dtype = dtype;
+  l.scales = premul;
+  l.factor = premul ? factor() : 1.0;
+  return l;
+}
+
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                         at::ScalarType scalar, int groupSize) {
   Reduction r;

@@ -44,6 +44,9 @@ struct Reduction {
   std::string name;                    // "SUM", "AVG", ...
 
   double factor() const;               // the PREMUL_SUM factor
+  // How this rank's input enters the reduction: scaled by factor() when premul. Reads the
+  // factor tensor, so it is made when the op runs.
+  kernels::Load load() const;
 };
 // AVG of a floating dtype becomes a PREMUL_SUM by 1/groupSize; of an integer one, a SUM
 // divided afterwards (`average`).

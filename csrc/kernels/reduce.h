@@ -15,8 +15,21 @@ using ReduceFn = void (*)(void* dst, const void* src, size_t count);
 // nullptr when the pair is meaningless (bitwise ops on floating types).
 ReduceFn cpuReduceFn(DType dtype, ReduceKind op);
 
-// buf[i] = buf[i] * factor (floating types; integers are multiplied and truncated).
-void cpuScale(void* buf, size_t count, DType dtype, double factor);
+// dst[i] = src[i] * factor (floating types; integers are multiplied and truncated, a
+// whole factor exactly). dst may be src.
+void cpuScale(void* dst, const void* src, size_t count, DType dtype, double factor);
+
+// How a rank's own contribution enters a reduction: copied as it is, or multiplied by
+// `factor` on the way (PREMUL_SUM, floating AVG). Algorithms call it where they first
+// copy their input anyway, so the scaling costs no pass over memory of its own.
+struct Load {
+  DType dtype = DType::Float32;
+  double factor = 1.0;
+  bool scales = false;
+  // dst = src (x factor), `bytes` of whole elements. dst may be src, or must not overlap
+  // it; an unscaled load onto itself does nothing.
+  void operator()(void* dst, const void* src, size_t bytes) const;
+};
 
 // buf[i] = buf[i] / divisor; integer types use truncating division (as NCCL's AVG does).
 void cpuDivide(void* buf, size_t count, DType dtype, int64_t divisor);

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -185,20 +186,21 @@ ReduceFn boolFn(ReduceKind op) {
 }
 
 template <class T>
-void scaleLoop(void* bufv, size_t n, double f) {
-  T* buf = static_cast<T*>(bufv);
+void scaleLoop(void* dstv, const void* srcv, size_t n, double f) {
+  T* dst = static_cast<T*>(dstv);
+  const T* src = static_cast<const T*>(srcv);
   if constexpr (std::is_integral_v<T>) {
     // A whole factor multiplies exactly (modulo 2^bits): through double, int64 values
     // above 2^53 would be rounded.
     if (f == std::trunc(f) && std::fabs(f) < 9.2e18) {
       const uint64_t k = static_cast<uint64_t>(static_cast<int64_t>(f));
       for (size_t i = 0; i < n; ++i) {
-        buf[i] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(buf[i])) * k);
+        dst[i] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(src[i])) * k);
       }
       return;
     }
   }
-  for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] * f);
+  for (size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * f);
 }
 
 template <class T>
@@ -213,10 +215,11 @@ void divideLoop(void* bufv, size_t n, int64_t d) {
 }
 
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
-void scaleNarrow(void* bufv, size_t n, double f) {
-  uint16_t* buf = static_cast<uint16_t*>(bufv);
+void scaleNarrow(void* dstv, const void* srcv, size_t n, double f) {
+  uint16_t* dst = static_cast<uint16_t*>(dstv);
+  const uint16_t* src = static_cast<const uint16_t*>(srcv);
   for (size_t i = 0; i < n; ++i) {
-    buf[i] = FromF(static_cast<float>(static_cast<double>(ToF(buf[i])) * f));
+    dst[i] = FromF(static_cast<float>(static_cast<double>(ToF(src[i])) * f));
   }
 }
 
@@ -246,19 +249,27 @@ ReduceFn cpuReduceFn(DType dtype, ReduceKind op) {
   return nullptr;
 }
 
-void cpuScale(void* buf, size_t count, DType dtype, double factor) {
+void cpuScale(void* dst, const void* src, size_t count, DType dtype, double factor) {
   switch (dtype) {
-    case DType::Float32: return scaleLoop<float>(buf, count, factor);
-    case DType::Float64: return scaleLoop<double>(buf, count, factor);
-    case DType::Float16: return scaleNarrow<halfToFloat, floatToHalf>(buf, count, factor);
-    case DType::BFloat16: return scaleNarrow<bf16ToFloat, floatToBf16>(buf, count, factor);
-    case DType::Int8: return scaleLoop<int8_t>(buf, count, factor);
-    case DType::UInt8: return scaleLoop<uint8_t>(buf, count, factor);
-    case DType::Int16: return scaleLoop<int16_t>(buf, count, factor);
-    case DType::Int32: return scaleLoop<int32_t>(buf, count, factor);
-    case DType::Int64: return scaleLoop<int64_t>(buf, count, factor);
+    case DType::Float32: return scaleLoop<float>(dst, src, count, factor);
+    case DType::Float64: return scaleLoop<double>(dst, src, count, factor);
+    case DType::Float16: return scaleNarrow<halfToFloat, floatToHalf>(dst, src, count, factor);
+    case DType::BFloat16: return scaleNarrow<bf16ToFloat, floatToBf16>(dst, src, count, factor);
+    case DType::Int8: return scaleLoop<int8_t>(dst, src, count, factor);
+    case DType::UInt8: return scaleLoop<uint8_t>(dst, src, count, factor);
+    case DType::Int16: return scaleLoop<int16_t>(dst, src, count, factor);
+    case DType::Int32: return scaleLoop<int32_t>(dst, src, count, factor);
+    case DType::Int64: return scaleLoop<int64_t>(dst, src, count, factor);
     case DType::Bool:
       throw std::invalid_argument("cannot scale a bool tensor");
+  }
+}
+
+void Load::operator()(void* dst, const void* src, size_t bytes) const {
+  if (scales) {
+    cpuScale(dst, src, bytes / elementSize(dtype), dtype, factor);
+  } else if (dst != src && bytes > 0) {
+    std::memmove(dst, src, bytes);
   }
 }
 
