@@ -26,6 +26,7 @@
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <thread>
 #include <unistd.h>
 
 #include "algorithms/collectives.h"
@@ -93,6 +94,62 @@ std::pair<size_t, size_t> chunkOf(size_t count, size_t elemSize, int n, int r) {
   return {lo, std::min(count, lo + chunk)};
 }
 
+// Waits on the host for `stream`, but not past `deadline`: what it waits for may be stuck
+// (a caller's kernel, a peer-memory op waiting for a lost rank), and a worker blocked for
+// good would never reach the watchdog that releases such work.
+void syncUntil(cudaStream_t stream, std::chrono::steady_clock::time_point deadline,
+               const std::string& what) {
+  auto pause = std::chrono::microseconds(5);
+  for (;;) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) {
+      cudaGetLastError();
+      throw std::runtime_error(what + ": CUDA error " + cudaGetErrorString(e));
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      throw std::runtime_error(what + ": the GPU did not finish within the group timeout "
+                               "(work queued before it is stuck)");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
+// A stream of this group's own, not one of torch's pool: pool streams are shared round
+// robin by every user of the device, so another group's op stuck on the same stream
+// (waiting for its own lost peer) would hold this group's ops behind it. Non-blocking,
+// so it never waits on the legacy default stream either. Destroying a stream with work
+// still queued does not wait for that work.
+class OwnStream {
+ public:
+  OwnStream(c10::DeviceIndex device, bool highPriority) : device_(device) {
+    c10::cuda::CUDAGuard guard(device);
+    int least = 0, greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking,
+                                     highPriority ? greatest : least) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::runtime_error("could not create a CUDA stream for the peer-memory path");
+    }
+  }
+  ~OwnStream() {
+    c10::cuda::CUDAGuard guard(device_);
+    cudaStreamDestroy(stream_);
+    cudaGetLastError();
+  }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+
+  c10::cuda::CUDAStream get() const {
+    return c10::cuda::getStreamFromExternal(stream_, device_);
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  cudaStream_t stream_ = nullptr;
+};
+
 // The tensors of one op on every rank, mapped into this process, and the op's place in
 // the group's flag sequence.
 struct Mapped {
@@ -117,8 +174,10 @@ class CudaPeerMemory final : public PeerMemory {
 
   ~CudaPeerMemory() override {
     // Peers may still hold our signal page open; freeing is safe (their mappings keep
-    // the memory alive until they close them).
-    if (signals_) cudaFree(signals_);
+    // the memory alive until they close them). But cudaFree waits for the whole device:
+    // with this group's device work still stuck on a lost peer it would never return, so
+    // the page is then left to the process's exit.
+    if (signals_ && !hasPending()) cudaFree(signals_);
     cudaGetLastError();
   }
 
@@ -127,17 +186,32 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
   bool hasPending() override {
-    while (!pending_.empty() && pending_.front().done->query()) pending_.pop_front();
+    try {
+      while (!pending_.empty() && pending_.front().done->query()) pending_.pop_front();
+    } catch (const std::exception& e) {
+      // A sticky CUDA error (a faulted kernel) fails every query from now on. The worker
+      // thread must not die of it: the group breaks with the error instead.
+      if (deviceError_.empty()) {
+        deviceError_ = "CUDA error while watching peer-memory op " + pending_.front().what +
+                       ": " + e.what();
+      }
+      pending_.clear();
+      enabled_ = false;
+    }
     return !pending_.empty();
   }
 
   std::string releaseStalled() override {
+    if (!deviceError_.empty() && !deviceErrorTold_) {
+      deviceErrorTold_ = true;
+      return deviceError_;
+    }
     if (!hasPending()) return "";
     const Pending& p = pending_.front();
     if (std::chrono::steady_clock::now() < p.deadline) return "";
     c10::cuda::CUDAGuard guard(p.device);
     // A side stream: the backend stream is the one that is stuck.
-    c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, p.device);
+    c10::cuda::CUDAStream side = sideStream(p.device);
     std::vector<uint64_t> flags(kPhases * kSlots, 0);
     const size_t bytes = flags.size() * sizeof(uint64_t);
     std::string missing;
@@ -310,7 +384,7 @@ class CudaPeerMemory final : public PeerMemory {
                                                  static_cast<char*>(base));
           mine.bytes[i] = ts[i].numel() * ts[i].element_size();
         }
-        ensureSignals();
+        ensureSignals(ts[0].device().index());
         mine.signals = signalsHandle_;
         const std::string& bus = busId(ts[0].device().index());
         std::strncpy(mine.busId, bus.c_str(), sizeof(mine.busId) - 1);
@@ -421,7 +495,8 @@ class CudaPeerMemory final : public PeerMemory {
     if (m.hostSync) {
       // Done barrier on the host: this rank's reads and writes are finished before it
       // says so.
-      stream.synchronize();
+      syncUntil(stream.stream(), std::chrono::steady_clock::now() + timeout_(),
+                "CUDA peer-memory op " + (ts.empty() ? std::string() : describeOp(ts[0])));
       uint8_t doneFlags[kernels::kMaxMultiBuffers] = {};
       exchange(ch, doneFlags, 1);
     } else {
@@ -447,14 +522,21 @@ class CudaPeerMemory final : public PeerMemory {
     ++opsRun_;
   }
 
-  void ensureSignals() {
+  void ensureSignals(c10::DeviceIndex device) {
     if (signals_) return;
     const size_t bytes = kPhases * kSlots * sizeof(uint64_t);
     void* p = nullptr;
     // cudaMalloc directly (not the caching allocator): the page lives as long as the
-    // group and its IPC handle must stay the same for every op.
-    if (cudaMalloc(&p, bytes) != cudaSuccess || cudaMemset(p, 0, bytes) != cudaSuccess ||
-        cudaDeviceSynchronize() != cudaSuccess) {
+    // group and its IPC handle must stay the same for every op. Zeroed on a stream of
+    // our own and waited for alone: a device-wide synchronize would also wait for any
+    // stuck work of other groups.
+    bool ok = cudaMalloc(&p, bytes) == cudaSuccess;
+    if (ok) {
+      const cudaStream_t s = sideStream(device).stream();
+      ok = cudaMemsetAsync(p, 0, bytes, s) == cudaSuccess &&
+           cudaStreamSynchronize(s) == cudaSuccess;
+    }
+    if (!ok) {
       cudaGetLastError();
       if (p) cudaFree(p);
       throw std::runtime_error("could not allocate the peer-memory signal page");
@@ -471,10 +553,16 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
   c10::cuda::CUDAStream backendStream(c10::DeviceIndex device) {
-    if (!stream_ || stream_->device_index() != device) {
-      stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device);
-    }
-    return *stream_;
+    auto& st = streams_[device];
+    if (!st) st = std::make_unique<OwnStream>(device, /*highPriority=*/true);
+    return st->get();
+  }
+
+  // For the watchdog and the signal page: never the backend stream, which may be stuck.
+  c10::cuda::CUDAStream sideStream(c10::DeviceIndex device) {
+    auto& st = sideStreams_[device];
+    if (!st) st = std::make_unique<OwnStream>(device, /*highPriority=*/false);
+    return st->get();
   }
 
   // Allgather of `bytes` per rank over the group's host channel; data[rank] is ours.
@@ -522,8 +610,11 @@ class CudaPeerMemory final : public PeerMemory {
   peer::IpcHandle signalsHandle_{};
   peer::IpcMapCache maps_;
   std::set<std::string> seen_;
-  std::optional<c10::cuda::CUDAStream> stream_;
+  std::map<c10::DeviceIndex, std::unique_ptr<OwnStream>> streams_;      // backend, per device
+  std::map<c10::DeviceIndex, std::unique_ptr<OwnStream>> sideStreams_;  // watchdog, set-up
   std::map<c10::DeviceIndex, std::string> busIds_;
+  std::string deviceError_;  // a CUDA error seen while watching pending ops
+  bool deviceErrorTold_ = false;
 };
 
 } // namespace
