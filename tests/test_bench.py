@@ -488,3 +488,29 @@ def test_checker_sees_what_a_short_pattern_would_hide() -> None:
     for r in range(1, 48):
         acc = acc + make_input(r, 512, torch.bfloat16)
     assert count_wrong(acc, expected_output("all_reduce", 0, 48, 512, torch.bfloat16), 48) == 0
+
+
+def _child_that_never_finishes(rank: int, world: int, store_path: str, opts: Options,
+                               results: object) -> None:
+    """Rank 0 reports at once; every other rank hangs (a teardown that never returns)."""
+    import time
+
+    if rank == 0:
+        results.put((0, True, []))  # type: ignore[attr-defined]
+    else:
+        time.sleep(600)
+
+
+def test_spawner_stops_a_rank_that_never_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank stuck outside any op (which the group timeout bounds) fails the run once
+    the group timeout and the slack have passed since another rank finished."""
+    import time
+
+    from torchdist_ext.bench import runner
+
+    monkeypatch.setattr(runner, "_TEARDOWN_SLACK_S", 1.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not finish within 3 s "
+                                           r"of rank\(s\) \[0\]"):
+        runner._spawn(Options(world=2, timeout=2.0), child=_child_that_never_finishes)
+    assert time.monotonic() - start < 30

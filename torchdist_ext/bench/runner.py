@@ -634,15 +634,24 @@ def _spawn_child(rank: int, world: int, store_path: str, opts: Options, results:
         results.put((rank, False, traceback.format_exc()))
 
 
-def _spawn(opts: Options) -> list[dict[str, Any]]:
+# Slack after the group timeout for the ranks still running when one has finished.
+_TEARDOWN_SLACK_S = 30.0
+
+
+def _spawn(opts: Options, child: Callable[..., None] = _spawn_child) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tdx-bench-")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_spawn_child,
+    procs = [ctx.Process(target=child,
                          args=(r, opts.world, os.path.join(tmp, "store"), opts, results),
                          daemon=True)
              for r in range(opts.world)]
     done: dict[int, Any] = {}
+    # Every op is bounded by the group timeout, but the code around the ops (set-up,
+    # teardown) is not: once one rank has finished, the others get one group timeout
+    # (plus _TEARDOWN_SLACK_S) to finish too, and a rank stuck past it fails the run
+    # instead of hanging it.
+    finish_by: float | None = None
     try:
         for p in procs:
             p.start()
@@ -651,6 +660,13 @@ def _spawn(opts: Options) -> list[dict[str, Any]]:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode is not None]
+                if finish_by is not None and time.monotonic() > finish_by and not dead:
+                    late = [r for r in range(opts.world) if r not in done]
+                    raise RuntimeError(
+                        f"bench rank(s) {late} did not finish within "
+                        f"{opts.timeout + _TEARDOWN_SLACK_S:.0f} s of rank(s) {sorted(done)} "
+                        f"(the group timeout plus {_TEARDOWN_SLACK_S:.0f} s); they were "
+                        "stopped") from None
                 if dead:
                     try:  # a dying rank may still deliver its traceback
                         rank, ok, value = results.get(timeout=2.0)
@@ -664,6 +680,8 @@ def _spawn(opts: Options) -> list[dict[str, Any]]:
             if not ok:
                 raise RuntimeError(f"bench rank {rank}/{opts.world} failed:\n{value}")
             done[rank] = value
+            if finish_by is None:
+                finish_by = time.monotonic() + opts.timeout + _TEARDOWN_SLACK_S
         return done[0]
     finally:
         started = [p for p in procs if p.pid is not None]
