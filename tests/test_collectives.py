@@ -475,56 +475,89 @@ def _scaled_reductions_every_algorithm(rank: int, n: int) -> list[str]:
     fails: list[str] = []
     names = torchdist_ext.algorithms()
     count = 40009  # float32: five chunks of the 32 KiB halves these windows have
+    big = 2**53 + 1  # int64 beyond double's integers: a whole factor must stay exact
 
-    def base(r: int) -> torch.Tensor:
-        return value(r, count, torch.float32) * (r + 1)
+    def base(r: int, dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.int64:
+            return torch.full((count,), big, dtype=dtype) + r
+        return value(r, count, dtype) * (r + 1)
 
     def check(what: str, got: torch.Tensor, want: torch.Tensor, avg: bool) -> None:
         if not close(got, want, n if avg else 0):
             bad = (got.double() - want.double()).abs().argmax().item()
             fails.append(f"r{rank} {what}: got {got[bad].item()} want {want[bad].item()} at {bad}")
 
-    for op, factor in (("AVG", 1.0), ("PREMUL_SUM", 0.5), ("PREMUL_SUM", 3.0)):
+    def ran(tag: str, name: str) -> None:
+        path = torchdist_ext.flight_recorder()[-1]["path"]
+        if path != name:
+            fails.append(f"r{rank} {tag}: pinned {name} but {path} ran")
+
+    cases = [("AVG", 1.0, torch.float32), ("AVG", 1.0, torch.bfloat16),
+             ("PREMUL_SUM", 0.5, torch.float32), ("PREMUL_SUM", 3.0, torch.float32),
+             ("PREMUL_SUM", 3.0, torch.int64), ("PREMUL_SUM tensor", 0.5, torch.float32)]
+    for op, factor, dtype in cases:
         avg = op == "AVG"
-        redop_ = R.AVG if avg else dist._make_nccl_premul_sum(factor)
-        want = reference([base(r) for r in range(n)], op, n, torch.float32, factor)
+        if avg:
+            redop_ = R.AVG
+        elif op == "PREMUL_SUM tensor":  # the factor read when the op runs
+            redop_ = dist._make_nccl_premul_sum(torch.tensor([factor], dtype=dtype))
+        else:
+            redop_ = dist._make_nccl_premul_sum(factor)
+        ref_op = "AVG" if avg else "PREMUL_SUM"
+        want = reference([base(r, dtype) for r in range(n)], ref_op, n, dtype, factor)
+        if dtype == torch.int64:  # exact: 3 * (n * big + 0 + 1 + ...), no float64 rounding
+            want = torch.full((count,), 3 * (n * big + n * (n - 1) // 2), dtype=dtype)
         for name in names["allreduce"]:
             torchdist_ext.set_algorithm("allreduce", name)
-            tag = f"all_reduce {op}x{factor} {name}"
-            t = base(rank)
+            tag = f"all_reduce {op}x{factor} {dtype} {name}"
+            t = base(rank, dtype)
             dist.all_reduce(t, op=redop_)
             check(tag + " in place", t, want, avg)
-            inp, out = base(rank), sentinel(count, torch.float32)
+            ran(tag, name)
+            inp, out = base(rank, dtype), sentinel(count, dtype)
             torchdist_ext.all_reduce_into(out, inp, op=redop_)
             check(tag + " out of place", out, want, avg)
-            check(tag + " leaves its input", inp, base(rank), False)
-            if torchdist_ext.flight_recorder()[-1]["path"] != name:
-                fails.append(f"r{rank} {tag}: {torchdist_ext.flight_recorder()[-1]['path']} ran")
+            check(tag + " leaves its input", inp, base(rank, dtype), False)
+            ran(tag, name)
         torchdist_ext.set_algorithm("allreduce", "auto")
         for name in names["reduce"]:
             torchdist_ext.set_algorithm("reduce", name)
-            t = base(rank)
+            tag = f"reduce {op}x{factor} {dtype} {name}"
+            t = base(rank, dtype)
             dist.reduce(t, dst=n - 1, op=redop_)
-            check(f"reduce {op}x{factor} {name}", t, want if rank == n - 1 else base(rank), avg)
+            check(tag, t, want if rank == n - 1 else base(rank, dtype), avg)
+            ran(tag, name)
         torchdist_ext.set_algorithm("reduce", "auto")
-        full = [torch.cat([base(r * n + j) for j in range(n)]) for r in range(n)]
-        piece = reference([f.chunk(n)[rank] for f in full], op, n, torch.float32, factor)
+        full = [torch.cat([base(r * n + j, dtype) for j in range(n)]) for r in range(n)]
+        piece = reference([f.chunk(n)[rank] for f in full], ref_op, n, dtype, factor)
+        if dtype == torch.int64:
+            piece = torch.full((count,), 3 * (n * big + sum(r * n + rank for r in range(n))),
+                               dtype=dtype)
         for name in names["reduce_scatter"]:
             if name == "rh" and n & (n - 1):
                 continue  # recursive halving needs a power-of-two world
             torchdist_ext.set_algorithm("reduce_scatter", name)
-            tag = f"reduce_scatter {op}x{factor} {name}"
-            inp, out = full[rank].clone(), sentinel(count, torch.float32)
+            tag = f"reduce_scatter {op}x{factor} {dtype} {name}"
+            inp, out = full[rank].clone(), sentinel(count, dtype)
             dist.reduce_scatter_tensor(out, inp, op=redop_)
             check(tag + " out of place", out, piece, avg)
             check(tag + " leaves its input", inp, full[rank], False)
+            ran(tag, name)
             inp = full[rank].clone()
             dist.reduce_scatter_tensor(inp.chunk(n)[rank], inp, op=redop_)
             check(tag + " in place", inp.chunk(n)[rank], piece, avg)
-            ins, out = [c.clone() for c in full[rank].chunk(n)], sentinel(count, torch.float32)
+            for j in range(n):
+                if j != rank:
+                    check(tag + f" in place leaves block {j}", inp.chunk(n)[j],
+                          full[rank].chunk(n)[j], False)
+            ins, out = [c.clone() for c in full[rank].chunk(n)], sentinel(count, dtype)
             dist.reduce_scatter(out, ins, op=redop_)
             check(tag + " list", out, piece, avg)
             check(tag + " list leaves its inputs", torch.cat(ins), full[rank], False)
+            ins = [c.clone() for c in full[rank].chunk(n)]
+            dist.reduce_scatter(ins[rank], ins, op=redop_)
+            check(tag + " list in place", ins[rank], piece, avg)
+            ran(tag, name)
         torchdist_ext.set_algorithm("reduce_scatter", "auto")
     return fails
 

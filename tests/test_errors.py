@@ -73,6 +73,23 @@ def _bad_calls(rank: int, n: int) -> list[str]:
     _expect_error(fails, "recv into an expanded tensor",
                   lambda: pg.recv([torch.zeros(1).expand(4)], (rank + 1) % n, 0),
                   "recv", "share memory")
+    # reduce_scatter outputs inside the input: only this rank's own block is in place.
+    buf = torch.ones(n * 4 + 1)
+    _expect_error(fails, "reduce_scatter_tensor output shifted from its block",
+                  lambda: dist.reduce_scatter_tensor(buf[rank * 4 + 1:rank * 4 + 5], buf[:n * 4]),
+                  "reduce_scatter_tensor", "not this rank's block", f"[{rank * 4}, {rank * 4 + 4})")
+    other = (rank + 1) % n
+    ins = list(torch.ones(n * 4).chunk(n))
+    _expect_error(fails, "reduce_scatter output is another rank's input block",
+                  lambda: dist.reduce_scatter(ins[other], ins),
+                  "reduce_scatter", f"input_list[{other}]")
+    # The in-place forms themselves are fine.
+    flat = torch.ones(n * 4)
+    dist.reduce_scatter_tensor(flat.chunk(n)[rank], flat)
+    ins = [torch.ones(4) for _ in range(n)]
+    dist.reduce_scatter(ins[rank], ins)
+    if flat.chunk(n)[rank].tolist() != [float(n)] * 4 or ins[rank].tolist() != [float(n)] * 4:
+        fails.append(f"in-place reduce_scatter gave {flat.tolist()} and {ins[rank].tolist()}")
     # A rank that only reads its tensor may pass an expanded one: a broadcast's root.
     src = torch.full((1,), 5.0).expand(4) if rank == 0 else torch.zeros(4)
     dist.broadcast(src, src=0)

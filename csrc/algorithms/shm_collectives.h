@@ -42,7 +42,8 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
 void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
                   size_t elemSize, kernels::ReduceFn reduce);
 void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root);
-// `input` is never written; `output` (root only) receives the result.
+// `output` (root only) receives the result and may be `input`; other ranks' `input` is
+// never written.
 void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
                size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
                const kernels::Load& load);

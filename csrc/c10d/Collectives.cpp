@@ -325,7 +325,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   checkListSize(ctx, inputs[0].size(), size_, "the input list");
   at::Tensor output = outputs[0];
   for (int r = 0; r < size_; ++r) {
-    checkSameLayout(ctx, output, inputs[0][r], "input_list[" + std::to_string(r) + "]", true);
+    const std::string name = "input_list[" + std::to_string(r) + "]";
+    checkSameLayout(ctx, output, inputs[0][r], name, true);
+    // The output may be this rank's own input (in place), never part of another's: that
+    // one is still read after the output is written.
+    if (r == rank_) {
+      checkDisjointOrSame(ctx, output, inputs[0][r]);
+    } else {
+      checkDisjoint(ctx, output, inputs[0][r], name);
+    }
   }
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type(), size_);
   std::vector<at::Tensor> ins = inputs[0];
@@ -352,6 +360,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, ctx, ": input has ", input.numel(),
                     " elements but must have output.numel() * world_size = ",
                     output.numel() * size_);
+  checkOwnBlockOrDisjoint(ctx, output, input, rank_);
   Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type(), size_);
   at::Tensor in = input, out = output;
   auto host = [this, out, in, red](GroupChannel& ch) {
@@ -376,6 +385,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
     TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, ctx, ": input ", i,
                       " has ", inputs[i].numel(), " elements but must have ",
                       outputs[i].numel() * size_);
+    checkOwnBlockOrDisjoint(ctx, outputs[i], inputs[i], rank_);
     reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type(), size_));
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;

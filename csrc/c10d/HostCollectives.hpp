@@ -25,7 +25,8 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* o
                size_t count, size_t elemSize, kernels::ReduceFn reduce,
                const kernels::Load& load);
 void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, int root);
-// `input` is never written; `output` (root only) receives the result.
+// `output` (root only) receives the result; the root may pass its input as `output`.
+// Other ranks' `input` is never written.
 void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output, size_t count,
             size_t elemSize, kernels::ReduceFn reduce, int root, const kernels::Load& load);
 // blocks[rank] must already hold this rank's data.

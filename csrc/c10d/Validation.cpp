@@ -74,6 +74,29 @@ void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
                     "or an output that does not overlap the input");
 }
 
+void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::Tensor& input,
+                   const std::string& name) {
+  const auto overlap = at::get_overlap_status(output, input);
+  TORCH_CHECK_VALUE(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::TooHard,
+                    ctx, ": the output (", shapeOf(output), ") shares memory with ", name, " (",
+                    shapeOf(input), "), which is read after the output is written; pass an "
+                    "output of its own");
+}
+
+void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
+                             const at::Tensor& input, int rank) {
+  const auto overlap = at::get_overlap_status(output, input);
+  if (overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::TooHard) return;
+  const char* own = static_cast<const char*>(input.data_ptr()) +
+                    static_cast<int64_t>(rank) * output.numel() * output.element_size();
+  TORCH_CHECK_VALUE(output.is_contiguous() && input.is_contiguous() && output.data_ptr() == own,
+                    ctx, ": output (", shapeOf(output), ") shares memory with input (",
+                    shapeOf(input), ") but is not this rank's block of it (elements [",
+                    rank * output.numel(), ", ", (rank + 1) * output.numel(),
+                    ")); for the in-place form pass input.chunk(world_size)[", rank,
+                    "], otherwise an output that does not overlap the input");
+}
+
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what) {
   TORCH_CHECK_VALUE(rank >= 0 && rank < size, ctx, ": ", what, " ", rank,
                     " is not a rank of this group (valid: 0..", size - 1, ")");

@@ -28,6 +28,13 @@ void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Te
 // `output` may be `input` itself, or memory of its own; never a part of `input`.
 void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
                          const at::Tensor& input);
+// `output` shares no memory with `input` (`name` in the message).
+void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::Tensor& input,
+                   const std::string& name);
+// reduce_scatter_tensor: an output inside the input must be exactly this rank's block
+// (the in-place form); one shifted from it would be overwritten while still being read.
+void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
+                             const at::Tensor& input, int rank);
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what);
 void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what);
 void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors);
