@@ -25,8 +25,10 @@
 #include <sstream>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <thread>
+#include <vector>
 #include <unistd.h>
 
 #include "algorithms/collectives.h"
@@ -96,58 +98,80 @@ std::pair<size_t, size_t> chunkOf(size_t count, size_t elemSize, int n, int r) {
 
 // Waits on the host for `stream`, but not past `deadline`: what it waits for may be stuck
 // (a caller's kernel, a peer-memory op waiting for a lost rank), and a worker blocked for
-// good would never reach the watchdog that releases such work.
+// good would never reach the watchdog that releases such work. Spins (yielding) for the
+// first 200 µs, the usual length of a small op, then sleeps with backoff.
 void syncUntil(cudaStream_t stream, std::chrono::steady_clock::time_point deadline,
                const std::string& what) {
-  auto pause = std::chrono::microseconds(5);
+  const auto spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+  auto pause = std::chrono::microseconds(50);
   for (;;) {
     const cudaError_t e = cudaStreamQuery(stream);
     if (e == cudaSuccess) return;
     if (e != cudaErrorNotReady) {
-      cudaGetLastError();
+      cudaGetLastError();  // clears a non-sticky error; a sticky one stays with the context
       throw std::runtime_error(what + ": CUDA error " + cudaGetErrorString(e));
     }
-    if (std::chrono::steady_clock::now() >= deadline) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
       throw std::runtime_error(what + ": the GPU did not finish within the group timeout "
                                "(work queued before it is stuck)");
     }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    if (now < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
   }
 }
 
-// A stream of this group's own, not one of torch's pool: pool streams are shared round
-// robin by every user of the device, so another group's op stuck on the same stream
-// (waiting for its own lost peer) would hold this group's ops behind it. Non-blocking,
-// so it never waits on the legacy default stream either. Destroying a stream with work
-// still queued does not wait for that work.
-class OwnStream {
+// Streams of the groups' own, not torch's pool: pool streams are shared round robin by
+// every user of the device, so another group's op stuck on the same stream (waiting for
+// its own lost peer) would hold this group's ops behind it. Non-blocking, so they never
+// wait on the legacy default stream either.
+//
+// They are never destroyed: the caching allocator keeps the streams a tensor was
+// recorded on and records an event on each when the tensor is freed, which may be after
+// its group is gone. A group hands its streams back here when it ends with no device work
+// pending, for the next group to take; with work still pending it keeps them for good.
+class StreamPool {
  public:
-  OwnStream(c10::DeviceIndex device, bool highPriority) : device_(device) {
+  static StreamPool& instance() {
+    static StreamPool* pool = new StreamPool();  // never destroyed: see above
+    return *pool;
+  }
+
+  // Throws std::runtime_error when CUDA cannot create one.
+  cudaStream_t take(c10::DeviceIndex device, bool highPriority) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& free = free_[{device, highPriority}];
+      if (!free.empty()) {
+        cudaStream_t s = free.back();
+        free.pop_back();
+        return s;
+      }
+    }
     c10::cuda::CUDAGuard guard(device);
     int least = 0, greatest = 0;
     cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking,
+    cudaStream_t s = nullptr;
+    if (cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking,
                                      highPriority ? greatest : least) != cudaSuccess) {
       cudaGetLastError();
       throw std::runtime_error("could not create a CUDA stream for the peer-memory path");
     }
+    return s;
   }
-  ~OwnStream() {
-    c10::cuda::CUDAGuard guard(device_);
-    cudaStreamDestroy(stream_);
-    cudaGetLastError();
-  }
-  OwnStream(const OwnStream&) = delete;
-  OwnStream& operator=(const OwnStream&) = delete;
 
-  c10::cuda::CUDAStream get() const {
-    return c10::cuda::getStreamFromExternal(stream_, device_);
+  void giveBack(c10::DeviceIndex device, bool highPriority, cudaStream_t s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_[{device, highPriority}].push_back(s);
   }
 
  private:
-  c10::DeviceIndex device_;
-  cudaStream_t stream_ = nullptr;
+  std::mutex mu_;
+  std::map<std::pair<c10::DeviceIndex, bool>, std::vector<cudaStream_t>> free_;
 };
 
 // The tensors of one op on every rank, mapped into this process, and the op's place in
@@ -173,12 +197,26 @@ class CudaPeerMemory final : public PeerMemory {
         timeout_(std::move(timeout)) {}
 
   ~CudaPeerMemory() override {
-    // Peers may still hold our signal page open; freeing is safe (their mappings keep
-    // the memory alive until they close them). But cudaFree waits for the whole device:
-    // with this group's device work still stuck on a lost peer it would never return, so
-    // the page is then left to the process's exit.
-    if (signals_ && !hasPending()) cudaFree(signals_);
+    // The peers' mappings, the signal page and the streams may only go once this rank's
+    // device work is over: a kernel or flag write still queued would fault on an unmapped
+    // peer buffer. What does not end keeps all of them for good.
+    bool idle = false;
+    try {
+      idle = drain();
+    } catch (...) {  // a destructor must not throw; the state is kept below
+    }
+    if (!idle) {
+      maps_.abandon();
+      return;
+    }
+    // Peers may still hold our signal page open; freeing it is safe (their mappings keep
+    // the memory alive until they close them).
+    if (signals_) cudaFree(signals_);
     cudaGetLastError();
+    for (const auto& [device, st] : streams_) StreamPool::instance().giveBack(device, true, st);
+    for (const auto& [device, st] : sideStreams_) {
+      StreamPool::instance().giveBack(device, false, st);
+    }
   }
 
   uint64_t opsRun() const override {
@@ -385,6 +423,9 @@ class CudaPeerMemory final : public PeerMemory {
           mine.bytes[i] = ts[i].numel() * ts[i].element_size();
         }
         ensureSignals(ts[0].device().index());
+        // Made here, where a failure only takes this op off the path: after the ranks
+        // agree, peers would wait on flags this rank never writes.
+        backendStream(ts[0].device().index());
         mine.signals = signalsHandle_;
         const std::string& bus = busId(ts[0].device().index());
         std::strncpy(mine.busId, bus.c_str(), sizeof(mine.busId) - 1);
@@ -492,6 +533,11 @@ class CudaPeerMemory final : public PeerMemory {
       }
     }
     kernels::cudaMultiReduce(args, s);
+    // Recorded now, before anything below can throw: the kernel is queued, and even an op
+    // that fails from here on must keep its tensors' memory from being reused under it.
+    for (const auto& t : ts) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+    }
     if (m.hostSync) {
       // Done barrier on the host: this rank's reads and writes are finished before it
       // says so.
@@ -507,9 +553,6 @@ class CudaPeerMemory final : public PeerMemory {
         if (p != me) peer::streamWaitValue(s, signals_ + kDone * kSlots + p, m.seq);
       }
     }
-    for (const auto& t : ts) {
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
-    }
     ctx.done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     ctx.done->record(stream);
     ctx.stream = stream;
@@ -520,6 +563,27 @@ class CudaPeerMemory final : public PeerMemory {
                                  ts.empty() ? std::string() : describeOp(ts[0])});
     }
     ++opsRun_;
+  }
+
+  // Waits for this rank's device work to end: healthy work within its deadline, stuck
+  // work after releasing it as the watchdog does. False when some still runs after that.
+  bool drain() {
+    while (hasPending() && std::chrono::steady_clock::now() < pending_.front().deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    if (!hasPending()) return true;
+    // The release forgets the pending ops, but their kernels still run once let through.
+    std::vector<std::shared_ptr<c10::Event>> ends;
+    for (const auto& p : pending_) ends.push_back(p.done);
+    releaseStalled();
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    for (const auto& e : ends) {
+      while (!e->query()) {
+        if (std::chrono::steady_clock::now() >= until) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+    return true;
   }
 
   void ensureSignals(c10::DeviceIndex device) {
@@ -553,16 +617,20 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
   c10::cuda::CUDAStream backendStream(c10::DeviceIndex device) {
-    auto& st = streams_[device];
-    if (!st) st = std::make_unique<OwnStream>(device, /*highPriority=*/true);
-    return st->get();
+    auto it = streams_.find(device);
+    if (it == streams_.end()) {
+      it = streams_.emplace(device, StreamPool::instance().take(device, true)).first;
+    }
+    return c10::cuda::getStreamFromExternal(it->second, device);
   }
 
   // For the watchdog and the signal page: never the backend stream, which may be stuck.
   c10::cuda::CUDAStream sideStream(c10::DeviceIndex device) {
-    auto& st = sideStreams_[device];
-    if (!st) st = std::make_unique<OwnStream>(device, /*highPriority=*/false);
-    return st->get();
+    auto it = sideStreams_.find(device);
+    if (it == sideStreams_.end()) {
+      it = sideStreams_.emplace(device, StreamPool::instance().take(device, false)).first;
+    }
+    return c10::cuda::getStreamFromExternal(it->second, device);
   }
 
   // Allgather of `bytes` per rank over the group's host channel; data[rank] is ours.
@@ -610,8 +678,8 @@ class CudaPeerMemory final : public PeerMemory {
   peer::IpcHandle signalsHandle_{};
   peer::IpcMapCache maps_;
   std::set<std::string> seen_;
-  std::map<c10::DeviceIndex, std::unique_ptr<OwnStream>> streams_;      // backend, per device
-  std::map<c10::DeviceIndex, std::unique_ptr<OwnStream>> sideStreams_;  // watchdog, set-up
+  std::map<c10::DeviceIndex, cudaStream_t> streams_;      // backend, per device (StreamPool)
+  std::map<c10::DeviceIndex, cudaStream_t> sideStreams_;  // watchdog, set-up (StreamPool)
   std::map<c10::DeviceIndex, std::string> busIds_;
   std::string deviceError_;  // a CUDA error seen while watching pending ops
   bool deviceErrorTold_ = false;

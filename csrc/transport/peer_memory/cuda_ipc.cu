@@ -102,6 +102,11 @@ size_t IpcMapCache::size() const {
   return mapped_.size();
 }
 
+void IpcMapCache::abandon() {
+  std::lock_guard<std::mutex> lock(mu_);
+  mapped_.clear();
+}
+
 bool streamMemOpsAvailable() {
   return memOps().usable.load();
 }

@@ -44,6 +44,9 @@ class IpcMapCache {
   // device on first use.
   void* open(const IpcHandle& handle);
   size_t size() const;
+  // Forgets every mapping without closing it: for an owner whose device work may still
+  // use them (closing would fault that work). They stay mapped until the process exits.
+  void abandon();
 
  private:
   mutable std::mutex mu_;
