@@ -199,7 +199,7 @@ class CudaPeerMemory final : public PeerMemory {
   ~CudaPeerMemory() override {
     // The peers' mappings, the signal page and the streams may only go once this rank's
     // device work is over: a kernel or flag write still queued would fault on an unmapped
-    // peer buffer. What does not end keeps all of them for good.
+    // peer buffer. What does not end keeps all of them for the life of the process.
     bool idle = false;
     try {
       idle = drain();
@@ -210,7 +210,8 @@ class CudaPeerMemory final : public PeerMemory {
       return;
     }
     // Peers may still hold our signal page open; freeing it is safe (their mappings keep
-    // the memory alive until they close them).
+    // the memory alive until they close them). cudaFree waits for the whole device, as
+    // it always has: stuck work of another group still delays it.
     if (signals_) cudaFree(signals_);
     cudaGetLastError();
     for (const auto& [device, st] : streams_) StreamPool::instance().giveBack(device, true, st);
@@ -424,8 +425,10 @@ class CudaPeerMemory final : public PeerMemory {
         }
         ensureSignals(ts[0].device().index());
         // Made here, where a failure only takes this op off the path: after the ranks
-        // agree, peers would wait on flags this rank never writes.
+        // agree, peers would wait on flags this rank never writes (and the watchdog
+        // must not fail to make its stream later).
         backendStream(ts[0].device().index());
+        sideStream(ts[0].device().index());
         mine.signals = signalsHandle_;
         const std::string& bus = busId(ts[0].device().index());
         std::strncpy(mine.busId, bus.c_str(), sizeof(mine.busId) - 1);
@@ -523,35 +526,49 @@ class CudaPeerMemory final : public PeerMemory {
     const int me = ch.rank();
     c10::cuda::CUDAStream stream = *m.stream;
     void* s = stream.stream();
+    const std::string what = ts.empty() ? std::string() : describeOp(ts[0]);
     ctx.ready->block(stream);
-    if (!m.hostSync) {
-      for (int p = 0; p < n; ++p) {
-        if (p != me) peer::streamWriteValue(s, m.signals[p] + kArrive * kSlots + me, m.seq);
+    try {
+      if (!m.hostSync) {
+        for (int p = 0; p < n; ++p) {
+          if (p != me) peer::streamWriteValue(s, m.signals[p] + kArrive * kSlots + me, m.seq);
+        }
+        for (int p = 0; p < n; ++p) {
+          if (p != me) peer::streamWaitValue(s, signals_ + kArrive * kSlots + p, m.seq);
+        }
       }
-      for (int p = 0; p < n; ++p) {
-        if (p != me) peer::streamWaitValue(s, signals_ + kArrive * kSlots + p, m.seq);
+      kernels::cudaMultiReduce(args, s);
+      // Recorded now, before anything below can throw: the kernel is queued, and even an
+      // op that fails from here on must keep its tensors' memory from being reused.
+      for (const auto& t : ts) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
       }
-    }
-    kernels::cudaMultiReduce(args, s);
-    // Recorded now, before anything below can throw: the kernel is queued, and even an op
-    // that fails from here on must keep its tensors' memory from being reused under it.
-    for (const auto& t : ts) {
-      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
-    }
-    if (m.hostSync) {
-      // Done barrier on the host: this rank's reads and writes are finished before it
-      // says so.
-      syncUntil(stream.stream(), std::chrono::steady_clock::now() + timeout_(),
-                "CUDA peer-memory op " + (ts.empty() ? std::string() : describeOp(ts[0])));
-      uint8_t doneFlags[kernels::kMaxMultiBuffers] = {};
-      exchange(ch, doneFlags, 1);
-    } else {
-      for (int p = 0; p < n; ++p) {
-        if (p != me) peer::streamWriteValue(s, m.signals[p] + kDone * kSlots + me, m.seq);
+      if (m.hostSync) {
+        // Done barrier on the host: this rank's reads and writes are finished before it
+        // says so.
+        syncUntil(stream.stream(), std::chrono::steady_clock::now() + timeout_(),
+                  "CUDA peer-memory op " + what);
+        uint8_t doneFlags[kernels::kMaxMultiBuffers] = {};
+        exchange(ch, doneFlags, 1);
+      } else {
+        for (int p = 0; p < n; ++p) {
+          if (p != me) peer::streamWriteValue(s, m.signals[p] + kDone * kSlots + me, m.seq);
+        }
+        for (int p = 0; p < n; ++p) {
+          if (p != me) peer::streamWaitValue(s, signals_ + kDone * kSlots + p, m.seq);
+        }
       }
-      for (int p = 0; p < n; ++p) {
-        if (p != me) peer::streamWaitValue(s, signals_ + kDone * kSlots + p, m.seq);
+    } catch (...) {
+      // Part of the op is queued: the watchdog and shutdown must know of it, or the
+      // stream could be blocked (or peers unmapped under it) with nobody watching.
+      try {
+        auto end = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
+        end->record(stream);
+        pending_.push_back(Pending{end, m.seq, n, stream.device_index(),
+                                   std::chrono::steady_clock::now() + timeout_(), what});
+      } catch (...) {  // the op's own error says more than this one
       }
+      throw;
     }
     ctx.done = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
     ctx.done->record(stream);
@@ -559,29 +576,28 @@ class CudaPeerMemory final : public PeerMemory {
     if (!m.hostSync) {
       // Only GPU-side waits can outlive a dead peer; host-synchronised ops finished above.
       pending_.push_back(Pending{ctx.done, m.seq, n, stream.device_index(),
-                                 std::chrono::steady_clock::now() + timeout_(),
-                                 ts.empty() ? std::string() : describeOp(ts[0])});
+                                 std::chrono::steady_clock::now() + timeout_(), what});
     }
     ++opsRun_;
   }
 
-  // Waits for this rank's device work to end: healthy work within its deadline, stuck
-  // work after releasing it as the watchdog does. False when some still runs after that.
+  // Waits a little for this rank's device work to end: an op issued just before the
+  // group was destroyed, not waited for. Stuck work is not waited for (the destructor
+  // may run with the GIL held): false when some work, tracked or not, still runs.
   bool drain() {
-    while (hasPending() && std::chrono::steady_clock::now() < pending_.front().deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    if (!hasPending()) return true;
-    // The release forgets the pending ops, but their kernels still run once let through.
-    std::vector<std::shared_ptr<c10::Event>> ends;
-    for (const auto& p : pending_) ends.push_back(p.done);
-    releaseStalled();
-    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    for (const auto& e : ends) {
-      while (!e->query()) {
-        if (std::chrono::steady_clock::now() >= until) return false;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    auto idle = [&] {
+      if (hasPending()) return false;
+      for (const auto& [device, st] : streams_) {
+        const cudaError_t e = cudaStreamQuery(st);
+        if (e == cudaErrorNotReady) return false;
+        if (e != cudaSuccess) cudaGetLastError();  // an error is not work still running
       }
+      return true;
+    };
+    while (!idle()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     return true;
   }
@@ -594,9 +610,9 @@ class CudaPeerMemory final : public PeerMemory {
     // group and its IPC handle must stay the same for every op. Zeroed on a stream of
     // our own and waited for alone: a device-wide synchronize would also wait for any
     // stuck work of other groups.
+    const cudaStream_t s = sideStream(device).stream();  // first: it may throw
     bool ok = cudaMalloc(&p, bytes) == cudaSuccess;
     if (ok) {
-      const cudaStream_t s = sideStream(device).stream();
       ok = cudaMemsetAsync(p, 0, bytes, s) == cudaSuccess &&
            cudaStreamSynchronize(s) == cudaSuccess;
     }
