@@ -11,6 +11,8 @@ and returns a list of failures. Each failure names the rank, op, dtype, count an
   tensors that the caller drops while an op is in flight, and futures with ``then``.
 * ``test_multi_reduce_kernel``: ``torchdist_ext._C._multi_reduce`` in a single process,
   CUDA against CPU and a float64 reference, with misaligned and aliased buffers.
+* ``test_cuda_groups_come_and_go``: groups created and destroyed around CUDA ops, with
+  tensors freed after their group is gone.
 * ``test_cuda_ddp_matches_gloo``: DDP on CUDA over tdx, compared with DDP over gloo.
 
 Nothing here touches CUDA at import time, so the module collects on a CPU-only machine
@@ -477,6 +479,51 @@ def _streams(rank: int, n: int) -> list[str]:
 @pytest.mark.cuda
 def test_cuda_stream_semantics() -> None:
     fails = [f for r in run_ranks(_streams, 2, timeout=180) for f in r]
+    assert not fails, _report(fails)
+
+
+def _groups_come_and_go(rank: int, n: int) -> list[str]:
+    """Groups created and destroyed around CUDA ops: each group's peer-memory streams
+    return to a process-wide pool (never destroyed), tensors an op used are freed after
+    their group is gone (the allocator then records an event on that group's stream),
+    and results stay exact."""
+    import torchdist_ext
+
+    dev = _rank_device(rank)
+    fails: list[str] = []
+    kept: list[torch.Tensor] = []
+    peer_ops = 0
+    for cycle in range(12):
+        g = dist.new_group(backend="tdx")
+        t = torch.full((1 << 20,), float(rank + cycle), device=dev)
+        work = dist.all_reduce(t, group=g, async_op=True)
+        work.wait()
+        path = torchdist_ext.flight_recorder(g)[-1]["path"]
+        peer_ops += path == "cuda-peer"
+        want = float(sum(r + cycle for r in range(n)))
+        if not bool((t == want).all()):
+            fails.append(f"r{rank} cycle {cycle} ({path}): got {t[:2].tolist()}, want {want}")
+        kept.append(t)
+        dist.destroy_process_group(g)
+        if len(kept) > 2:
+            del kept[0]  # freed two groups after the one whose stream it was recorded on
+        torch.cuda.synchronize(dev)
+    kept.clear()
+    torch.cuda.synchronize(dev)
+    if n > 1 and peer_ops == 0:
+        fails.append(f"r{rank}: no op took the peer-memory path (all staged)")
+    x = torch.ones(1000, device=dev)
+    dist.all_reduce(x)
+    if not bool((x == n).all()):
+        fails.append(f"r{rank}: the default group after the cycles gave {x[:2].tolist()}")
+    return fails
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sync", ["auto", "gpu"])
+def test_cuda_groups_come_and_go(sync: str) -> None:
+    fails = [f for r in run_ranks(_groups_come_and_go, 2, timeout=180,
+                                  env={"TDX_CUDA_PEER_SYNC": sync}) for f in r]
     assert not fails, _report(fails)
 
 
