@@ -19,7 +19,7 @@ TIMEOUT = 15.0
 # survivor that needs more than this fell back to the timeout: a regression.
 NOTICED = 5.0
 OPS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "all_to_all_single", "barrier", "send_recv"]
+       "all_to_all_single", "barrier", "send_recv", "recv_any_source"]
 
 
 def _call(op: str, n: int, async_op: bool = False):
@@ -37,6 +37,17 @@ def _call(op: str, n: int, async_op: bool = False):
         out = torch.ones(big)
         inp = torch.empty(big)
         works = [dist.isend(out, (rank + 1) % n), dist.irecv(inp, (rank - 1) % n)]
+        if async_op:
+            return works
+        for w in works:
+            w.wait()
+        return None
+    if op == "recv_any_source":  # rank 0 takes one message from each other rank, any order
+        rank = dist.get_rank()
+        if rank == 0:
+            works = [dist.irecv(torch.empty(big)) for _ in range(n - 1)]
+        else:
+            works = [dist.isend(torch.ones(big), 0)]
         if async_op:
             return works
         for w in works:
