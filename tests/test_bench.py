@@ -501,6 +501,17 @@ def _child_that_never_finishes(rank: int, world: int, store_path: str, opts: Opt
         time.sleep(600)
 
 
+def _lead_that_never_finishes(rank: int, world: int, store_path: str, opts: Options,
+                              results: object) -> None:
+    """Rank 1 reports at once; rank 0 hangs."""
+    import time
+
+    if rank == 1:
+        results.put((1, True, None))  # type: ignore[attr-defined]
+    else:
+        time.sleep(600)
+
+
 def test_spawner_stops_a_rank_that_never_finishes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank stuck outside any op (which the group timeout bounds) fails the run once
     the group timeout and the slack have passed since another rank finished."""
@@ -509,8 +520,15 @@ def test_spawner_stops_a_rank_that_never_finishes(monkeypatch: pytest.MonkeyPatc
     from torchdist_ext.bench import runner
 
     monkeypatch.setattr(runner, "_TEARDOWN_SLACK_S", 1.0)
+    monkeypatch.setattr(runner, "_LEAD_SLACK_S", 2.0)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not finish within 3 s "
                                            r"of rank\(s\) \[0\]"):
         runner._spawn(Options(world=2, timeout=2.0), child=_child_that_never_finishes)
+    assert time.monotonic() - start < 30
+    # Rank 0 left behind gets the lead's slack on top (it writes the report last).
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] did not finish within 5 s "
+                                           r"of rank\(s\) \[1\]"):
+        runner._spawn(Options(world=2, timeout=2.0), child=_lead_that_never_finishes)
     assert time.monotonic() - start < 30

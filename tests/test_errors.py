@@ -77,7 +77,8 @@ def _bad_calls(rank: int, n: int) -> list[str]:
     buf = torch.ones(n * 4 + 1)
     _expect_error(fails, "reduce_scatter_tensor output shifted from its block",
                   lambda: dist.reduce_scatter_tensor(buf[rank * 4 + 1:rank * 4 + 5], buf[:n * 4]),
-                  "reduce_scatter_tensor", "not this rank's block", f"[{rank * 4}, {rank * 4 + 4})")
+                  "reduce_scatter_tensor", "this rank's block", f"[{rank * 4}, {rank * 4 + 4})",
+                  f"from element {rank * 4 + 1}")
     other = (rank + 1) % n
     ins = list(torch.ones(n * 4).chunk(n))
     _expect_error(fails, "reduce_scatter output is another rank's input block",
@@ -90,6 +91,17 @@ def _bad_calls(rank: int, n: int) -> list[str]:
     dist.reduce_scatter(ins[rank], ins)
     if flat.chunk(n)[rank].tolist() != [float(n)] * 4 or ins[rank].tolist() != [float(n)] * 4:
         fails.append(f"in-place reduce_scatter gave {flat.tolist()} and {ins[rank].tolist()}")
+    # So are an empty list form aliasing itself, and this rank's block viewed
+    # non-contiguously (staged through a copy, so written only after the input is read).
+    x = torch.empty(0)
+    dist.reduce_scatter(x, [x] * n)
+    flat = torch.arange(n * 4, dtype=torch.float32)
+    blocks = flat.view(n, 2, 2)
+    out = blocks[rank].t()
+    dist.reduce_scatter_tensor(out, flat)
+    want = (torch.arange(rank * 4, rank * 4 + 4, dtype=torch.float32) * n).view(2, 2)
+    if not torch.equal(out, want):  # the output's own element order
+        fails.append(f"reduce_scatter_tensor into a transposed own block gave {blocks[rank]}")
     # A rank that only reads its tensor may pass an expanded one: a broadcast's root.
     src = torch.full((1,), 5.0).expand(4) if rank == 0 else torch.zeros(4)
     dist.broadcast(src, src=0)

@@ -76,6 +76,7 @@ void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
 
 void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::Tensor& input,
                    const std::string& name) {
+  if (output.numel() == 0 || input.numel() == 0) return;
   const auto overlap = at::get_overlap_status(output, input);
   TORCH_CHECK_VALUE(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::TooHard,
                     ctx, ": the output (", shapeOf(output), ") shares memory with ", name, " (",
@@ -85,16 +86,21 @@ void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::T
 
 void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
                              const at::Tensor& input, int rank) {
+  // A non-contiguous tensor is staged through a copy of its own (and the GPU path takes
+  // only contiguous ones), so the output is written only after the input has been read.
+  if (output.numel() == 0 || !output.is_contiguous() || !input.is_contiguous()) return;
   const auto overlap = at::get_overlap_status(output, input);
   if (overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::TooHard) return;
-  const char* own = static_cast<const char*>(input.data_ptr()) +
-                    static_cast<int64_t>(rank) * output.numel() * output.element_size();
-  TORCH_CHECK_VALUE(output.is_contiguous() && input.is_contiguous() && output.data_ptr() == own,
-                    ctx, ": output (", shapeOf(output), ") shares memory with input (",
-                    shapeOf(input), ") but is not this rank's block of it (elements [",
+  const int64_t es = output.element_size();
+  const char* own = static_cast<const char*>(input.data_ptr()) + rank * output.numel() * es;
+  const int64_t at = (static_cast<const char*>(output.data_ptr()) -
+                      static_cast<const char*>(input.data_ptr())) / es;
+  TORCH_CHECK_VALUE(output.data_ptr() == own, ctx, ": output (", shapeOf(output),
+                    ") shares memory with input (", shapeOf(input), ") from element ", at,
+                    " of the input, but in place it must be this rank's block, elements [",
                     rank * output.numel(), ", ", (rank + 1) * output.numel(),
-                    ")); for the in-place form pass input.chunk(world_size)[", rank,
-                    "], otherwise an output that does not overlap the input");
+                    "); pass input.view(-1).chunk(world_size)[", rank,
+                    "], or an output that does not overlap the input");
 }
 
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what) {
