@@ -81,7 +81,6 @@ def _init_cycles(rank: int, n: int, store_dir: str) -> dict:
     return {"before": before, "after": after}
 
 
-
 def test_init_destroy_cycles_leak_nothing(tmp_path) -> None:
     for r in run_ranks(_init_cycles, 2, timeout=240, args=(str(tmp_path),)):
         (t0, f0, m0), (t1, f1, m1) = r["before"], r["after"]

@@ -650,8 +650,8 @@ def _spawn(opts: Options, child: Callable[..., None] = _spawn_child) -> list[dic
              for r in range(opts.world)]
     done: dict[int, Any] = {}
     # Every op is bounded by the group timeout, but the code around the ops (set-up,
-    # teardown) is not: once one rank has finished, the others get one group timeout
-    # (plus _TEARDOWN_SLACK_S) to finish too, and a rank stuck past it fails the run
+    # teardown, the report) is not: once a rank has finished, the others get one group
+    # timeout plus the slack below to finish too, and a rank stuck past it fails the run
     # instead of hanging it.
     finish_by: float | None = None
     try:
@@ -686,7 +686,7 @@ def _spawn(opts: Options, child: Callable[..., None] = _spawn_child) -> list[dic
             # Rank 0 finishes last as a rule: after the ops it still writes the tables,
             # --json and --plot, which no group timeout bounds. Waiting for rank 0, the
             # deadline allows for that; waiting for the others, only for teardown.
-            if 0 in done:
+            if rank == 0:
                 finish_by = time.monotonic() + opts.timeout + _TEARDOWN_SLACK_S
             elif finish_by is None:
                 finish_by = time.monotonic() + opts.timeout + _TEARDOWN_SLACK_S + _LEAD_SLACK_S
