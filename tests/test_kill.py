@@ -99,6 +99,19 @@ def test_kill_during_op(op: str) -> None:
         _check_survivors(results, op, victim)
 
 
+def test_kill_sender_part_way_through_an_any_source_message() -> None:
+    """With every message sent eagerly, in fragments (UCX_RNDV_THRESH=inf), a sender that
+    dies part way leaves rank 0's any-source receive matched to a message that will never
+    end: UCX neither cancels nor fails it, and no lost endpoint names it. The broken
+    group abandons it after a short grace instead of leaving it to the group timeout.
+    The death lands mid-message in about a third of trials; six give that case a chance
+    of about nine in ten."""
+    for _ in range(6):
+        results = run_ranks(_trial, 3, timeout=TIMEOUT, args=("recv_any_source", 2),
+                            may_exit=[2], env={"UCX_RNDV_THRESH": "inf"})
+        _check_survivors(results, "recv_any_source", 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["default", "ucx-only"])
 @pytest.mark.parametrize("world", [2, 4, 5])

@@ -537,10 +537,28 @@ void ProcessGroupTDX::runLoop() {
 
 void ProcessGroupTDX::cancelPointToPointIfBroken() {
   const std::string broken = brokenReason();
-  if (!broken.empty()) cancelPointToPoint(refusal(broken));
+  if (broken.empty()) return;
+  const std::string reason = refusal(broken);
+  std::vector<std::weak_ptr<transport::Request>> unended;
+  cancelPointToPoint(reason, &unended);
+  // Worker thread only: p2pUnended_ needs no lock. A receive that a live sender is still
+  // filling finishes within this grace; one whose sender died part way never does.
+  static constexpr auto kGrace = std::chrono::milliseconds(500);
+  if (!unended.empty()) {
+    if (p2pUnended_.empty()) p2pAbandonAt_ = std::chrono::steady_clock::now() + kGrace;
+    p2pUnended_.insert(p2pUnended_.end(), unended.begin(), unended.end());
+  }
+  if (p2pUnended_.empty() || std::chrono::steady_clock::now() < p2pAbandonAt_) return;
+  for (auto& weak : p2pUnended_) {
+    if (auto r = weak.lock()) {
+      if (!r->done()) transport_->abandon(*r, reason);  // the cancel's reason stays
+    }
+  }
+  p2pUnended_.clear();
 }
 
-void ProcessGroupTDX::cancelPointToPoint(const std::string& reason) {
+void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,
+                                         std::vector<std::weak_ptr<transport::Request>>* unended) {
   std::vector<std::weak_ptr<transport::Request>> requests;
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
@@ -548,7 +566,10 @@ void ProcessGroupTDX::cancelPointToPoint(const std::string& reason) {
   }
   for (auto& weak : requests) {
     if (auto r = weak.lock()) {
-      if (!r->done()) transport_->cancel(*r, reason);
+      if (r->done()) continue;
+      transport_->cancel(*r, reason);
+      // UCX cancels a receive it has not matched yet; one it has, it lets finish.
+      if (unended && !r->isSend && r->endpoint < 0) unended->push_back(weak);
     }
   }
 }

@@ -281,8 +281,15 @@ class ProcessGroupTDX : public c10d::Backend {
   size_t p2pPruneAt_ = 64;  // sweep finished requests out of p2pRequests_ at this size
   std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
   void cancelPointToPointIfBroken();
-  // Ends every point-to-point request still in flight with `reason`.
-  void cancelPointToPoint(const std::string& reason);
+  // Ends every point-to-point request still in flight with `reason`. Any-source receives
+  // it could not end are collected in `unended` when given.
+  void cancelPointToPoint(const std::string& reason,
+                          std::vector<std::weak_ptr<transport::Request>>* unended = nullptr);
+  // Any-source receives of a broken group that a cancel did not end: UCX had matched them
+  // to a message a lost rank was part way through sending, and only the group timeout
+  // would end them. They are abandoned once p2pAbandonAt_ has passed.
+  std::vector<std::weak_ptr<transport::Request>> p2pUnended_;
+  std::chrono::steady_clock::time_point p2pAbandonAt_{};
 
   // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not
   // only on the receiver that saw it: the receiver sends each member a notice naming both

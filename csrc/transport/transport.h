@@ -108,6 +108,11 @@ class Transport {
   // Asks the transport to end a pending request with `reason`; completion (as Failed)
   // is still reported through the request.
   virtual void cancel(Request& request, const std::string& reason) = 0;
+  // Ends a pending receive at once with `reason`, as a lost sender's clean-up does: UCX
+  // may still hold its buffer, so the request is marked orphaned (the buffer must never
+  // be reused). For what cancel() cannot end: a receive UCX has already matched to a
+  // message whose sender is gone, and which no lost endpoint names (any source).
+  virtual void abandon(Request& request, const std::string& reason) = 0;
 
   // True once the endpoint's peer has been reported lost.
   virtual bool endpointFailed(int endpoint) const = 0;

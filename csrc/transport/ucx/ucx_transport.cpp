@@ -800,6 +800,14 @@ void UcxTransport::cancel(Request& r, const std::string& reason) {
   wake();
 }
 
+void UcxTransport::abandon(Request& r, const std::string& reason) {
+  if (r.isSend || r.done()) return;
+  // Before the completion runs: it must see that the buffer is UCX's for good.
+  r.orphaned.store(true);
+  finishRequest(r, false, reason);
+  r.runOnComplete();
+}
+
 void UcxTransport::defer(std::function<void()> action) {
   std::lock_guard<std::mutex> lock(queueMu_);
   queue_.push_back(std::move(action));
