@@ -544,17 +544,25 @@ void ProcessGroupTDX::cancelPointToPointIfBroken() {
   // Worker thread only: p2pUnended_ needs no lock. A receive that a live sender is still
   // filling finishes within this grace; one whose sender died part way never does.
   static constexpr auto kGrace = std::chrono::milliseconds(500);
-  if (!unended.empty()) {
-    if (p2pUnended_.empty()) p2pAbandonAt_ = std::chrono::steady_clock::now() + kGrace;
-    p2pUnended_.insert(p2pUnended_.end(), unended.begin(), unended.end());
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& weak : unended) p2pUnended_.emplace_back(std::move(weak), now + kGrace);
+  std::vector<std::weak_ptr<transport::Request>> due;
+  for (size_t i = 0; i < p2pUnended_.size();) {
+    if (p2pUnended_[i].second > now) {
+      ++i;
+      continue;
+    }
+    due.push_back(std::move(p2pUnended_[i].first));
+    p2pUnended_[i] = std::move(p2pUnended_.back());
+    p2pUnended_.pop_back();
   }
-  if (p2pUnended_.empty() || std::chrono::steady_clock::now() < p2pAbandonAt_) return;
-  for (auto& weak : p2pUnended_) {
+  // A completion run by abandon() may shut the group down (and drop transport_).
+  const auto transport = transport_;
+  for (auto& weak : due) {
     if (auto r = weak.lock()) {
-      if (!r->done()) transport_->abandon(*r, reason);  // the cancel's reason stays
+      if (!r->done() && transport) transport->abandon(*r, reason);  // the cancel's reason stays
     }
   }
-  p2pUnended_.clear();
 }
 
 void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,

@@ -287,9 +287,9 @@ class ProcessGroupTDX : public c10d::Backend {
                           std::vector<std::weak_ptr<transport::Request>>* unended = nullptr);
   // Any-source receives of a broken group that a cancel did not end: UCX had matched them
   // to a message a lost rank was part way through sending, and only the group timeout
-  // would end them. They are abandoned once p2pAbandonAt_ has passed.
-  std::vector<std::weak_ptr<transport::Request>> p2pUnended_;
-  std::chrono::steady_clock::time_point p2pAbandonAt_{};
+  // would end them. Each is abandoned once its time has come.
+  std::vector<std::pair<std::weak_ptr<transport::Request>, std::chrono::steady_clock::time_point>>
+      p2pUnended_;
 
   // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not
   // only on the receiver that saw it: the receiver sends each member a notice naming both

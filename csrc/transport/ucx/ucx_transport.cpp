@@ -531,8 +531,12 @@ void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t stat
                                  const ucp_tag_recv_info_t* info) {
   r->handle.store(ucxRequest);
   if (info != nullptr) {
-    r->receivedBytes = info->length;
-    r->senderTag = info->sender_tag;
+    // A request already ended (abandoned) may have its completion reading these.
+    std::lock_guard<std::mutex> lock(r->mu);
+    if (!r->done()) {
+      r->receivedBytes = info->length;
+      r->senderTag = info->sender_tag;
+    }
   }
   std::string error;
   if (status == UCS_ERR_MESSAGE_TRUNCATED) {
