@@ -1195,11 +1195,22 @@ void ProcessGroupTDX::shutdownLocked() {
   // Point-to-point ops still posted end with an error, as their buffers live on with
   // their completions. A receive left posted would take a message meant for a later
   // group that reuses this one's id.
-  cancelPointToPoint("the process group was shut down");
+  std::vector<std::weak_ptr<transport::Request>> unended;
+  cancelPointToPoint("the process group was shut down",
+                     lost || !brokenReason().empty() ? &unended : nullptr);
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;
   stopWorker("the process group was shut down before the op ran");
+  // The worker is gone now (or this is it). Any-source receives that a lost sender left
+  // part-filled end here, as no cancel ends them, rather than at the group timeout.
+  for (auto& entry : p2pUnended_) unended.push_back(entry.first);
+  p2pUnended_.clear();
+  for (auto& weak : unended) {
+    if (auto r = weak.lock()) {
+      if (!r->done()) transport_->abandon(*r, "the process group was shut down");
+    }
+  }
   transport_.reset();
   GroupIds::get().retire(groupId_);
   TDX_LOG(Info, prefix()) << "shut down";
