@@ -96,33 +96,19 @@ std::pair<size_t, size_t> chunkOf(size_t count, size_t elemSize, int n, int r) {
   return {lo, std::min(count, lo + chunk)};
 }
 
-// Waits on the host for `stream`, but not past `deadline`: what it waits for may be stuck
-// (a caller's kernel, a peer-memory op waiting for a lost rank), and a worker blocked for
-// good would never reach the watchdog that releases such work. Spins (yielding) for the
-// first 200 µs, the usual length of a small op, then sleeps with backoff.
+// Waits on the host for `stream`, but not past `deadline` (see pollUntil).
 void syncUntil(cudaStream_t stream, std::chrono::steady_clock::time_point deadline,
                const std::string& what) {
-  const auto spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
-  auto pause = std::chrono::microseconds(50);
-  for (;;) {
-    const cudaError_t e = cudaStreamQuery(stream);
-    if (e == cudaSuccess) return;
-    if (e != cudaErrorNotReady) {
-      cudaGetLastError();  // clears a non-sticky error; a sticky one stays with the context
-      throw std::runtime_error(what + ": CUDA error " + cudaGetErrorString(e));
-    }
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) {
-      throw std::runtime_error(what + ": the GPU did not finish within the group timeout "
-                               "(work queued before it is stuck)");
-    }
-    if (now < spinUntil) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(1000));
-    }
-  }
+  pollUntil(
+      [&] {
+        const cudaError_t e = cudaStreamQuery(stream);
+        if (e == cudaSuccess || e == cudaErrorNotReady) return e == cudaSuccess;
+        cudaGetLastError();  // clears a non-sticky error; a sticky one stays with the context
+        throw std::runtime_error(what + ": CUDA error " + cudaGetErrorString(e));
+      },
+      deadline,
+      what + ": the GPU did not finish within the group timeout (work queued before it is "
+             "stuck)");
 }
 
 // Streams of the groups' own, not torch's pool: pool streams are shared round robin by

@@ -29,14 +29,34 @@
 
 namespace tdx {
 
+// Polls `done()` until it is true or `deadline` passes, then throws `timedOut`: a host
+// wait on device work that may be stuck (a caller's kernel, a peer-memory op waiting for
+// a lost rank) must not block the worker for good, which would never reach the watchdog
+// that releases such work. Spins (yielding) for the first 200 µs, the usual length of a
+// small op, then sleeps with backoff.
+template <class Done>
+void pollUntil(Done done, std::chrono::steady_clock::time_point deadline,
+               const std::string& timedOut) {
+  const auto spinUntil = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
+  auto pause = std::chrono::microseconds(50);
+  while (!done()) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) throw std::runtime_error(timedOut);
+    if (now < spinUntil) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+}
+
 struct DeviceContext {
   std::shared_ptr<c10::Event> ready;  // recorded on the caller's stream at the call
   std::shared_ptr<c10::Event> done;   // set by an op that left work on `stream`
   std::optional<c10::Stream> stream;  // the backend stream `done` was recorded on
   bool readySynced = false;
-  // The latest the worker waits for `ready`: the caller's stream may be stuck behind
-  // earlier work (a peer-memory op waiting for a lost rank), and a worker blocked for
-  // good would never reach the watchdog that releases such work.
+  // The latest the worker waits for `ready` (see pollUntil).
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
 
   // Host path: block the worker until the caller's stream has produced the inputs.
@@ -45,17 +65,10 @@ struct DeviceContext {
     if (deadline == std::chrono::steady_clock::time_point::max()) {
       ready->synchronize();
     } else {
-      auto pause = std::chrono::microseconds(20);
-      while (!ready->query()) {
-        if (std::chrono::steady_clock::now() >= deadline) {
-          throw std::runtime_error(
-              "the caller's CUDA stream did not reach this op within the group timeout: "
-              "work queued on it before the op (a kernel, or a peer-memory op waiting for "
-              "a lost rank) is stuck");
-        }
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::microseconds(1000));
-      }
+      pollUntil([&] { return ready->query(); }, deadline,
+                "the caller's CUDA stream did not reach this op within the group timeout: "
+                "work queued on it before the op (a kernel, or a peer-memory op waiting for "
+                "a lost rank) is stuck");
     }
     readySynced = true;
   }

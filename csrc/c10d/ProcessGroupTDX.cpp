@@ -556,11 +556,17 @@ void ProcessGroupTDX::cancelPointToPointIfBroken() {
     p2pUnended_[i] = std::move(p2pUnended_.back());
     p2pUnended_.pop_back();
   }
+  abandonReceives(due, reason);  // the cancel's reason stays theirs
+}
+
+void ProcessGroupTDX::abandonReceives(const std::vector<std::weak_ptr<transport::Request>>& rs,
+                                      const std::string& reason) {
   // A completion run by abandon() may shut the group down (and drop transport_).
   const auto transport = transport_;
-  for (auto& weak : due) {
+  if (!transport) return;
+  for (const auto& weak : rs) {
     if (auto r = weak.lock()) {
-      if (!r->done() && transport) transport->abandon(*r, reason);  // the cancel's reason stays
+      if (!r->done()) transport->abandon(*r, reason);
     }
   }
 }
@@ -1206,11 +1212,7 @@ void ProcessGroupTDX::shutdownLocked() {
   // part-filled end here, as no cancel ends them, rather than at the group timeout.
   for (auto& entry : p2pUnended_) unended.push_back(entry.first);
   p2pUnended_.clear();
-  for (auto& weak : unended) {
-    if (auto r = weak.lock()) {
-      if (!r->done()) transport_->abandon(*r, "the process group was shut down");
-    }
-  }
+  abandonReceives(unended, "the process group was shut down");
   transport_.reset();
   GroupIds::get().retire(groupId_);
   TDX_LOG(Info, prefix()) << "shut down";

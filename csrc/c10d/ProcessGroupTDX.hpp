@@ -290,6 +290,9 @@ class ProcessGroupTDX : public c10d::Backend {
   // would end them. Each is abandoned once its time has come.
   std::vector<std::pair<std::weak_ptr<transport::Request>, std::chrono::steady_clock::time_point>>
       p2pUnended_;
+  // Ends those of `rs` still pending (Transport::abandon).
+  void abandonReceives(const std::vector<std::weak_ptr<transport::Request>>& rs,
+                       const std::string& reason);
 
   // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not
   // only on the receiver that saw it: the receiver sends each member a notice naming both
