@@ -350,6 +350,61 @@ def _versus_gloo(rank: int, n: int) -> list[str]:
     return fails
 
 
+def _aliased_coalesced(rank: int, n: int) -> list[str]:
+    """Coalesced ops whose tensors share memory: every entry is computed from the values
+    its input had at the call, as gloo (which copies its inputs first) computes it."""
+    fails: list[str] = []
+    pg = dist.distributed_c10d._get_default_group()
+    gloo = dist.new_group(backend="gloo")
+    orig = torch.arange(10.0) + 100 * rank
+    total = sum(torch.arange(10.0) + 100 * r for r in range(n))
+    # all_reduce: overlapping views, the same view twice, and a strided view across them
+    for group in (None, gloo):
+        flat = orig.clone()
+        views = [flat[0:6], flat[2:8], flat[2:8], flat[1::3]]
+        with dist._coalescing_manager(group=group):
+            for v in views:
+                dist.all_reduce(v, group=group)
+        name = "gloo" if group is gloo else "tdx"
+        if not torch.equal(flat[:8], total[:8]) or not torch.equal(flat[8:], orig[8:]):
+            fails.append(f"r{rank} {name} coalesced all_reduce of views: {flat.tolist()}")
+    # all_gather_into_tensor: output 0 holds input 1
+    big, other = torch.full((2 * n,), float(rank)), torch.empty(2 * n)
+    pg.allgather_into_tensor_coalesced([big, other],
+                                       [torch.tensor([7.0, 8.0]) + rank, big[:2]]).wait()
+    if not torch.equal(big, (torch.tensor([7.0, 8.0]).repeat(n)
+                             + torch.arange(n).float().repeat_interleave(2))):
+        fails.append(f"r{rank} coalesced all_gather_into_tensor output {big.tolist()}")
+    if not torch.equal(other, torch.arange(n).float().repeat_interleave(2)):
+        fails.append(f"r{rank} coalesced all_gather_into_tensor read a written input: "
+                     f"{other.tolist()}")
+    # reduce_scatter_tensor: output 0 lies inside input 1
+    buf = torch.arange(2.0 * n) + rank
+    out1 = torch.empty(2)
+    pg.reduce_scatter_tensor_coalesced([buf[2:4], out1], [torch.ones(2 * n), buf],
+                                       dist.ReduceScatterOptions()).wait()
+    want1 = (torch.arange(2.0 * n) * n + sum(range(n)))[rank * 2:(rank + 1) * 2]
+    if not torch.equal(buf[2:4], torch.full((2,), float(n))) or not torch.equal(out1, want1):
+        fails.append(f"r{rank} coalesced reduce_scatter_tensor: {buf.tolist()} {out1.tolist()}")
+    # all_gather (list form): input 1 is one of input 0's outputs
+    outs0 = [torch.empty(3) for _ in range(n)]
+    outs1 = [torch.empty(3) for _ in range(n)]
+    in1 = outs0[(rank + 1) % n]
+    in1.fill_(-1.0)
+    pg.allgather_coalesced([outs0, outs1], [torch.full((3,), float(rank)), in1]).wait()
+    if any(not torch.equal(o, torch.full((3,), float(r))) for r, o in enumerate(outs0)):
+        fails.append(f"r{rank} coalesced all_gather output 0")
+    if any(not torch.equal(o, torch.full((3,), -1.0)) for o in outs1):
+        fails.append(f"r{rank} coalesced all_gather read a written input: {outs1}")
+    dist.destroy_process_group(gloo)
+    return fails
+
+
+def test_coalesced_ops_read_inputs_as_they_were_at_the_call() -> None:
+    fails = [f for r in run_ranks(_aliased_coalesced, 3) for f in r]
+    assert not fails, "\n".join(fails)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_every_op_dtype_count(world_size: int) -> None:
     results = run_ranks(_sweep, world_size, timeout=300)

@@ -127,11 +127,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
     checkTensor(ctx, tensors[i], "tensor " + std::to_string(i));
     reds.push_back(makeReduction(ctx, opts.reduceOp, tensors[i].scalar_type(), size_));
   }
-  std::vector<at::Tensor> ts = tensors;
+  std::vector<at::Tensor> ts = tensors, ins = tensors;
+  // Tensors that share memory (views of one buffer) are each reduced from the values
+  // they had at the call, not from a neighbour's result.
+  snapshotOverwrittenInputs(ins, ts);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
-  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ts,
-                 [this, ts, reds](GroupChannel& ch) {
-                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ts[i], reds[i]);
+  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ins,
+                 [this, ts, ins, reds](GroupChannel& ch) {
+                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ins[i], reds[i]);
                  });
 }
 
@@ -211,6 +214,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
                       inputs[i].numel() * size_);
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
+  snapshotOverwrittenInputs(ins, outs);
   return enqueue(OpType::COALESCED, "all_gather_into_tensor_coalesced", outs, ins,
                  [this, outs, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
@@ -225,16 +229,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
   const std::string ctx = prefix() + " all_gather_coalesced";
   checkListSize(ctx, outputLists.size(), inputs.size(), "the list of output lists");
   std::vector<at::Tensor> flatOuts;
+  std::vector<size_t> outEntry;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkTensor(ctx, inputs[i], "input " + std::to_string(i));
     checkListSize(ctx, outputLists[i].size(), size_, "an output list");
     for (auto& o : outputLists[i]) {
       checkSameLayout(ctx, inputs[i], o, "output of input " + std::to_string(i), true);
       flatOuts.push_back(o);
+      outEntry.push_back(i);
     }
   }
   auto lists = outputLists;
   std::vector<at::Tensor> ins = inputs;
+  snapshotOverwrittenInputs(ins, flatOuts, outEntry);
   return enqueue(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", flatOuts, ins,
                  [this, lists, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
@@ -393,6 +400,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
     reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type(), size_));
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
+  snapshotOverwrittenInputs(ins, outs);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
   return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outs, ins,
                  [this, outs, ins, reds](GroupChannel& ch) {

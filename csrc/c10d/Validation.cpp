@@ -3,6 +3,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace tdx {
@@ -101,6 +102,74 @@ void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
                     rank * output.numel(), ", ", (rank + 1) * output.numel(),
                     "); pass input.view(-1).chunk(world_size)[", rank,
                     "], or an output that does not overlap the input");
+}
+
+namespace {
+
+// The bytes a tensor's elements span (strides are never negative in torch).
+struct Extent {
+  c10::Device device;
+  uintptr_t begin;
+  uintptr_t end;
+  size_t entry;
+  bool output;
+};
+
+Extent extentOf(const at::Tensor& t, size_t entry, bool output) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return Extent{t.device(), begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()),
+                entry, output};
+}
+
+} // namespace
+
+std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  const std::vector<size_t>& outputEntry) {
+  std::vector<bool> flagged(inputs.size(), false);
+  std::vector<Extent> extents;
+  extents.reserve(outputs.size() + inputs.size());
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (outputs[k].numel() == 0) continue;
+    extents.push_back(extentOf(outputs[k], outputEntry.empty() ? k : outputEntry[k], true));
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].numel() > 0) extents.push_back(extentOf(inputs[i], i, false));
+  }
+  // Sorted by device, then start: one sweep finds every overlapping pair, and the common
+  // case (all distinct memory) costs a sort of a few entries.
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) {
+    if (a.device != b.device) {
+      return a.device.type() != b.device.type() ? a.device.type() < b.device.type()
+                                                : a.device.index() < b.device.index();
+    }
+    return a.begin < b.begin;
+  });
+  std::vector<const Extent*> open;
+  for (const Extent& e : extents) {
+    open.erase(std::remove_if(open.begin(), open.end(),
+                              [&](const Extent* o) {
+                                return o->device != e.device || o->end <= e.begin;
+                              }),
+               open.end());
+    for (const Extent* o : open) {
+      if (o->entry == e.entry || o->output == e.output) continue;
+      flagged[o->output ? e.entry : o->entry] = true;
+    }
+    open.push_back(&e);
+  }
+  return flagged;
+}
+
+void snapshotOverwrittenInputs(std::vector<at::Tensor>& inputs,
+                               const std::vector<at::Tensor>& outputs,
+                               const std::vector<size_t>& outputEntry) {
+  const std::vector<bool> flagged = inputsOverwrittenByOtherEntries(outputs, inputs, outputEntry);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (flagged[i]) inputs[i] = inputs[i].clone();
+  }
 }
 
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what) {
