@@ -120,6 +120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                py::dict d;
                                d["one_host"] = pg.placement().oneHost;
                                d["windows"] = pg.placement().windows;
+                               d["crowded"] = pg.placement().crowded;
                                return d;
                              })
       .def("flight_record", [](const tdx::ProcessGroupTDX& pg) {

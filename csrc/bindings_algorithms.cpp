@@ -81,9 +81,9 @@ void bindAlgorithms(py::module& m) {
   m.def(
       "_algorithm_cost",
       [](const std::string& collective, const std::string& name, double bytes, int world,
-         bool oneHost) {
+         bool oneHost, bool crowded) {
         const Algorithm& a = lookup(collective, name);
-        const Placement p = Placement::of(oneHost);
+        const Placement p = Placement::of(oneHost, crowded);
         const Cost c = a.cost(bytes, world);
         py::dict d;
         d["steps"] = c.steps;
@@ -96,19 +96,21 @@ void bindAlgorithms(py::module& m) {
         return d;
       },
       py::arg("collective"), py::arg("name"), py::arg("bytes"), py::arg("world"),
-      py::arg("one_host") = true);
+      py::arg("one_host") = true, py::arg("crowded") = false);
   m.def(
       "_choose_algorithm",
-      [](const std::string& collective, double bytes, int world, bool sameHost, bool oneHost) {
+      [](const std::string& collective, double bytes, int world, bool sameHost, bool oneHost,
+         bool crowded) {
         Placement p;
         p.oneHost = oneHost || sameHost;
         p.windows = sameHost;
+        p.crowded = p.oneHost && crowded;
         const Choice c = Registry::get().choose(collectiveFromName(collective), bytes, world,
                                                 p, Registry::get().costModel());
         return py::make_tuple(c.algorithm->name, c.predicted);
       },
       py::arg("collective"), py::arg("bytes"), py::arg("world"), py::arg("same_host") = true,
-      py::arg("one_host") = false);
+      py::arg("one_host") = false, py::arg("crowded") = false);
   m.def(
       "_plan",
       [](const std::string& collective, const std::string& name, int world, int rank,

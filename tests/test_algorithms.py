@@ -17,6 +17,7 @@ Plan invariants (worlds 1..16), checked by running all ranks' plans symbolically
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
 
 import pytest
@@ -273,6 +274,60 @@ def test_chain_wins_large_broadcasts_across_hosts() -> None:
     assert torchdist_ext.predict("broadcast", 4096, 8, same_host=False)[0] == "tree"
 
 
+def test_crowded_hosts_price_a_wake_up_per_message_step() -> None:
+    """Ranks that outnumber their host's CPUs add TDX_CROWDED_STEP_US to every message
+    step (one host only; window algorithms pay nothing extra), which turns large
+    broadcasts from the chain's many hops to the tree's few."""
+    wake = int(os.environ.get("TDX_CROWDED_STEP_US", "200")) * 1e-6
+    for coll, name in (("allreduce", "ring"), ("allreduce", "rhd"), ("broadcast", "chain"),
+                       ("broadcast", "tree"), ("allgather", "ring")):
+        for nbytes in (4096.0, float(1 << 22)):
+            calm = _C._algorithm_cost(coll, name, nbytes, 4)
+            crowded = _C._algorithm_cost(coll, name, nbytes, 4, crowded=True)
+            assert crowded["seconds"] - calm["seconds"] == pytest.approx(
+                wake * calm["steps"], rel=1e-9, abs=1e-15), (coll, name, nbytes)
+            across = _C._algorithm_cost(coll, name, nbytes, 4, one_host=False, crowded=True)
+            assert across["seconds"] == _C._algorithm_cost(coll, name, nbytes, 4,
+                                                           one_host=False)["seconds"]
+    shm = _C._algorithm_cost("allreduce", "shm", float(1 << 20), 4)
+    assert _C._algorithm_cost("allreduce", "shm", float(1 << 20), 4,
+                              crowded=True)["seconds"] == shm["seconds"]
+    if wake >= 50e-6:
+        for world in (3, 4):
+            assert torchdist_ext.predict("broadcast", 1 << 22, world, same_host=False,
+                                         one_host=True)[0] == "chain"
+            assert torchdist_ext.predict("broadcast", 1 << 22, world, same_host=False,
+                                         one_host=True, crowded=True)[0] == "tree"
+
+
+def _crowded_by_rank0(rank: int, n: int) -> dict:
+    """Ranks other than 0 pin themselves to one CPU, so they alone would call the host
+    crowded; rank 0's CPU count and its model decide for the whole group."""
+    if rank != 0:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    group = dist.new_group(list(range(n)), backend="tdx")
+    t = torch.full((1 << 20,), float(rank))  # 4 MiB
+    dist.broadcast(t, src=0, group=group)
+    assert torch.equal(t, torch.zeros_like(t))
+    return {"crowded": torchdist_ext.placement(group)["crowded"],
+            "path": torchdist_ext.flight_recorder(group)[-1]["path"],
+            "cpus": len(os.sched_getaffinity(0))}
+
+
+@pytest.mark.parametrize("rank0_wake_us", ["0", "200"])
+def test_rank0_decides_whether_a_group_is_crowded(rank0_wake_us: str) -> None:
+    results = run_ranks(_crowded_by_rank0, 3, timeout=120, env={"TDX_SHM": "0"},
+                        rank_env={0: {"TDX_CROWDED_STEP_US": rank0_wake_us},
+                                  1: {"TDX_CROWDED_STEP_US": "200"},
+                                  2: {"TDX_CROWDED_STEP_US": "200"}})
+    crowded = 3 > results[0]["cpus"]
+    for rank, res in enumerate(results):
+        assert res["crowded"] == crowded, (rank, res)
+        # 4 MiB at 3 ranks: the chain unless rank 0's model charges the wake-ups.
+        assert res["path"] == ("tree" if crowded and rank0_wake_us != "0" else "chain"), \
+            (rank, res)
+
+
 def test_messages_on_one_host_are_priced_apart() -> None:
     """Message algorithms are priced on ``local`` when every rank shares a host (with or
     without windows) and on ``net`` across hosts; window algorithms on their own link.
@@ -342,7 +397,9 @@ def _priced_by_rank0(rank: int, n: int) -> dict:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_groups_price_same_host_messages_with_rank0s_local_terms(world: int) -> None:
-    results = run_ranks(_priced_by_rank0, world, timeout=120)
+    # Without the crowded host's wake-ups (3 ranks on 2 cores), free messages tie.
+    results = run_ranks(_priced_by_rank0, world, timeout=120,
+                        env={"TDX_CROWDED_STEP_US": "0"})
     for rank, paths in enumerate(results):
         # Messages free on this host: a message algorithm (the first listed on a tie).
         assert paths["local free"] == "ring", (rank, paths)
@@ -587,8 +644,10 @@ def test_ranks_that_disagree_on_tdx_shm_agree_on_no_windows() -> None:
     window = {a["name"] for a in _C._algorithms() if a["link"] != "net"}
     for rank, res in enumerate(run_ranks(_shm_on_some_ranks, 3, timeout=60)):
         group, world = res.pop("placement")
-        assert group == {"one_host": True, "windows": False}, (rank, group)
-        assert world == {"one_host": True, "windows": True}, (rank, world)
+        assert group == {"one_host": True, "windows": False, "crowded": group["crowded"]}, \
+            (rank, group)
+        assert world == {"one_host": True, "windows": True, "crowded": group["crowded"]}, \
+            (rank, world)
         for op, (ok, path) in res.items():
             assert ok, (rank, op, path)
             assert path not in window, (rank, op, path)

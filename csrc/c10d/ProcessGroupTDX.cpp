@@ -26,6 +26,7 @@
 
 #include "c10d/Validation.hpp"
 #include "common/env.h"
+#include "common/host.h"
 #include "common/logging.h"
 #include "transport/process_watch.h"
 #include "transport/tag.h"
@@ -350,11 +351,16 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
 
   // One cost model for the whole group (rank 0's), so every rank makes the same
   // algorithm choices even when their calibrations differ.
+  // Whether the host is crowded is rank 0's view too: ranks pinned to different CPU sets
+  // would otherwise price, and choose, differently.
   if (rank == 0) {
+    store_->set("tdx/cpus", bytesOf(std::to_string(usableCpus())));
     store_->set("tdx/costmodel", bytesOf(algorithms::Registry::get().costModel().serialize()));
   }
   const auto model = store_->get("tdx/costmodel");
   costModel_ = algorithms::CostModel::parse(std::string(model.begin(), model.end()));
+  const auto cpus = store_->get("tdx/cpus");
+  placement_.crowded = oneHost && size > std::atoi(std::string(cpus.begin(), cpus.end()).c_str());
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;

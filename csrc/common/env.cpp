@@ -54,6 +54,10 @@ const std::vector<Knob>& knobs() {
        "bytes of a rank's shared-memory slot (two halves used alternately); larger slots "
        "mean fewer signals per op, smaller ones stay in cache; the same on every rank "
        "(checked when a group is created)"},
+      {"TDX_CROWDED_STEP_US", "200",
+       "microseconds the cost model adds to each step of a message algorithm when a "
+       "group's ranks, all on one host, outnumber its CPUs (a step then waits for a peer "
+       "to be scheduled); 0 prices such groups as uncrowded"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
        "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs, else 0"},

@@ -324,7 +324,7 @@ def _ran_algorithm(group: Any, collective: str) -> str | None:
 
 
 def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, same_host: bool,
-                 one_host: bool, group: Any = None) -> dict[str, Any]:
+                 one_host: bool, crowded: bool, group: Any = None) -> dict[str, Any]:
     """For tdx rows: ``algo``, the algorithm that ran (the flight recorder's, when ``group``
     is given and names one; else the pinned one, or what auto picks as
     ``torchdist_ext.predict`` says), ``algo_from`` (``flight recorder``, ``pinned`` or
@@ -345,12 +345,13 @@ def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, sam
         # uneven, and every rank must choose alike.
         chosen_for = 0 if collective == "alltoall" else nbytes
         try:  # predict() answers for a pin set outside the bench (TDX_ALGO) too
-            name = torchdist_ext.predict(collective, chosen_for, world, same_host, one_host)[0]
+            name = torchdist_ext.predict(collective, chosen_for, world, same_host, one_host,
+                                         crowded)[0]
         except (RuntimeError, ValueError):  # a pin that cannot run this op
             return out
     out["algo"], out["algo_from"] = name, source
     if name in torchdist_ext.algorithms(collective)[collective]:
-        cost = _C._algorithm_cost(collective, name, float(nbytes), world, one_host)
+        cost = _C._algorithm_cost(collective, name, float(nbytes), world, one_host, crowded)
         out["predicted_us"] = float(cost["seconds"]) * 1e6
     return out
 
@@ -372,9 +373,10 @@ def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Rank 0's machine description (same on every rank) and one line per rank.
 
     ``one_host``: every rank on one host, so tdx prices its messages as same-host ones;
-    ``same_host``: that and ``TDX_SHM`` not 0, so its shared-memory algorithms can run.
-    Both from host names here; the caller replaces them with the tdx group's own
-    placement when there is one."""
+    ``same_host``: that and ``TDX_SHM`` not 0, so its shared-memory algorithms can run;
+    ``crowded``: one host whose CPUs the ranks outnumber, so tdx adds a wake-up to each
+    message step. All from host names and rank 0's CPU count here; the caller replaces
+    them with the tdx group's own placement when there is one."""
     gpu = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else None
     mine = {"rank": ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
             "device": str(ctx.device), "gpu": gpu}
@@ -395,6 +397,8 @@ def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
         "one_host": len({r["host"] for r in ranks}) == 1,
         "same_host": (len({r["host"] for r in ranks}) == 1
                       and os.environ.get("TDX_SHM", "1").strip() != "0"),
+        "crowded": (len({r["host"] for r in ranks}) == 1
+                    and ctx.world > len(os.sched_getaffinity(0))),
     }
     box = [meta]
     dist.broadcast_object_list(box, src=0, group=ctx.side)
@@ -460,8 +464,10 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
         # host names only approximate: containers may share one.
         placed = torchdist_ext.placement(groups[TDX])
         meta["one_host"], meta["same_host"] = placed["one_host"], placed["windows"]
+        meta["crowded"] = placed["crowded"]
     same_host = bool(meta["same_host"])
     one_host = bool(meta["one_host"])
+    crowded = bool(meta["crowded"])
 
     # Labels per op: a backend, or tdx with an algorithm pinned. tdx:<algo> labels share
     # the one tdx group; the algorithm is pinned around each of their rows.
@@ -547,7 +553,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         if lb.backend == TDX and any(t for t, _, _ in this_round.values()):
                             # what this label's last timed op really ran
                             ran[lb.label] = _algo_fields(lb, collective, nbytes, world,
-                                                         same_host, one_host,
+                                                         same_host, one_host, crowded,
                                                          groups[lb.backend])
                         progress.advance()
                 for lb in labels:
@@ -560,7 +566,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         "root": opts.root if spec.rooted else None,
                     }
                     row.update(_algo_fields(lb, collective, nbytes, world, same_host,
-                                            one_host))
+                                            one_host, crowded))
                     for prefix, results in taken[lb.label].items():
                         t, wrong, error = _combine(results)
                         algbw = nbytes / (t * 1e-6) / 1e9 if t else None
@@ -572,7 +578,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                     row.update(ran.get(lb.label, {}))
                     row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
                                rounds=opts.rounds, host=meta["host"],
-                               one_host=one_host,
+                               one_host=one_host, crowded=crowded,
                                torch_version=meta["torch_version"],
                                tdx_version=meta["tdx_version"],
                                ucx_version=meta["ucx_version"], date=meta["date"])

@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "common/env.h"
+#include "common/host.h"
 
 namespace tdx {
 namespace transport {
@@ -128,10 +129,7 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   // the signal it is waiting for, so it sleeps at once instead.
   const std::string spin = env::get("TDX_SHM_SPIN_US");
   if (spin == "auto") {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-    w->spinUs_ = size <= cpus ? 100 : 0;
+    w->spinUs_ = size <= usableCpus() ? 100 : 0;
   } else {
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }

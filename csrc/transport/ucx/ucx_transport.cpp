@@ -1,6 +1,5 @@
 #include "transport/ucx/ucx_transport.h"
 
-#include <sched.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 #include <utility>
 
 #include "common/env.h"
+#include "common/host.h"
 #include "common/logging.h"
 
 namespace tdx {
@@ -140,10 +140,7 @@ bool tlsIncludesTcp(const std::string& tls) {
 // Returns the threshold set, or "" when UCX keeps its own.
 std::string configureRendezvous(ucp_config_t* config, int localRanks) {
   if (envSet("UCX_RNDV_THRESH")) return "";
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  const int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  if (localRanks <= cpus) return "";
+  if (localRanks <= usableCpus()) return "";
   check(ucp_config_modify(config, "RNDV_THRESH", "1m"), "config (RNDV_THRESH)");
   return "1m";
 }
