@@ -278,7 +278,7 @@ def test_crowded_hosts_price_a_wake_up_per_message_step() -> None:
     """Ranks that outnumber their host's CPUs add TDX_CROWDED_STEP_US to every message
     step (one host only; window algorithms pay nothing extra), which turns large
     broadcasts from the chain's many hops to the tree's few."""
-    wake = int(os.environ.get("TDX_CROWDED_STEP_US", "200")) * 1e-6
+    wake = int(os.environ.get("TDX_CROWDED_STEP_US") or 200) * 1e-6
     for coll, name in (("allreduce", "ring"), ("allreduce", "rhd"), ("broadcast", "chain"),
                        ("broadcast", "tree"), ("allgather", "ring")):
         for nbytes in (4096.0, float(1 << 22)):
@@ -300,27 +300,29 @@ def test_crowded_hosts_price_a_wake_up_per_message_step() -> None:
                                          one_host=True, crowded=True)[0] == "tree"
 
 
-def _crowded_by_rank0(rank: int, n: int) -> dict:
-    """Ranks other than 0 pin themselves to one CPU, so they alone would call the host
-    crowded; rank 0's CPU count and its model decide for the whole group."""
-    if rank != 0:
+def _crowded_group(rank: int, n: int, pin: str) -> dict:
+    """Ranks pin themselves to the host's first CPU (``all``: every rank; ``others``:
+    every rank but 0) before a new group; the group judges crowding from the union of its
+    ranks' CPUs and prices with rank 0's model."""
+    if pin == "all" or rank != 0:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     group = dist.new_group(list(range(n)), backend="tdx")
     t = torch.full((1 << 20,), float(rank))  # 4 MiB
     dist.broadcast(t, src=0, group=group)
     assert torch.equal(t, torch.zeros_like(t))
     return {"crowded": torchdist_ext.placement(group)["crowded"],
-            "path": torchdist_ext.flight_recorder(group)[-1]["path"],
-            "cpus": len(os.sched_getaffinity(0))}
+            "path": torchdist_ext.flight_recorder(group)[-1]["path"]}
 
 
-@pytest.mark.parametrize("rank0_wake_us", ["0", "200"])
-def test_rank0_decides_whether_a_group_is_crowded(rank0_wake_us: str) -> None:
-    results = run_ranks(_crowded_by_rank0, 3, timeout=120, env={"TDX_SHM": "0"},
+@pytest.mark.parametrize("pin,rank0_wake_us", [("all", "0"), ("all", "200"), ("others", "200")])
+def test_groups_agree_whether_they_are_crowded(pin: str, rank0_wake_us: str) -> None:
+    results = run_ranks(_crowded_group, 3, timeout=120, args=(pin,), env={"TDX_SHM": "0"},
                         rank_env={0: {"TDX_CROWDED_STEP_US": rank0_wake_us},
                                   1: {"TDX_CROWDED_STEP_US": "200"},
                                   2: {"TDX_CROWDED_STEP_US": "200"}})
-    crowded = 3 > results[0]["cpus"]
+    # Pinned ranks alone would call the host crowded; rank 0's unpinned mask is the
+    # host's, and the union of the three decides.
+    crowded = True if pin == "all" else 3 > len(os.sched_getaffinity(0))
     for rank, res in enumerate(results):
         assert res["crowded"] == crowded, (rank, res)
         # 4 MiB at 3 ranks: the chain unless rank 0's model charges the wake-ups.
@@ -644,10 +646,9 @@ def test_ranks_that_disagree_on_tdx_shm_agree_on_no_windows() -> None:
     window = {a["name"] for a in _C._algorithms() if a["link"] != "net"}
     for rank, res in enumerate(run_ranks(_shm_on_some_ranks, 3, timeout=60)):
         group, world = res.pop("placement")
-        assert group == {"one_host": True, "windows": False, "crowded": group["crowded"]}, \
-            (rank, group)
-        assert world == {"one_host": True, "windows": True, "crowded": group["crowded"]}, \
-            (rank, world)
+        crowded = 3 > len(os.sched_getaffinity(0))
+        assert group == {"one_host": True, "windows": False, "crowded": crowded}, (rank, group)
+        assert world == {"one_host": True, "windows": True, "crowded": crowded}, (rank, world)
         for op, (ok, path) in res.items():
             assert ok, (rank, op, path)
             assert path not in window, (rank, op, path)

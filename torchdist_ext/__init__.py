@@ -234,7 +234,8 @@ def predict(collective: str, nbytes: int, world: int, same_host: bool = True,
     ``same_host``: every rank on one host with its shared-memory windows; ``one_host``
     alone: on one host with ``TDX_SHM=0`` (messages priced as same-host ones, no windows).
     Both False: ranks on several hosts. ``crowded`` (with one host): the ranks outnumber
-    the host's CPUs, so each message step also pays a wake-up (``TDX_CROWDED_STEP_US``)."""
+    the host's CPUs, so each message step also pays a wake-up (``TDX_CROWDED_STEP_US``).
+    Priced with this process's cost model; a group uses its rank 0's."""
     return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host),
                                       bool(one_host), bool(crowded)))
 
@@ -244,8 +245,8 @@ def placement(group: Any = None) -> dict[str, bool]:
     ``one_host`` (every rank on this host: same boot id and mount, IPC and pid
     namespaces; messages are priced on the ``local`` link), ``windows`` (that, with
     ``TDX_SHM`` not 0 on every rank: shared-memory algorithms may run) and ``crowded``
-    (one host, and the group's ranks outnumber the CPUs rank 0 may run on: each message
-    step is priced with a wake-up, ``TDX_CROWDED_STEP_US``)."""
+    (one host, and the group's ranks outnumber the CPUs they may run on together: each
+    message step is priced with a wake-up, ``TDX_CROWDED_STEP_US``)."""
     return dict(_tdx_backend(group).placement)
 
 

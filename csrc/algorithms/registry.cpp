@@ -1,6 +1,5 @@
 #include "algorithms/registry.h"
 
-#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <sstream>
@@ -62,7 +61,12 @@ CostModel CostModel::defaults() {
   m.links[static_cast<int>(Link::Shm)] = {3e-6, 1.0 / 5e9, 1.0 / 3e9};
   // Measured on the development VM: cross-memory reads ran at about a third of memcpy.
   m.links[static_cast<int>(Link::Cma)] = {5e-6, 1.0 / 2.5e9, 1.0 / 3e9};
-  m.wake = std::max<double>(0, static_cast<double>(env::getInt("TDX_CROWDED_STEP_US"))) * 1e-6;
+  const int64_t wakeUs = env::getInt("TDX_CROWDED_STEP_US");
+  if (wakeUs < 0) {
+    throw std::invalid_argument("TDX_CROWDED_STEP_US=" + std::to_string(wakeUs) +
+                                " is negative; give microseconds >= 0 (0: no charge)");
+  }
+  m.wake = static_cast<double>(wakeUs) * 1e-6;
   return m;
 }
 
@@ -204,8 +208,9 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const Placemen
   const Link link = pricedOn(a, p);
   const LinkCost& l = model.links[static_cast<int>(link)];
   // Only messages pay the wake-ups: a window algorithm's steps are a few signals, and
-  // what the development VM measured is the message hops' (a chain broadcast lost to
-  // the tree by 2-3x from 4 MiB at 3 and 4 ranks on 2 cores, priced as if uncrowded).
+  // what the development VM measured is the message hops' (priced as if uncrowded, a
+  // chain broadcast was picked from 1 MiB and lost to the tree by 1.2-3.7x from 4 MiB
+  // at 3 and 4 ranks on 2 cores).
   const double alpha = l.alpha + (p.crowded && link == Link::Local ? model.wake : 0.0);
   return alpha * c.steps + l.beta * c.bytesMoved + l.gamma * c.bytesReduced;
 }

@@ -65,9 +65,9 @@ struct CostModel {
   LinkCost links[kNumLinks];
   // Seconds each step of a message algorithm adds on a crowded host (more ranks than
   // cores): a step ends when its peers have run, and with ranks taking turns on the cores
-  // that means waiting for the scheduler to wake a peer. TDX_CROWDED_STEP_US, default
-  // from the development VM (3 and 4 ranks, 2 cores), where a chain broadcast's 256 KiB
-  // hops took about 200 us each beyond their copies.
+  // that means waiting for the scheduler to wake a peer. TDX_CROWDED_STEP_US; the
+  // default is the development VM's (4 ranks, 2 cores), where a chain broadcast's
+  // 256 KiB hops took about 200 us each beyond their copies.
   double wake = 0;
   static CostModel defaults();
   // "net:alpha,beta,gamma;local:...;shm:...;cma:...;wake:seconds", for the store exchange.
@@ -81,8 +81,8 @@ struct Placement {
   bool windows = false;     // shared-memory algorithms may run (one host, TDX_SHM not 0)
   bool crossMemory = true;  // ranks may read each other's memory (known once the group's
                             // window exists; assumed until then)
-  bool crowded = false;     // one host, whose ranks outnumber the CPUs they may run on:
-                            // message steps also pay CostModel::wake
+  bool crowded = false;     // one host, whose ranks outnumber the CPUs they may run on
+                            // together: message steps also pay CostModel::wake
 
   // One host with its windows (`sameHost`), or ranks on several hosts.
   static Placement of(bool sameHost, bool crowded = false) {

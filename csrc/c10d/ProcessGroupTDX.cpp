@@ -257,19 +257,23 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   uint64_t idsFreeEverywhere = idsFree;
   int localRanks = 0;
   bool windowsEverywhere = true;
+  std::vector<std::string> cpuTexts;
   try {
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
-                        "|" + tuningText + "|" + key));
+                        "|" + tuningText + "|" + cpuText() + "|" + key));
     std::string disagreement;
     for (int r = 0; r < size; ++r) {
       const auto theirs = store_->get("tdx/host/" + std::to_string(r));
       const std::string text(theirs.begin(), theirs.end());
-      // flag, mask, "|", tuning, "|", host key: the separators tell an older record
-      // (flag, mask, key) apart, whose key would otherwise be read as tuning.
+      // flag, mask, "|", tuning, "|", CPUs, "|", host key: the separators tell an older
+      // record apart, whose key would otherwise be read as tuning or CPUs.
       const size_t tuningAt = 1 + kMaskDigits + 1;
-      const size_t keyAt = tuningAt + tuningText.size() + 1;
-      if (text.size() < keyAt || text[tuningAt - 1] != '|' || text[keyAt - 1] != '|') {
+      const size_t cpusAt = tuningAt + tuningText.size() + 1;
+      const size_t cpusEnd = text.size() < cpusAt ? std::string::npos : text.find('|', cpusAt);
+      const size_t keyAt = cpusEnd == std::string::npos ? text.size() + 1 : cpusEnd + 1;
+      if (text.size() < keyAt || text[tuningAt - 1] != '|' || text[cpusAt - 1] != '|' ||
+          text.find(',', cpusAt) >= cpusEnd) {
         C10_THROW_ERROR(DistBackendError,
                         prefix() + " rank " + std::to_string(r) +
                             " published no group record under tdx/host/: every rank of a tdx "
@@ -285,6 +289,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
         }
       }
       localRanks += text.compare(keyAt, std::string::npos, key) == 0 ? 1 : 0;
+      cpuTexts.push_back(text.substr(cpusAt, cpusEnd - cpusAt));
       windowsEverywhere = windowsEverywhere && text[0] == '1';
     }
     if (!disagreement.empty()) {
@@ -317,6 +322,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   } retireOnThrow{groupId_};
   const bool oneHost = localRanks == size;
   placement_.oneHost = oneHost;
+  // From every rank's published CPUs, so all ranks agree (each rank's own mask may
+  // differ: pinned to a core each, or not at all).
+  placement_.crowded = oneHost && size > std::max(1, cpusTogether(cpuTexts));
   // A window's half must hold 64 bytes per rank (all_to_all's split sizes, scatter's
   // and gather's per-rank lines): with the smallest slots, beyond 64 ranks it does not.
   const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
@@ -351,16 +359,11 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
 
   // One cost model for the whole group (rank 0's), so every rank makes the same
   // algorithm choices even when their calibrations differ.
-  // Whether the host is crowded is rank 0's view too: ranks pinned to different CPU sets
-  // would otherwise price, and choose, differently.
   if (rank == 0) {
-    store_->set("tdx/cpus", bytesOf(std::to_string(usableCpus())));
     store_->set("tdx/costmodel", bytesOf(algorithms::Registry::get().costModel().serialize()));
   }
   const auto model = store_->get("tdx/costmodel");
   costModel_ = algorithms::CostModel::parse(std::string(model.begin(), model.end()));
-  const auto cpus = store_->get("tdx/cpus");
-  placement_.crowded = oneHost && size > std::atoi(std::string(cpus.begin(), cpus.end()).c_str());
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;

@@ -155,8 +155,12 @@ std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>&
                               }),
                open.end());
     for (const Extent* o : open) {
-      if (o->entry == e.entry || o->output == e.output) continue;
-      flagged[o->output ? e.entry : o->entry] = true;
+      if (o->output == e.output) continue;
+      const Extent& out = o->output ? *o : e;
+      const Extent& in = o->output ? e : *o;
+      // Entries run in order: only an earlier entry's output is written before this
+      // input is read.
+      if (out.entry < in.entry) flagged[in.entry] = true;
     }
     open.push_back(&e);
   }

@@ -38,7 +38,8 @@ void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
 // A coalesced op reads every input as it was at the call, as gloo's do (they copy their
 // inputs into one buffer first), though tdx runs its entries one after another: an input
 // that shares memory with another entry's output must be copied before the first entry
-// runs. Returns, per entry, whether its input needs that copy. `outputEntry[k]` is the
+// runs; entries run in order, so only an earlier entry's output can overwrite an input
+// before it is read. Returns, per entry, whether its input needs that copy. `outputEntry[k]` is the
 // entry output k belongs to (empty: output k is entry k's). Judged by address ranges, so
 // an interleaved strided view may be copied without need; that costs a copy, never a
 // wrong result.

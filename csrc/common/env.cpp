@@ -56,8 +56,9 @@ const std::vector<Knob>& knobs() {
        "(checked when a group is created)"},
       {"TDX_CROWDED_STEP_US", "200",
        "microseconds the cost model adds to each step of a message algorithm when a "
-       "group's ranks, all on one host, outnumber its CPUs (a step then waits for a peer "
-       "to be scheduled); 0 prices such groups as uncrowded"},
+       "group's ranks, all on one host, outnumber the CPUs they may run on together (a "
+       "step then waits for a peer to be scheduled); rank 0's value counts; 0 prices such "
+       "groups as uncrowded"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
        "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs, else 0"},

@@ -23,7 +23,9 @@ Usage::
     python -m torchdist_ext.bench calibrate --out /tmp/cal.json --json fit.json
 
 A term that no point depends on (say gamma when only all_gather ran) keeps its current
-value. Spawned ranks share this host, so their message algorithms fit ``local``;
+value. Ranks that outnumber their host's CPUs measure the scheduler as much as the links,
+so such runs fit nothing (``--world`` above the CPU count is refused); the model prices
+crowded hosts with ``TDX_CROWDED_STEP_US`` instead. Spawned ranks share this host, so their message algorithms fit ``local``;
 ``net`` is fitted by a run under torchrun whose ranks span hosts (which has no
 shared-memory points). Saving keeps the links of the existing file that this run did not
 fit, so the two runs add up.
@@ -131,7 +133,8 @@ def points_from_rows(rows: Iterable[dict[str, Any]],
     """One point per benchmark row of a pinned tdx algorithm that ran: the model's terms
     for the algorithm that ran (``_C._algorithm_cost``; the row's ``algo``, normally the
     pinned one), the link that prices it (``local`` for messages when the row's ranks
-    shared a host) and its measured seconds (in-place time where the op has that form)."""
+    shared a host) and its measured seconds (in-place time where the op has that form).
+    Rows whose ranks outnumbered their host's CPUs (``crowded``) give no point."""
     out = []
     for r in rows:
         algo = r.get("algo")  # what ran, as the flight recorder says
@@ -141,20 +144,18 @@ def points_from_rows(rows: Iterable[dict[str, Any]],
         t = r.get(f"{prefix}time_us")
         if r.get(f"{prefix}error") or not t:
             continue
-        args = (COLLECTIVES[r["op"]], algo, float(r["size"]), r["world"],
-                bool(r.get("one_host", True)))
-        cost = _C._algorithm_cost(*args)
+        if r.get("crowded"):
+            # Ranks that took turns on the cores: the time is the scheduler's as much as
+            # the link's (the model prices that apart, with TDX_CROWDED_STEP_US).
+            continue
+        cost = _C._algorithm_cost(COLLECTIVES[r["op"]], algo, float(r["size"]), r["world"],
+                                  bool(r.get("one_host", True)))
         if cost["priced_on"] not in links:
             continue
-        # On a crowded host the model adds its wake-ups to every message step on top of
-        # the link's terms, so the fit sees the time without them.
-        wakes = (_C._algorithm_cost(*args, crowded=True)["seconds"] - cost["seconds"]
-                 if r.get("crowded") else 0.0)
         out.append({
             "link": cost["priced_on"], "op": r["op"], "algo": algo, "size": r["size"],
             "world": r["world"], "steps": cost["steps"], "bytes_moved": cost["bytes_moved"],
-            "bytes_reduced": cost["bytes_reduced"],
-            "measured_s": max(t * 1e-6 - wakes, 1e-9),
+            "bytes_reduced": cost["bytes_reduced"], "measured_s": t * 1e-6,
         })
     return out
 
@@ -206,6 +207,10 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
            "shm": "shared memory needs every rank on one host and TDX_SHM not 0",
            "cma": "cross-memory reads need every rank on one host, TDX_SHM not 0 and a "
                   "host that allows process_vm_readv"}
+    if any(r.get("crowded") for r in rows):
+        why = {link: "the ranks outnumbered the CPUs of their host, so the times measure "
+                     "the scheduler; rerun with a --world of at most the host's CPUs"
+               for link in why}
     notes = sorted({f"{link}: no points ({why[link]}); kept as it was"
                     for link in links if link not in fitted})
     return {
@@ -386,6 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
         parser.error("need --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    cpus = len(os.sched_getaffinity(0))
+    if "RANK" not in os.environ and a.world > cpus:
+        parser.error(f"--world {a.world} spawns more ranks than the {cpus} CPUs this process "
+                     f"may run on: they would take turns on the cores and the fit would "
+                     f"measure the scheduler; use --world {cpus} or less (crowded hosts are "
+                     f"priced with TDX_CROWDED_STEP_US instead)")
     data = calibrate(world=a.world, sizes=a.sizes, ops=ops, links=links, iters=a.iters,
                      warmup=a.warmup, stat=a.stat, timeout=a.timeout, progress=a.progress,
                      rounds=a.rounds)
