@@ -37,12 +37,11 @@ void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
                              const at::Tensor& input, int rank);
 // A coalesced op reads every input as it was at the call, as gloo's do (they copy their
 // inputs into one buffer first), though tdx runs its entries one after another: an input
-// that shares memory with another entry's output must be copied before the first entry
-// runs; entries run in order, so only an earlier entry's output can overwrite an input
-// before it is read. Returns, per entry, whether its input needs that copy. `outputEntry[k]` is the
-// entry output k belongs to (empty: output k is entry k's). Judged by address ranges, so
-// an interleaved strided view may be copied without need; that costs a copy, never a
-// wrong result.
+// that shares memory with an earlier entry's output must be copied before the first
+// entry runs. Returns, per entry, whether its input needs that copy. `outputEntry[k]` is
+// the entry output k belongs to (empty: output k is entry k's). Judged by address
+// ranges, so an interleaved strided view may be copied without need; that costs a copy,
+// never a wrong result.
 std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>& outputs,
                                                   const std::vector<at::Tensor>& inputs,
                                                   const std::vector<size_t>& outputEntry = {});
