@@ -80,3 +80,26 @@ def test_transport_started_by_a_subgroup_keeps_tcp() -> None:
         assert r["ok"], (rank, r)
         assert r["tcp"] is True, (rank, r)
         assert r["peers"][0]["watched"] and not r["peers"][0]["peer_errors"], (rank, r)
+
+
+def _crowding(rank: int, n: int) -> dict:
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full_like(t, float(n)))
+    return {"rndv": torchdist_ext.transport_info()["rndv_thresh"],
+            "crowded": torchdist_ext.placement()["crowded"],
+            "cpus": sorted(os.sched_getaffinity(0))}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to pin ranks apart")
+def test_ranks_pinned_to_a_core_each_are_not_crowded() -> None:
+    """Two ranks, each pinned to a CPU of its own: each process sees one CPU, but
+    together they have two, so the group is not crowded and UCX keeps its own rendezvous
+    threshold. Pinned to the same CPU, they are crowded, and messages up to 1 MiB go
+    eagerly."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    for pins, crowded in (({0: [a], 1: [b]}, False), ({0: [a], 1: [a]}, True)):
+        for rank, r in enumerate(run_ranks(_crowding, 2, timeout=60, affinity=pins)):
+            assert r["cpus"] == pins[rank], (rank, r)
+            assert r["crowded"] is crowded, (pins, rank, r)
+            assert r["rndv"] == ("1m" if crowded else ""), (pins, rank, r)

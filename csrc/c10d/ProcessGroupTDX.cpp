@@ -288,8 +288,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                          std::to_string(kTuning[k].value) + " on this rank";
         }
       }
-      localRanks += text.compare(keyAt, std::string::npos, key) == 0 ? 1 : 0;
-      cpuTexts.push_back(text.substr(cpusAt, cpusEnd - cpusAt));
+      if (text.compare(keyAt, std::string::npos, key) == 0) {
+        ++localRanks;
+        cpuTexts.push_back(text.substr(cpusAt, cpusEnd - cpusAt));
+      }
       windowsEverywhere = windowsEverywhere && text[0] == '1';
     }
     if (!disagreement.empty()) {
@@ -322,9 +324,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   } retireOnThrow{groupId_};
   const bool oneHost = localRanks == size;
   placement_.oneHost = oneHost;
-  // From every rank's published CPUs, so all ranks agree (each rank's own mask may
-  // differ: pinned to a core each, or not at all).
-  placement_.crowded = oneHost && size > std::max(1, cpusTogether(cpuTexts));
+  // From the published CPUs of this host's ranks, so all ranks agree (each rank's own
+  // mask may differ: pinned to a core each, or not at all).
+  hostCpus_ = std::max(1, cpusTogether(cpuTexts));
+  placement_.crowded = oneHost && size > hostCpus_;
   // A window's half must hold 64 bytes per rank (all_to_all's split sizes, scatter's
   // and gather's per-rank lines): with the smallest slots, beyond 64 ranks it does not.
   const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
@@ -334,6 +337,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     transport::UcxTransport::Hints hints;
     hints.tcpWanted = !(defaultGroup && oneHost);
     hints.localRanks = localRanks;
+    hints.localCpus = hostCpus_;
     transport_ = transport::UcxTransport::acquire(hints);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(DistBackendError, prefix() + " could not start UCX: " + e.what());
@@ -790,7 +794,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
                              std::to_string(groupId_) + "_" + std::to_string(++counter);
     const size_t slot = transport::HostWindow::defaultSlotBytes();
     try {
-      window_ = transport::HostWindow::open(name, true, rank_, size_, slot);
+      window_ = transport::HostWindow::open(name, true, rank_, size_, slot, hostCpus_);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -804,7 +808,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
     } else {
       try {
         window_ = transport::HostWindow::open(text.substr(0, bar), false, rank_, size_,
-                                              std::stoull(text.substr(bar + 1)));
+                                              std::stoull(text.substr(bar + 1)), hostCpus_);
       } catch (const std::exception& e) {
         error = e.what();
       }

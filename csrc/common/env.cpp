@@ -61,7 +61,8 @@ const std::vector<Knob>& knobs() {
        "groups as uncrowded"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
-       "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs, else 0"},
+       "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs they may run on "
+       "together, else 0"},
   };
   return kKnobs;
 }

@@ -46,8 +46,11 @@ def _child(
     fn: Callable[..., Any],
     args: Sequence[Any],
     results: Any,
+    cpus: Sequence[int] | None = None,
 ) -> None:
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
         torch.set_num_threads(1)
         import torch.distributed as dist
 
@@ -79,6 +82,7 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
     may_exit: Sequence[int] = (),
     rank_env: Mapping[int, Mapping[str, str]] | None = None,
+    affinity: Mapping[int, Sequence[int]] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks.
 
@@ -87,7 +91,8 @@ def run_ranks(
     blocking the suite. Ranks in ``may_exit`` are allowed to vanish without reporting
     (fault tests kill them on purpose); their value is None. Any other rank that exits
     without reporting is a failure. ``env`` is set for every rank, ``rank_env[r]`` (on
-    top of it) for rank ``r`` alone.
+    top of it) for rank ``r`` alone. ``affinity[r]``: the CPUs rank ``r`` pins itself to
+    before it creates its process group.
     """
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tdx-test-")
@@ -98,7 +103,7 @@ def run_ranks(
         ctx.Process(
             target=_child,
             args=(r, world_size, backend, os.path.join(tmp, "store"), timeout, fn, args,
-                  results),
+                  results, (affinity or {}).get(r)),
             daemon=True,
         )
         for r in range(world_size)

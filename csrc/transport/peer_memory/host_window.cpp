@@ -76,7 +76,7 @@ size_t HostWindow::defaultSlotBytes() {
 }
 
 std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool create, int rank,
-                                             int size, size_t slotBytes) {
+                                             int size, size_t slotBytes, int cpus) {
   std::unique_ptr<HostWindow> w(new HostWindow());
   w->name_ = name;
   w->rank_ = rank;
@@ -129,7 +129,7 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   // the signal it is waiting for, so it sleeps at once instead.
   const std::string spin = env::get("TDX_SHM_SPIN_US");
   if (spin == "auto") {
-    w->spinUs_ = size <= usableCpus() ? 100 : 0;
+    w->spinUs_ = size <= (cpus > 0 ? cpus : usableCpus()) ? 100 : 0;
   } else {
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }

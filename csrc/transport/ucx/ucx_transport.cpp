@@ -138,9 +138,9 @@ bool tlsIncludesTcp(const std::string& tls) {
 // algorithms on one host"). UCX has one threshold for all its transports, so a job
 // whose hosts are oversubscribed uses it between hosts too.
 // Returns the threshold set, or "" when UCX keeps its own.
-std::string configureRendezvous(ucp_config_t* config, int localRanks) {
+std::string configureRendezvous(ucp_config_t* config, int localRanks, int localCpus) {
   if (envSet("UCX_RNDV_THRESH")) return "";
-  if (localRanks <= usableCpus()) return "";
+  if (localRanks <= (localCpus > 0 ? localCpus : usableCpus())) return "";
   check(ucp_config_modify(config, "RNDV_THRESH", "1m"), "config (RNDV_THRESH)");
   return "1m";
 }
@@ -247,7 +247,7 @@ UcxTransport::UcxTransport(const Hints& hints)
   try {
     tcpLoaded_ = chooseTcp(hints.tcpWanted);
     configureTcp(config, tcpLoaded_);
-    rendezvousThreshold_ = configureRendezvous(config, hints.localRanks);
+    rendezvousThreshold_ = configureRendezvous(config, hints.localRanks, hints.localCpus);
   } catch (...) {
     ucp_config_release(config);
     throw;
