@@ -386,6 +386,15 @@ def _aliased_coalesced(rank: int, n: int) -> list[str]:
     want1 = (torch.arange(2.0 * n) * n + sum(range(n)))[rank * 2:(rank + 1) * 2]
     if not torch.equal(buf[2:4], torch.full((2,), float(n))) or not torch.equal(out1, want1):
         fails.append(f"r{rank} coalesced reduce_scatter_tensor: {buf.tolist()} {out1.tolist()}")
+    # outputs of two entries that share memory: refused (the writes differ)
+    buf = torch.zeros(3 * n)
+    try:
+        pg.allgather_into_tensor_coalesced([buf[:n], buf[n - 1:2 * n - 1]],
+                                           [torch.ones(1), torch.ones(1)]).wait()
+        fails.append(f"r{rank} overlapping outputs of a coalesced all_gather accepted")
+    except ValueError as e:
+        if "entries 0 and 1 share memory" not in str(e):
+            fails.append(f"r{rank} overlapping outputs: {e}")
     # all_gather (list form): input 1 is one of input 0's outputs
     outs0 = [torch.empty(3) for _ in range(n)]
     outs1 = [torch.empty(3) for _ in range(n)]
@@ -398,6 +407,59 @@ def _aliased_coalesced(rank: int, n: int) -> list[str]:
         fails.append(f"r{rank} coalesced all_gather read a written input: {outs1}")
     dist.destroy_process_group(gloo)
     return fails
+
+
+def _random_aliased_coalesced(rank: int, n: int, trials: int) -> list[str]:
+    """Random views of one buffer (overlapping, repeated, strided, empty) in one coalesced
+    all_reduce or all_gather_into_tensor, on tdx and on gloo: the same answers."""
+    fails: list[str] = []
+    gloo = dist.new_group(backend="gloo")
+    pg = dist.distributed_c10d._get_default_group()
+    gen = torch.Generator().manual_seed(1234)  # the same calls on every rank
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    for trial in range(trials):
+        size = randint(8, 64)
+        base = (torch.arange(size, dtype=torch.float64) + 1) * (rank + 1)
+        views = []
+        for _ in range(randint(1, 6)):
+            start, step = randint(0, size), randint(1, 4)
+            stop = randint(start, size + 1)
+            views.append((start, stop, step))
+        bufs = {}
+        for name, group in (("tdx", pg), ("gloo", gloo)):
+            buf = base.clone()
+            with dist._coalescing_manager(group=None if group is pg else group):
+                for start, stop, step in views:
+                    dist.all_reduce(buf[start:stop:step], group=None if group is pg else group)
+            bufs[name] = buf
+        if not torch.equal(bufs["tdx"], bufs["gloo"]):
+            fails.append(f"r{rank} trial {trial} all_reduce views {views}: "
+                         f"tdx {bufs['tdx'].tolist()} gloo {bufs['gloo'].tolist()}")
+        # all_gather_into_tensor: outputs disjoint blocks of one buffer (in any order),
+        # inputs anywhere in it
+        chunk = randint(1, 4)
+        slots = torch.randperm(4, generator=gen).tolist()[:randint(1, 4)]
+        entries = [(slot * n * chunk, randint(0, 4 * n * chunk - chunk + 1)) for slot in slots]
+        outs = {}
+        for name, group in (("tdx", pg), ("gloo", gloo)):
+            buf = torch.arange(4 * n * chunk, dtype=torch.float64) + 100 * rank
+            group.allgather_into_tensor_coalesced(
+                [buf[o:o + n * chunk] for o, _ in entries],
+                [buf[i:i + chunk] for _, i in entries]).wait()
+            outs[name] = (buf, entries)
+        if not torch.equal(outs["tdx"][0], outs["gloo"][0]):
+            fails.append(f"r{rank} trial {trial} all_gather_into_tensor {outs['tdx'][1]}: "
+                         f"tdx {outs['tdx'][0].tolist()} gloo {outs['gloo'][0].tolist()}")
+    dist.destroy_process_group(gloo)
+    return fails
+
+
+def test_random_aliased_coalesced_ops_match_gloo() -> None:
+    fails = [f for r in run_ranks(_random_aliased_coalesced, 3, args=(40,)) for f in r]
+    assert not fails, "\n".join(fails[:10])
 
 
 def test_coalesced_ops_read_inputs_as_they_were_at_the_call() -> None:

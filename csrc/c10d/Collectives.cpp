@@ -130,7 +130,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
   std::vector<at::Tensor> ts = tensors, ins = tensors;
   // Tensors that share memory (views of one buffer) are each reduced from the values
   // they had at the call, not from a neighbour's result.
-  snapshotOverwrittenInputs(ins, ts);
+  prepareCoalescedInputs(ctx, ins, ts, /*outputsMayOverlap=*/true);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
   return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ins,
                  [this, ts, ins, reds](GroupChannel& ch) {
@@ -214,7 +214,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
                       inputs[i].numel() * size_);
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
-  snapshotOverwrittenInputs(ins, outs);
+  prepareCoalescedInputs(ctx, ins, outs, false);
   return enqueue(OpType::COALESCED, "all_gather_into_tensor_coalesced", outs, ins,
                  [this, outs, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
@@ -241,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
   }
   auto lists = outputLists;
   std::vector<at::Tensor> ins = inputs;
-  snapshotOverwrittenInputs(ins, flatOuts, outEntry);
+  prepareCoalescedInputs(ctx, ins, flatOuts, false, outEntry);
   return enqueue(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", flatOuts, ins,
                  [this, lists, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
@@ -400,7 +400,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
     reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type(), size_));
   }
   std::vector<at::Tensor> outs = outputs, ins = inputs;
-  snapshotOverwrittenInputs(ins, outs);
+  prepareCoalescedInputs(ctx, ins, outs, false);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
   return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outs, ins,
                  [this, outs, ins, reds](GroupChannel& ch) {

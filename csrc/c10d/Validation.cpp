@@ -125,9 +125,9 @@ Extent extentOf(const at::Tensor& t, size_t entry, bool output) {
 
 } // namespace
 
-std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>& outputs,
-                                                  const std::vector<at::Tensor>& inputs,
-                                                  const std::vector<size_t>& outputEntry) {
+void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& outputs, bool outputsMayOverlap,
+                            const std::vector<size_t>& outputEntry) {
   std::vector<bool> flagged(inputs.size(), false);
   std::vector<Extent> extents;
   extents.reserve(outputs.size() + inputs.size());
@@ -155,7 +155,16 @@ std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>&
                               }),
                open.end());
     for (const Extent* o : open) {
-      if (o->output == e.output) continue;
+      if (o->entry == e.entry || (!o->output && !e.output)) continue;
+      if (o->output && e.output) {
+        // Both written: unless every write is the same value (all_reduce of views of one
+        // buffer), the result would depend on the order of the writes.
+        TORCH_CHECK_VALUE(outputsMayOverlap, ctx, ": the outputs of entries ",
+                          std::min(o->entry, e.entry), " and ", std::max(o->entry, e.entry),
+                          " share memory, so its elements would be written twice with "
+                          "different values; give each entry an output of its own");
+        continue;
+      }
       const Extent& out = o->output ? *o : e;
       const Extent& in = o->output ? e : *o;
       // Entries run in order: only an earlier entry's output is written before this
@@ -164,13 +173,6 @@ std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>&
     }
     open.push_back(&e);
   }
-  return flagged;
-}
-
-void snapshotOverwrittenInputs(std::vector<at::Tensor>& inputs,
-                               const std::vector<at::Tensor>& outputs,
-                               const std::vector<size_t>& outputEntry) {
-  const std::vector<bool> flagged = inputsOverwrittenByOtherEntries(outputs, inputs, outputEntry);
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (flagged[i]) inputs[i] = inputs[i].clone();
   }

@@ -37,18 +37,16 @@ void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
                              const at::Tensor& input, int rank);
 // A coalesced op reads every input as it was at the call, as gloo's do (they copy their
 // inputs into one buffer first), though tdx runs its entries one after another: an input
-// that shares memory with an earlier entry's output must be copied before the first
-// entry runs. Returns, per entry, whether its input needs that copy. `outputEntry[k]` is
-// the entry output k belongs to (empty: output k is entry k's). Judged by address
-// ranges, so an interleaved strided view may be copied without need; that costs a copy,
-// never a wrong result.
-std::vector<bool> inputsOverwrittenByOtherEntries(const std::vector<at::Tensor>& outputs,
-                                                  const std::vector<at::Tensor>& inputs,
-                                                  const std::vector<size_t>& outputEntry = {});
-// Replaces the inputs flagged above by copies of themselves, in place in `inputs`.
-void snapshotOverwrittenInputs(std::vector<at::Tensor>& inputs,
-                               const std::vector<at::Tensor>& outputs,
-                               const std::vector<size_t>& outputEntry = {});
+// that shares memory with an earlier entry's output is replaced, in `inputs`, by a copy
+// made now. Outputs of different entries that share memory are refused unless
+// `outputsMayOverlap` (all_reduce of views of one buffer writes the same value twice);
+// elsewhere the result would depend on the order of the writes. `outputEntry[k]` is the
+// entry output k belongs to (empty: output k is entry k's). Judged by address ranges, so
+// an interleaved strided view may be copied without need; that costs a copy, never a
+// wrong result.
+void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& outputs, bool outputsMayOverlap,
+                            const std::vector<size_t>& outputEntry = {});
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what);
 void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what);
 void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors);
