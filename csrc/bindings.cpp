@@ -9,6 +9,7 @@
 #include "c10d/ProcessGroupTDX.hpp"
 #include "c10d/Validation.hpp"
 #include "common/env.h"
+#include "common/host.h"
 #include "kernels/reduce.h"
 #include "transport/ucx/ucx_transport.h"
 
@@ -165,6 +166,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   bindAlgorithms(m);
   m.def("ucx_version", [] { return std::string(ucp_get_version_string()); });
+  // The CPUs this process may use (affinity mask, capped by a cgroup v2 quota), as tdx
+  // counts them when it judges whether ranks outnumber them.
+  m.def("_usable_cpus", [] { return tdx::usableCpus(); });
   m.def("transport_info", [] {
     py::dict info;
     auto t = tdx::transport::UcxTransport::current();

@@ -362,7 +362,7 @@ def test_nnls_recovers_known_terms() -> None:
 
 
 def test_calibration_fits_nothing_from_a_crowded_host(
-        capfd: pytest.CaptureFixture[str]) -> None:
+        capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose ranks outnumbered their host's CPUs give no point (their times are the
     scheduler's as much as the links'), and the CLI refuses to spawn such a run."""
     from torchdist_ext.bench import calibrate
@@ -372,7 +372,10 @@ def test_calibration_fits_nothing_from_a_crowded_host(
     assert calibrate.points_from_rows([row])[0]["measured_s"] == pytest.approx(5e-3)
     assert calibrate.points_from_rows([dict(row, crowded=True)]) == []
     assert calibrate.points_from_rows([dict(row, algo="shm", crowded=True)]) == []
-    too_many = len(os.sched_getaffinity(0)) + 1
+    from torchdist_ext import _C
+
+    monkeypatch.delenv("RANK", raising=False)  # a run of its own, not under torchrun
+    too_many = _C._usable_cpus() + 1
     with pytest.raises(SystemExit):
         calibrate.main(["--world", str(too_many), "--dry-run"])
     assert f"--world {too_many} spawns more ranks than" in capfd.readouterr().err

@@ -395,6 +395,13 @@ def _aliased_coalesced(rank: int, n: int) -> list[str]:
     except ValueError as e:
         if "entries 0 and 1 share memory" not in str(e):
             fails.append(f"r{rank} overlapping outputs: {e}")
+    # interleaved but disjoint outputs (two columns of one matrix): accepted
+    m = torch.zeros(3, 2)
+    pg.reduce_scatter_tensor_coalesced([m[:, 0], m[:, 1]],
+                                       [torch.ones(3 * n), torch.full((3 * n,), 2.0)],
+                                       dist.ReduceScatterOptions()).wait()
+    if not torch.equal(m, torch.tensor([[1.0, 2.0]] * 3) * n):
+        fails.append(f"r{rank} coalesced reduce_scatter into two columns: {m.tolist()}")
     # all_gather (list form): input 1 is one of input 0's outputs
     outs0 = [torch.empty(3) for _ in range(n)]
     outs1 = [torch.empty(3) for _ in range(n)]

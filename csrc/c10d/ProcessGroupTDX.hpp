@@ -223,9 +223,10 @@ class ProcessGroupTDX : public c10d::Backend {
   // algorithms run; and the cost model every rank of the group uses (rank 0's), so all
   // make the same choices.
   algorithms::Placement placement_;
-  // CPUs the group's ranks on this host may run on together (the union of their affinity
-  // masks, capped by a cgroup quota): decides crowding, UCX's rendezvous threshold (for
-  // the group that starts the transport) and whether window waits poll.
+  // CPUs the group's ranks on this host may run on together (how many can each hold a
+  // CPU of their own within their affinity masks, capped by a cgroup quota): decides
+  // crowding, UCX's rendezvous threshold (for the group that starts the transport) and
+  // whether window waits poll.
   int hostCpus_ = 1;
   algorithms::CostModel costModel_;
   // The running op's pins (Task::pins); the worker thread's alone.

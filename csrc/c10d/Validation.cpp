@@ -111,16 +111,17 @@ struct Extent {
   c10::Device device;
   uintptr_t begin;
   uintptr_t end;
+  size_t index;  // in the outputs or the inputs
   size_t entry;
   bool output;
 };
 
-Extent extentOf(const at::Tensor& t, size_t entry, bool output) {
+Extent extentOf(const at::Tensor& t, size_t index, size_t entry, bool output) {
   int64_t last = 0;
   for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   return Extent{t.device(), begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size()),
-                entry, output};
+                index, entry, output};
 }
 
 } // namespace
@@ -133,10 +134,10 @@ void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inp
   extents.reserve(outputs.size() + inputs.size());
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (outputs[k].numel() == 0) continue;
-    extents.push_back(extentOf(outputs[k], outputEntry.empty() ? k : outputEntry[k], true));
+    extents.push_back(extentOf(outputs[k], k, outputEntry.empty() ? k : outputEntry[k], true));
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].numel() > 0) extents.push_back(extentOf(inputs[i], i, false));
+    if (inputs[i].numel() > 0) extents.push_back(extentOf(inputs[i], i, i, false));
   }
   // Sorted by device, then start: one sweep finds every overlapping pair, and the common
   // case (all distinct memory) costs a sort of a few entries.
@@ -158,8 +159,13 @@ void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inp
       if (o->entry == e.entry || (!o->output && !e.output)) continue;
       if (o->output && e.output) {
         // Both written: unless every write is the same value (all_reduce of views of one
-        // buffer), the result would depend on the order of the writes.
-        TORCH_CHECK_VALUE(outputsMayOverlap, ctx, ": the outputs of entries ",
+        // buffer), the result would depend on the order of the writes. Spans that only
+        // interleave (strided views) are told apart where torch can judge them.
+        if (outputsMayOverlap) continue;
+        const auto overlap = at::get_overlap_status(outputs[o->index], outputs[e.index]);
+        TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full &&
+                              overlap != at::MemOverlapStatus::Partial,
+                          ctx, ": the outputs of entries ",
                           std::min(o->entry, e.entry), " and ", std::max(o->entry, e.entry),
                           " share memory, so its elements would be written twice with "
                           "different values; give each entry an output of its own");

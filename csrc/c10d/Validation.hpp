@@ -41,9 +41,9 @@ void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
 // made now. Outputs of different entries that share memory are refused unless
 // `outputsMayOverlap` (all_reduce of views of one buffer writes the same value twice);
 // elsewhere the result would depend on the order of the writes. `outputEntry[k]` is the
-// entry output k belongs to (empty: output k is entry k's). Judged by address ranges, so
-// an interleaved strided view may be copied without need; that costs a copy, never a
-// wrong result.
+// entry output k belongs to (empty: output k is entry k's). Inputs are judged by address
+// ranges, so an interleaved strided view may be copied without need, which costs a copy,
+// never a wrong result; outputs are refused only where torch finds a real overlap.
 void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inputs,
                             const std::vector<at::Tensor>& outputs, bool outputsMayOverlap,
                             const std::vector<size_t>& outputEntry = {});

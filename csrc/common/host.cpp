@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstdlib>
 #include <fstream>
 
@@ -36,8 +35,8 @@ std::vector<bool> allowedCpus() {
     CPU_FREE(set);
     if (err != EINVAL) break;
   }
-  const long configured = sysconf(_SC_NPROCESSORS_CONF);
-  return std::vector<bool>(configured > 0 ? configured : 1, true);
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  return std::vector<bool>(online > 0 ? online : 1, true);
 }
 
 int cpuQuota() {
@@ -54,8 +53,9 @@ int cpuQuota() {
     std::string quota;
     double period = 0;
     if (f >> quota >> period && quota != "max" && period > 0) {
-      const double q = std::atof(quota.c_str());
-      const int cpus = std::max(1, static_cast<int>(std::ceil(q / period)));
+      // Whole CPUs, rounded down: 1.5 CPUs of time do not give two ranks a core each.
+      const double q = std::min(std::atof(quota.c_str()) / period, 1e6);
+      const int cpus = std::max(1, static_cast<int>(q));
       if (q > 0 && (best == 0 || cpus < best)) best = cpus;
     }
     if (path == "/" || path.empty()) break;
@@ -83,21 +83,43 @@ std::string cpuText() {
   return hex + "," + std::to_string(cpuQuota());
 }
 
+namespace {
+
+// Kuhn's augmenting path: gives rank `r` a CPU of its own, moving earlier ranks to other
+// CPUs of theirs where needed.
+bool assign(int r, const std::vector<std::vector<int>>& allowed, std::vector<int>& holder,
+            std::vector<char>& seen) {
+  for (int c : allowed[r]) {
+    if (seen[c]) continue;
+    seen[c] = 1;
+    if (holder[c] < 0 || assign(holder[c], allowed, holder, seen)) {
+      holder[c] = r;
+      return true;
+    }
+  }
+  return false;
+}
+
+} // namespace
+
 int cpusTogether(const std::vector<std::string>& texts) {
-  std::vector<bool> all;
+  std::vector<std::vector<int>> allowed;
+  size_t width = 0;
   int quota = 0;
   bool limited = true;  // every process has a quota
   for (const auto& t : texts) {
     const auto comma = t.find(',');
     if (comma == std::string::npos) continue;
+    std::vector<int> cpus;
     for (size_t i = 0; i < comma; ++i) {
       const char ch = t[i];
       const int digit = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : 0;
-      if (all.size() < 4 * (i + 1)) all.resize(4 * (i + 1), false);
       for (int b = 0; b < 4; ++b) {
-        if (digit & (1 << b)) all[4 * i + b] = true;
+        if (digit & (1 << b)) cpus.push_back(static_cast<int>(4 * i) + b);
       }
     }
+    width = std::max(width, 4 * comma);
+    allowed.push_back(std::move(cpus));
     const int q = std::atoi(t.c_str() + comma + 1);
     if (q > 0) {
       quota = std::max(quota, q);
@@ -105,8 +127,16 @@ int cpusTogether(const std::vector<std::string>& texts) {
       limited = false;
     }
   }
-  const int count = static_cast<int>(std::count(all.begin(), all.end(), true));
-  return limited && quota > 0 ? std::min(count, quota) : count;
+  // How many processes can each hold a CPU of their own at once: a maximum matching of
+  // processes to the CPUs they may run on. Two ranks pinned to one CPU share it however
+  // many other CPUs a third rank may use.
+  std::vector<int> holder(width, -1);
+  int held = 0;
+  for (size_t r = 0; r < allowed.size(); ++r) {
+    std::vector<char> seen(width, 0);
+    held += assign(static_cast<int>(r), allowed, holder, seen) ? 1 : 0;
+  }
+  return limited && quota > 0 ? std::min(held, quota) : held;
 }
 
 } // namespace tdx

@@ -208,9 +208,9 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
            "cma": "cross-memory reads need every rank on one host, TDX_SHM not 0 and a "
                   "host that allows process_vm_readv"}
     if any(r.get("crowded") for r in rows):
-        why = {link: "the ranks outnumbered the CPUs of their host, so the times measure "
-                     "the scheduler; rerun with a --world of at most the host's CPUs"
-               for link in why}
+        why.update({link: "the ranks outnumbered the CPUs of their host, so the times "
+                          "measure the scheduler; rerun with a --world of at most the "
+                          "host's CPUs" for link in ("local", "shm", "cma")})
     notes = sorted({f"{link}: no points ({why[link]}); kept as it was"
                     for link in links if link not in fitted})
     return {
@@ -391,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
         parser.error("need --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
-    cpus = len(os.sched_getaffinity(0))
+    cpus = _C._usable_cpus()  # affinity mask and cgroup quota, as tdx counts them
     if "RANK" not in os.environ and a.world > cpus:
         parser.error(f"--world {a.world} spawns more ranks than the {cpus} CPUs this process "
                      f"may run on: they would take turns on the cores and the fit would "

@@ -398,7 +398,7 @@ def _meta(ctx: _Ctx, backends: list[str]) -> tuple[dict[str, Any], list[str]]:
         "same_host": (len({r["host"] for r in ranks}) == 1
                       and os.environ.get("TDX_SHM", "1").strip() != "0"),
         "crowded": (len({r["host"] for r in ranks}) == 1
-                    and ctx.world > len(os.sched_getaffinity(0))),
+                    and ctx.world > _C._usable_cpus()),
     }
     box = [meta]
     dist.broadcast_object_list(box, src=0, group=ctx.side)

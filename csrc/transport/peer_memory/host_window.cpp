@@ -125,7 +125,7 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   pids[rank] = static_cast<int32_t>(getpid());
   w->pidfds_.assign(size, -1);
   // Polling pays only while every rank has a core of its own; when ranks outnumber the
-  // CPUs this process may run on, a spinning rank steals the core a peer needs to reach
+  // CPUs they may run on together, a spinning rank steals the core a peer needs to reach
   // the signal it is waiting for, so it sleeps at once instead.
   const std::string spin = env::get("TDX_SHM_SPIN_US");
   if (spin == "auto") {
