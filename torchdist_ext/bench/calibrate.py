@@ -25,10 +25,10 @@ Usage::
 A term that no point depends on (say gamma when only all_gather ran) keeps its current
 value. Ranks that outnumber their host's CPUs measure the scheduler as much as the links,
 so such runs fit nothing (``--world`` above the CPU count is refused); the model prices
-crowded hosts with ``TDX_CROWDED_STEP_US`` instead. Spawned ranks share this host, so their message algorithms fit ``local``;
-``net`` is fitted by a run under torchrun whose ranks span hosts (which has no
-shared-memory points). Saving keeps the links of the existing file that this run did not
-fit, so the two runs add up.
+crowded hosts with ``TDX_CROWDED_STEP_US`` instead. Spawned ranks share this host, so
+their message algorithms fit ``local``; ``net`` is fitted by a run under torchrun whose
+ranks span hosts (which has no shared-memory points). Saving keeps the links of the
+existing file that this run did not fit, so the two runs add up.
 """
 
 from __future__ import annotations
