@@ -395,6 +395,14 @@ def _aliased_coalesced(rank: int, n: int) -> list[str]:
     except ValueError as e:
         if "entries 0 and 1 share memory" not in str(e):
             fails.append(f"r{rank} overlapping outputs: {e}")
+    # all_reduce of views of one buffer as two dtypes: the writes differ, so refused
+    raw = torch.zeros(4, dtype=torch.int32)
+    try:
+        pg.allreduce_coalesced([raw, raw.view(torch.float32)]).wait()
+        fails.append(f"r{rank} all_reduce_coalesced of one buffer as two dtypes accepted")
+    except ValueError as e:
+        if "entries 0 and 1 share memory" not in str(e):
+            fails.append(f"r{rank} two dtypes: {e}")
     # interleaved but disjoint outputs (two columns of one matrix): accepted
     m = torch.zeros(3, 2)
     pg.reduce_scatter_tensor_coalesced([m[:, 0], m[:, 1]],

@@ -159,9 +159,13 @@ void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inp
       if (o->entry == e.entry || (!o->output && !e.output)) continue;
       if (o->output && e.output) {
         // Both written: unless every write is the same value (all_reduce of views of one
-        // buffer), the result would depend on the order of the writes. Spans that only
-        // interleave (strided views) are told apart where torch can judge them.
-        if (outputsMayOverlap) continue;
+        // buffer, of one dtype), the result would depend on the order of the writes.
+        // Spans that only interleave (strided views) are told apart where torch can
+        // judge them.
+        if (outputsMayOverlap &&
+            outputs[o->index].scalar_type() == outputs[e.index].scalar_type()) {
+          continue;
+        }
         const auto overlap = at::get_overlap_status(outputs[o->index], outputs[e.index]);
         TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full &&
                               overlap != at::MemOverlapStatus::Partial,

@@ -39,7 +39,8 @@ void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
 // inputs into one buffer first), though tdx runs its entries one after another: an input
 // that shares memory with an earlier entry's output is replaced, in `inputs`, by a copy
 // made now. Outputs of different entries that share memory are refused unless
-// `outputsMayOverlap` (all_reduce of views of one buffer writes the same value twice);
+// `outputsMayOverlap` and they have one dtype (all_reduce of views of one buffer writes
+// the same value twice);
 // elsewhere the result would depend on the order of the writes. `outputEntry[k]` is the
 // entry output k belongs to (empty: output k is entry k's). Inputs are judged by address
 // ranges, so an interleaved strided view may be copied without need, which costs a copy,
