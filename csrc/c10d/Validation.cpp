@@ -129,6 +129,7 @@ Extent extentOf(const at::Tensor& t, size_t index, size_t entry, bool output) {
 void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inputs,
                             const std::vector<at::Tensor>& outputs, bool outputsMayOverlap,
                             const std::vector<size_t>& outputEntry) {
+  if (inputs.size() < 2) return;  // one entry: nothing runs before it
   std::vector<bool> flagged(inputs.size(), false);
   std::vector<Extent> extents;
   extents.reserve(outputs.size() + inputs.size());

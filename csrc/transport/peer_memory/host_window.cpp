@@ -18,7 +18,6 @@
 #include <stdexcept>
 
 #include "common/env.h"
-#include "common/host.h"
 
 namespace tdx {
 namespace transport {
@@ -129,7 +128,7 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   // the signal it is waiting for, so it sleeps at once instead.
   const std::string spin = env::get("TDX_SHM_SPIN_US");
   if (spin == "auto") {
-    w->spinUs_ = size <= (cpus > 0 ? cpus : usableCpus()) ? 100 : 0;
+    w->spinUs_ = size <= cpus ? 100 : 0;
   } else {
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }

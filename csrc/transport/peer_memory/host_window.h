@@ -33,11 +33,10 @@ struct WaitContext {
 class HostWindow {
  public:
   // Creates (rank 0) or opens the shm object `name` sized for `size` slots of
-  // `slotBytes`. `cpus`: how many CPUs the window's ranks may run on together (0: this
-  // process's count), which decides whether waiting polls first. Throws
-  // std::runtime_error on failure.
+  // `slotBytes`. `cpus`: how many CPUs the window's ranks may run on together, which
+  // decides whether waiting polls first. Throws std::runtime_error on failure.
   static std::unique_ptr<HostWindow> open(const std::string& name, bool create, int rank,
-                                          int size, size_t slotBytes, int cpus = 0);
+                                          int size, size_t slotBytes, int cpus);
   ~HostWindow();
   HostWindow(const HostWindow&) = delete;
   HostWindow& operator=(const HostWindow&) = delete;

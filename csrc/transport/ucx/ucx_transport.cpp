@@ -14,7 +14,6 @@
 #include <utility>
 
 #include "common/env.h"
-#include "common/host.h"
 #include "common/logging.h"
 
 namespace tdx {
@@ -140,7 +139,7 @@ bool tlsIncludesTcp(const std::string& tls) {
 // Returns the threshold set, or "" when UCX keeps its own.
 std::string configureRendezvous(ucp_config_t* config, int localRanks, int localCpus) {
   if (envSet("UCX_RNDV_THRESH")) return "";
-  if (localRanks <= (localCpus > 0 ? localCpus : usableCpus())) return "";
+  if (localRanks <= localCpus) return "";
   check(ucp_config_modify(config, "RNDV_THRESH", "1m"), "config (RNDV_THRESH)");
   return "1m";
 }

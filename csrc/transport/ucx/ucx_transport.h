@@ -36,8 +36,8 @@ class UcxTransport final : public Transport {
     bool tcpWanted = true;
     // Ranks of the group on this host (this one included).
     int localRanks = 1;
-    // CPUs those ranks may run on together (0: unknown; this process's count is used).
-    int localCpus = 0;
+    // CPUs those ranks may run on together.
+    int localCpus = 1;
   };
 
   // The process-wide instance, created on first use and destroyed when the last
