@@ -169,6 +169,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The CPUs this process may use (affinity mask, capped by a cgroup v2 quota), as tdx
   // counts them when it judges whether ranks outnumber them.
   m.def("_usable_cpus", [] { return tdx::usableCpus(); });
+  // The pieces of that count, for tests: the cgroup limits read from a given cgroup file
+  // and hierarchy, this process's published CPU text, and how many processes of one host
+  // run at once from such texts.
+  m.def(
+      "_cpu_limits",
+      [](const std::string& procCgroup, const std::string& root) {
+        std::vector<std::pair<std::string, int>> out;
+        for (const auto& l : tdx::cpuLimits(procCgroup, root)) out.emplace_back(l.cgroup, l.cpus);
+        return out;
+      },
+      py::arg("proc_cgroup") = "/proc/self/cgroup", py::arg("root") = "/sys/fs/cgroup");
+  m.def("_cpu_text", [] { return tdx::cpuText(); });
+  m.def("_cpus_together", &tdx::cpusTogether, py::arg("texts"));
   m.def("transport_info", [] {
     py::dict info;
     auto t = tdx::transport::UcxTransport::current();

@@ -1,12 +1,16 @@
 #include "common/host.h"
 
 #include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <fstream>
+#include <functional>
+#include <map>
 
 namespace tdx {
 
@@ -39,28 +43,46 @@ std::vector<bool> allowedCpus() {
   return std::vector<bool>(online > 0 ? online : 1, true);
 }
 
-int cpuQuota() {
-  std::ifstream cgroups("/proc/self/cgroup");
+std::vector<CpuLimit> cpuLimits(const std::string& procCgroup, const std::string& root) {
+  std::ifstream cgroups(procCgroup);
   std::string line, path;
   while (std::getline(cgroups, line)) {
     if (line.rfind("0::", 0) == 0) path = line.substr(3);  // the cgroup v2 entry
   }
-  if (path.empty()) return 0;
-  int best = 0;
-  // Every ancestor's limit applies too; the tightest wins.
+  std::vector<CpuLimit> limits;
+  if (path.empty() || path[0] != '/') return limits;
+  // Every ancestor's limit applies too.
   for (;;) {
-    std::ifstream f("/sys/fs/cgroup" + (path == "/" ? std::string() : path) + "/cpu.max");
+    const std::string dir = root + (path == "/" ? std::string() : path);
+    std::ifstream f(dir + "/cpu.max");
     std::string quota;
     double period = 0;
     if (f >> quota >> period && quota != "max" && period > 0) {
       // Whole CPUs, rounded down: 1.5 CPUs of time do not give two ranks a core each.
       const double q = std::min(std::atof(quota.c_str()) / period, 1e6);
-      const int cpus = std::max(1, static_cast<int>(q));
-      if (q > 0 && (best == 0 || cpus < best)) best = cpus;
+      if (q > 0) {
+        struct stat st;
+        char id[48];
+        if (stat(dir.c_str(), &st) == 0) {
+          std::snprintf(id, sizeof(id), "%llx.%llx", static_cast<unsigned long long>(st.st_dev),
+                        static_cast<unsigned long long>(st.st_ino));
+        } else {  // the path, as a name free of the text's separators
+          std::snprintf(id, sizeof(id), "p%zx", std::hash<std::string>{}(dir));
+        }
+        limits.push_back(CpuLimit{id, std::max(1, static_cast<int>(q))});
+      }
     }
-    if (path == "/" || path.empty()) break;
+    if (path == "/") break;
     const auto slash = path.find_last_of('/');
     path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+  }
+  return limits;
+}
+
+int cpuQuota() {
+  int best = 0;
+  for (const auto& l : cpuLimits()) {
+    if (best == 0 || l.cpus < best) best = l.cpus;
   }
   return best;
 }
@@ -72,15 +94,22 @@ int usableCpus() {
   return std::max(1, quota > 0 ? std::min(count, quota) : count);
 }
 
-std::string cpuText() {
-  const auto cpus = allowedCpus();
-  std::string hex;
+std::string cpuText(const std::vector<bool>& cpus, const std::vector<CpuLimit>& limits) {
+  std::string text;
   for (size_t c = 0; c < cpus.size(); c += 4) {
     int digit = 0;
     for (size_t b = 0; b < 4 && c + b < cpus.size(); ++b) digit |= cpus[c + b] ? 1 << b : 0;
-    hex += "0123456789abcdef"[digit];
+    text += "0123456789abcdef"[digit];
   }
-  return hex + "," + std::to_string(cpuQuota());
+  text += ",";
+  for (size_t i = 0; i < limits.size(); ++i) {
+    text += (i ? ";" : "") + limits[i].cgroup + ":" + std::to_string(limits[i].cpus);
+  }
+  return text;
+}
+
+std::string cpuText() {
+  return cpuText(allowedCpus(), cpuLimits());
 }
 
 namespace {
@@ -105,8 +134,16 @@ bool assign(int r, const std::vector<std::vector<int>>& allowed, std::vector<int
 int cpusTogether(const std::vector<std::string>& texts) {
   std::vector<std::vector<int>> allowed;
   size_t width = 0;
-  int quota = 0;
-  bool limited = true;  // every process has a quota
+  // The cgroups with a limit, as a forest: a process counts in its innermost one, and
+  // each cgroup runs at most its limit of its own and its descendants' processes.
+  struct Cgroup {
+    int cpus = 0;
+    std::string parent;
+    int processes = 0;
+    std::vector<std::string> children;
+  };
+  std::map<std::string, Cgroup> cgroups;
+  int unlimited = 0;
   for (const auto& t : texts) {
     const auto comma = t.find(',');
     if (comma == std::string::npos) continue;
@@ -120,11 +157,27 @@ int cpusTogether(const std::vector<std::string>& texts) {
     }
     width = std::max(width, 4 * comma);
     allowed.push_back(std::move(cpus));
-    const int q = std::atoi(t.c_str() + comma + 1);
-    if (q > 0) {
-      quota = std::max(quota, q);
-    } else {
-      limited = false;
+    std::vector<CpuLimit> chain;
+    for (size_t at = comma + 1; at < t.size();) {
+      size_t end = t.find(';', at);
+      if (end == std::string::npos) end = t.size();
+      const auto colon = t.find(':', at);
+      const int n = colon < end ? std::atoi(t.c_str() + colon + 1) : 0;
+      if (colon < end && colon > at && n > 0) chain.push_back(CpuLimit{t.substr(at, colon - at), n});
+      at = end + 1;
+    }
+    if (chain.empty()) {
+      ++unlimited;
+      continue;
+    }
+    ++cgroups[chain[0].cgroup].processes;
+    for (size_t i = 0; i < chain.size(); ++i) {
+      auto& c = cgroups[chain[i].cgroup];
+      c.cpus = chain[i].cpus;
+      if (i + 1 < chain.size() && c.parent.empty() && chain[i + 1].cgroup != chain[i].cgroup) {
+        c.parent = chain[i + 1].cgroup;
+        cgroups[c.parent].children.push_back(chain[i].cgroup);
+      }
     }
   }
   // How many processes can each hold a CPU of their own at once: a maximum matching of
@@ -136,7 +189,22 @@ int cpusTogether(const std::vector<std::string>& texts) {
     std::vector<char> seen(width, 0);
     held += assign(static_cast<int>(r), allowed, holder, seen) ? 1 : 0;
   }
-  return limited && quota > 0 ? std::min(held, quota) : held;
+  if (cgroups.empty()) return held;
+  // Bottom-up: a cgroup runs min(its limit, its own processes + what its children run).
+  // `depth` stops texts that name each other as parents from recursing for ever.
+  std::function<int(const std::string&, int)> runs = [&](const std::string& name, int depth) {
+    const auto& c = cgroups[name];
+    int inside = c.processes;
+    if (depth < 64) {
+      for (const auto& child : c.children) inside += runs(child, depth + 1);
+    }
+    return std::min(c.cpus, inside);
+  };
+  int together = unlimited;
+  for (const auto& [name, c] : cgroups) {
+    if (c.parent.empty()) together += runs(name, 0);
+  }
+  return std::min(held, together);
 }
 
 } // namespace tdx
