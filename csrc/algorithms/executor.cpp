@@ -48,26 +48,30 @@ size_t defaultSegmentBytes() {
 }
 
 void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemSize,
-             kernels::ReduceFn reduce, size_t segmentBytes) {
+             kernels::ReduceFn reduce, size_t segmentBytes, const kernels::Load& load) {
   // Segments hold whole elements so each can be reduced on its own.
   const size_t seg = std::max(elemSize, segmentBytes / elemSize * elemSize);
   size_t staging = 0;
+  size_t loading = 0;  // scaled copies of input sent as it is
   for (const auto& step : plan.steps) {
-    size_t need = 0;
+    size_t need = 0, scaled = 0;
     for (const auto& a : step.actions) {
       if (a.verb == Verb::RecvReduce) need += a.dst.bytes;
+      if (a.verb == Verb::Send && a.src.region == Region::Send && load.scales) scaled += a.src.bytes;
     }
     staging = std::max(staging, need);
+    loading = std::max(loading, scaled);
   }
-  char* scratch = ch.scratch(plan.scratchBytes + staging);
+  char* scratch = ch.scratch(plan.scratchBytes + staging + loading);
   char* stage = scratch + plan.scratchBytes;
+  char* loaded = stage + staging;
 
   std::vector<RequestPtr> plain;
   std::vector<PendingReduce> reducing;
   for (size_t s = 0; s < plan.steps.size(); ++s) {
     const Step& step = plan.steps[s];
     const uint32_t tag = static_cast<uint32_t>(s);
-    size_t staged = 0;
+    size_t staged = 0, scaled = 0;
     for (const auto& a : step.actions) {
       if (a.verb != Verb::Recv && a.verb != Verb::RecvReduce) continue;
       char* dst = resolve(a.dst, buffers, scratch);
@@ -94,6 +98,12 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
         plain.push_back(ch.isend(a.peer, tag, src, 0));
         continue;
       }
+      if (a.src.region == Region::Send && load.scales) {
+        char* into = loaded + scaled;
+        scaled += a.src.bytes;
+        load(into, src, a.src.bytes);
+        src = into;
+      }
       const size_t cut = a.segmented ? seg : a.src.bytes;
       for (size_t off = 0; off < a.src.bytes; off += cut) {
         plain.push_back(ch.isend(a.peer, tag, src + off, std::min(cut, a.src.bytes - off)));
@@ -111,12 +121,21 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
         if (a.src.bytes == 0) continue;
         char* dst = resolve(a.dst, buffers, scratch);
         const char* src = resolve(a.src, buffers, scratch);
-        if (dst != src) std::memmove(dst, src, a.src.bytes);
+        if (a.src.region == Region::Send) {
+          load(dst, src, a.src.bytes);
+        } else if (dst != src) {
+          std::memmove(dst, src, a.src.bytes);
+        }
       } else if (a.verb == Verb::Reduce) {
         if (a.src.bytes == 0) continue;
         if (reduce == nullptr) throw std::logic_error("plan reduces but the op has no reduce");
-        reduce(resolve(a.dst, buffers, scratch), resolve(a.src, buffers, scratch),
-               a.src.bytes / elemSize);
+        char* dst = resolve(a.dst, buffers, scratch);
+        const char* src = resolve(a.src, buffers, scratch);
+        if (a.src.region == Region::Send && load.scales) {
+          load.reduce(dst, src, a.src.bytes, reduce);
+        } else {
+          reduce(dst, src, a.src.bytes / elemSize);
+        }
       }
     }
   }

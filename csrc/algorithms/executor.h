@@ -25,9 +25,13 @@ struct Buffers {
   std::vector<Block> recv;
 };
 
-// Runs `plan` for this rank. `reduce` may be null for plans without reductions.
+// Runs `plan` for this rank. `reduce` may be null for plans without reductions. Every
+// read of the Send region goes through `load`: a scaling load (PREMUL_SUM, floating AVG)
+// scales this rank's input where a copy or reduction reads it anyway, and into scratch
+// only what is sent as it is.
 void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemSize,
-             kernels::ReduceFn reduce, size_t segmentBytes);
+             kernels::ReduceFn reduce, size_t segmentBytes,
+             const kernels::Load& load = kernels::Load{});
 
 // The segment size the executor uses unless told otherwise (TDX_SEGMENT_BYTES).
 size_t defaultSegmentBytes();

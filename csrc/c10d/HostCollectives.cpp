@@ -1,7 +1,6 @@
 #include "c10d/HostCollectives.hpp"
 
 #include <cstring>
-#include <memory>
 
 #include "algorithms/executor.h"
 #include "algorithms/shm_collectives.h"
@@ -24,9 +23,10 @@ PlanArgs argsFor(const GroupChannel& ch) {
 }
 
 void run(GroupChannel& ch, const ProcessGroupTDX::Selected& sel, const PlanArgs& a,
-         const Buffers& b, kernels::ReduceFn reduce) {
+         const Buffers& b, kernels::ReduceFn reduce,
+         const kernels::Load& load = kernels::Load{}) {
   algorithms::runPlan(ch, sel.algorithm->plan(a), b, a.elemSize, reduce,
-                      algorithms::defaultSegmentBytes());
+                      algorithms::defaultSegmentBytes(), load);
 }
 
 // Counts a shared-memory op's signals as its steps (for the flight recorder), also when
@@ -57,26 +57,6 @@ void onWindow(GroupChannel& ch, transport::HostWindow& w, F&& op) {
     throw;
   }
 }
-
-// The message algorithms send this rank's input as it is: a scaling load first makes a
-// scaled copy to send instead (one pass, which the shared-memory paths fold into the copy
-// they make anyway).
-class Loaded {
- public:
-  Loaded(const char* input, size_t bytes, const kernels::Load& load) : data_(input) {
-    if (!load.scales || bytes == 0) return;
-    copy_.reset(new char[bytes]);
-    load(copy_.get(), input, bytes);
-    data_ = copy_.get();
-  }
-  char* data() const {
-    return const_cast<char*>(data_);
-  }
-
- private:
-  std::unique_ptr<char[]> copy_;
-  const char* data_;
-};
 
 size_t totalBytes(const std::vector<Block>& blocks) {
   size_t t = 0;
@@ -144,7 +124,6 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
     });
     return;
   }
-  Loaded in(input, count * elemSize, load);
   PlanArgs a = argsFor(ch);
   a.count = count;
   a.elemSize = elemSize;
@@ -152,8 +131,9 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
   a.sendBytes = {count * elemSize};
   Buffers b;
   b.data = output;
-  b.send = {Block{in.data(), count * elemSize}};
-  run(ch, sel, a, b, fn);
+  // The executor scales the input where the plan first reads it (`load`).
+  b.send = {Block{const_cast<char*>(input), count * elemSize}};
+  run(ch, sel, a, b, fn, load);
 }
 
 void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& blocks) {
@@ -184,23 +164,16 @@ void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Bloc
     });
     return;
   }
-  // The blocks (this rank's contribution to each rank) are sent as they are, or each from
-  // a scaled copy.
-  std::vector<Loaded> loaded;
-  loaded.reserve(inputs.size());
-  std::vector<Block> sends;
-  for (const auto& blk : inputs) {
-    loaded.emplace_back(blk.data, blk.bytes, load);
-    sends.push_back(Block{loaded.back().data(), blk.bytes});
-  }
   PlanArgs a = argsFor(ch);
   a.elemSize = elemSize;
   for (const auto& blk : inputs) a.sendBytes.push_back(blk.bytes);
   a.recvBytes = {bytes};
   Buffers b;
-  b.send = sends;
+  // The blocks (this rank's contribution to each rank), scaled by the executor where the
+  // plan first reads them (`load`).
+  b.send = inputs;
   b.recv = {Block{output, bytes}};
-  run(ch, sel, a, b, fn);
+  run(ch, sel, a, b, fn, load);
 }
 
 void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,

@@ -29,6 +29,10 @@ struct Load {
   // dst = src (x factor), `bytes` of whole elements. dst may be src, or must not overlap
   // it; an unscaled load onto itself does nothing.
   void operator()(void* dst, const void* src, size_t bytes) const;
+  // dst = dst (reduce) src (x factor), `bytes` of whole elements, without a pass of its
+  // own: src is scaled a few KiB at a time into a buffer that stays in L1. The result is
+  // the same as scaling all of src first and then reducing.
+  void reduce(void* dst, const void* src, size_t bytes, ReduceFn fn) const;
 };
 
 // buf[i] = buf[i] / divisor; integer types use truncating division (as NCCL's AVG does).

@@ -273,6 +273,21 @@ void Load::operator()(void* dst, const void* src, size_t bytes) const {
   }
 }
 
+void Load::reduce(void* dst, const void* src, size_t bytes, ReduceFn fn) const {
+  const size_t elem = elementSize(dtype);  // the op's dtype
+  if (!scales) {
+    fn(dst, src, bytes / elem);
+    return;
+  }
+  alignas(64) char scaled[8192];
+  const size_t step = sizeof(scaled) / elem * elem;
+  for (size_t off = 0; off < bytes; off += step) {
+    const size_t n = std::min(step, bytes - off);
+    cpuScale(scaled, static_cast<const char*>(src) + off, n / elem, dtype, factor);
+    fn(static_cast<char*>(dst) + off, scaled, n / elem);
+  }
+}
+
 void cpuDivide(void* buf, size_t count, DType dtype, int64_t divisor) {
   switch (dtype) {
     case DType::Float32: return divideLoop<float>(buf, count, divisor);
