@@ -14,7 +14,7 @@ import torch
 
 import torchdist_ext
 from torchdist_ext import bench
-from torchdist_ext.bench import Options, count_wrong, expected_output, make_input
+from torchdist_ext.bench import Options, count_wrong, expected_output, make_input, op_input
 
 
 def test_bench_all_ops_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -83,14 +83,43 @@ def test_bench_detects_wrong_results(tmp_path: Path) -> None:
             assert r["ip_wrong"] == 1, r
 
 
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_bench_premul_sum(tmp_path: Path, corrupt: bool) -> None:
+    """-o premul_sum runs torch's PREMUL_SUM with --premul-factor and checks the scaled sum
+    (0.3 rounds, so the checker's allowance for scaling ops is exercised too)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        rows = bench.run(Options(ops="all_reduce,reduce_scatter,reduce", backends="tdx",
+                                 minbytes=1024, maxbytes=2048, iters=1, warmup=0,
+                                 dtype="bfloat16", redop="premulsum", premul_factor=0.3,
+                                 quiet=True, progress=False, _corrupt=corrupt))
+    finally:
+        dist.destroy_process_group()
+    assert len(rows) == 3 * 2
+    for r in rows:
+        assert r["redop"] == "premul_sum", r
+        assert r["oop_error"] is None and r["ip_error"] is None, r
+        assert r["oop_wrong"] == r["ip_wrong"] == (1 if corrupt else 0), r
+    with pytest.raises(ValueError, match="premul_sum needs a floating dtype"):
+        Options(redop="premul_sum", dtype="int32")
+    parsed = bench.options_from_args(["-o", "premul_sum", "--premul-factor", "0.25"])
+    assert (parsed.redop, parsed.premul_factor) == ("premul_sum", 0.25)
+    want = expected_output("all_reduce", 0, 3, 64, torch.float32, "premul_sum", factor=0.25)
+    ins = [op_input("all_reduce", r, 3, 64, torch.float32, "premul_sum") for r in range(3)]
+    assert torch.equal(want, sum(ins) * 0.25)
+
+
 def _simulate(op: str, world: int, count: int, dtype: torch.dtype, redop: str,
               root: int) -> list[torch.Tensor | None]:
     """Each rank's output computed directly from the inputs, independent of the checker."""
     chunk = count // world
     if op == "all_gather":
-        parts = [make_input(r, chunk, dtype, redop) for r in range(world)]
+        parts = [op_input(op, r, world, chunk, dtype, redop) for r in range(world)]
         return [torch.cat(parts)] * world
-    ins = [make_input(r, count, dtype, redop) for r in range(world)]
+    ins = [op_input(op, r, world, count, dtype, redop) for r in range(world)]
     if op == "broadcast":
         return [ins[root]] * world
     if op == "all_to_all":
@@ -119,13 +148,38 @@ def test_checker_counts_exactly(op: str, redop: str, dtype: torch.dtype) -> None
         if got[rank] is None:
             assert want is None
             continue
-        assert count_wrong(got[rank], want) == 0
+        how = redop if bench.OPS[op].reduces else None
+        assert count_wrong(got[rank], want, world, how) == 0
         bad = got[rank].clone()
         bad[5] += 1
         bad[17] = -bad[17] - 1
-        assert count_wrong(bad, want) == 2
-        assert count_wrong(torch.roll(got[rank], 1), want) > 0  # misplaced data
+        assert count_wrong(bad, want, world, how) == 2
+        assert count_wrong(torch.roll(got[rank], 1), want, world, how) > 0  # misplaced data
         assert count_wrong(got[rank][:-1], want) == count_wrong(torch.empty(0), want) > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_checker_is_exact_where_the_result_is(dtype: torch.dtype) -> None:
+    """Copies, and sums the dtype holds exactly, must match to the last bit: one ulp off
+    in every element is every element wrong."""
+    world = 8
+    gathered = expected_output("all_gather", 0, world, 1024, dtype)
+    flipped = (gathered.view(torch.int16 if dtype.itemsize == 2 else torch.int32) ^ 1
+               ).view(dtype)
+    assert count_wrong(flipped, gathered, world) == 1024
+    total = expected_output("all_reduce", 0, world, 1024, dtype, "sum")
+    assert count_wrong(total + 1, total, world, "sum") == 1024
+    # bfloat16 over 40 ranks: the inputs stay small enough for an exact sum, so three
+    # ranks' missing contributions show in every element.
+    world = 40
+    ins = [op_input("all_reduce", r, world, 512, torch.bfloat16) for r in range(world)]
+    assert max(torch.stack(ins).double().sum(0)) <= 256
+    short = torch.stack(ins[:-3]).double().sum(0).to(torch.bfloat16)
+    want = expected_output("all_reduce", 0, world, 512, torch.bfloat16, "sum")
+    assert count_wrong(short, want, world, "sum") == 512
+    # Product inputs tell ranks apart too (rank 7 is not rank 0).
+    assert not torch.equal(make_input(0, 64, torch.float32, "prod"),
+                           make_input(7, 64, torch.float32, "prod"))
 
 
 def test_checker_nan_and_chunks_from_the_wrong_rank() -> None:
@@ -276,11 +330,20 @@ def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
         _row("reduce", "tdx:shm", 1024, 100.0, "shm"),
         # all_gather: nothing pinned
         _row("all_gather", "tdx", 1024, 10.0, "shm"),
+        # reduce_scatter: auto's own row was timed fast, but the pinned row of its pick
+        # (ring) is 30% behind the best: a wrong choice all the same
+        _row("reduce_scatter", "tdx", 1024, 105.0, "ring"),
+        _row("reduce_scatter", "tdx:shm", 1024, 100.0, "shm"),
+        _row("reduce_scatter", "tdx:ring", 1024, 130.0, "ring"),
     ]
     assert report.auto_losses(rows) == {"all_reduce": [2048], "broadcast": [], "reduce": [],
-                                        "all_gather": []}
+                                        "all_gather": [], "reduce_scatter": [1024]}
     assert report.auto_losses(rows, tolerance=0.6) == {"all_reduce": [], "broadcast": [],
-                                                       "reduce": [], "all_gather": []}
+                                                       "reduce": [], "all_gather": [],
+                                                       "reduce_scatter": []}
+    rs_entry = report.compare_auto(rows)["reduce_scatter"][0]
+    assert rs_entry["lost"] and not rs_entry["noise"]
+    assert rs_entry["choice_loss"] == pytest.approx(0.3)
     entry = report.compare_auto(rows)["all_reduce"][1]
     # The loss that counts is the choice's: pinned ring (140) against pinned shm (100).
     assert entry["best"] == "tdx:shm" and entry["loss"] == pytest.approx(0.5) and entry["lost"]
@@ -503,11 +566,14 @@ def test_checker_sees_what_a_short_pattern_would_hide() -> None:
     wide = sum(make_input(r, 50, torch.int8).to(torch.int64) for r in range(20))
     assert torch.equal(got, torch.div(wide.to(torch.int8).to(torch.int64), 20,
                                       rounding_mode="trunc").to(torch.int8))
-    # bfloat16 SUM accumulated rank by rank, as a ring does, at 48 ranks.
+    # bfloat16 SUM of inputs up to 13, accumulated rank by rank as a ring does, at 48
+    # ranks: past 256 each addition may round, within the checker's allowance.
     acc = make_input(0, 512, torch.bfloat16)
+    wide = acc.double()
     for r in range(1, 48):
         acc = acc + make_input(r, 512, torch.bfloat16)
-    assert count_wrong(acc, expected_output("all_reduce", 0, 48, 512, torch.bfloat16), 48) == 0
+        wide = wide + make_input(r, 512, torch.bfloat16).double()
+    assert count_wrong(acc, wide.to(torch.bfloat16), 48, "sum") == 0
 
 
 def _child_that_never_finishes(rank: int, world: int, store_path: str, opts: Options,

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-d", "--dtype", default="float32",
                    help="any torch dtype name (default float32)")
     p.add_argument("-o", "--redop", default="sum", help=f"{', '.join(REDOPS)} (default sum)")
+    p.add_argument("--premul-factor", type=float, default=0.5, metavar="F",
+                   help="-o premul_sum: each rank's input is multiplied by F before the "
+                        "sum (default 0.5)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="count wrong result elements (default 1)")
@@ -91,7 +94,7 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
         opts = Options(ops=a.op, backends=a.backends, world=a.world, device=a.device,
                        minbytes=a.minbytes, maxbytes=a.maxbytes, stepfactor=a.stepfactor,
                        iters=a.iters, warmup=a.warmup, dtype=a.dtype, redop=a.redop,
-                       root=a.root, check=bool(a.check), json_path=a.json_path,
+                       premul_factor=a.premul_factor, root=a.root, check=bool(a.check), json_path=a.json_path,
                        plot_path=a.plot_path, timeout=a.timeout, quiet=a.quiet,
                        progress=a.progress, stat=a.stat, rounds=a.rounds,
                        check_auto=a.check_auto,

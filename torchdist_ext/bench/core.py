@@ -27,6 +27,7 @@ __all__ = [
     "expected_output",
     "labels_for_op",
     "make_input",
+    "op_input",
     "parse_backend",
     "parse_dtype",
     "parse_size",
@@ -38,8 +39,10 @@ __all__ = [
 
 KNOWN_BACKENDS = ("tdx", "gloo", "nccl")
 BACKENDS = KNOWN_BACKENDS
-REDOPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
-_REDOP_ALIASES = {"product": "prod", "mean": "avg"}
+REDOPS = ("sum", "prod", "min", "max", "avg", "premul_sum", "band", "bor", "bxor")
+_REDOP_ALIASES = {"product": "prod", "mean": "avg", "premulsum": "premul_sum"}
+# Reductions that scale each share (or the sum) and so may round on floating types.
+_SCALING = ("avg", "premul_sum")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -279,6 +282,7 @@ class Options:
     warmup: int = 5
     dtype: str = "float32"
     redop: str = "sum"
+    premul_factor: float = 0.5  # premul_sum's factor (0.5 keeps the bench's sums exact)
     root: int = 0
     check: bool = True
     json_path: str | None = None
@@ -333,6 +337,8 @@ class Options:
         if redop not in REDOPS:
             raise ValueError(f"unknown redop {self.redop!r}; choose from {', '.join(REDOPS)}")
         dtype = parse_dtype(self.dtype)
+        if redop == "premul_sum" and not (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"premul_sum needs a floating dtype, not {dtype_name(dtype)}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
         minbytes, maxbytes = parse_size(self.minbytes), parse_size(self.maxbytes)
@@ -398,7 +404,7 @@ def sizes_for(spec: OpSpec, opts: Options, world: int) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------------------------
 
 def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
-               offset: int = 0) -> torch.Tensor:
+               offset: int = 0, world: int = 0) -> torch.Tensor:
     """Rank ``rank``'s input elements ``offset .. offset+count`` (CPU).
 
     Small integers (1..13), so every sum, min and max over a dozen ranks is exact in
@@ -406,7 +412,9 @@ def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
     the rank (an affine map of the position, distinct for the first 156 ranks) and on
     its position without a short period, so a chunk that lands in the wrong place or
     comes from the wrong rank is counted wrong, and sums over the ranks are not the
-    same everywhere.
+    same everywhere. Given the ``world`` a sum or average runs over, a floating input
+    stays small enough that the sum of ``world`` of them is an integer the dtype holds
+    exactly (bfloat16: 1..6 over 40 ranks), so such sums are checked exactly.
     """
     index = torch.int32 if (offset + count) * 13 + rank < 2**31 else torch.int64
     i = torch.arange(offset, offset + count, dtype=index)
@@ -414,7 +422,11 @@ def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
     if dtype == torch.bool:
         return mixed < 6
     if redop == "prod":
-        return (1 + ((i + rank) % 7 == 0).to(index)).to(dtype)
+        return (1 + (mixed % 7 == 0).to(index)).to(dtype)
+    if redop in ("sum",) + _SCALING and world > 0 and (dtype.is_floating_point or dtype.is_complex):
+        largest = int(2.0 / torch.finfo(dtype).eps) // world
+        if largest < 13:
+            mixed = mixed % max(1, largest)
     return (mixed + 1).to(dtype)
 
 
@@ -430,7 +442,7 @@ def poison(count: int, dtype: torch.dtype, redop: str = "sum") -> torch.Tensor:
 
 
 def _combine(acc: torch.Tensor, x: torch.Tensor, redop: str) -> torch.Tensor:
-    if redop in ("sum", "avg"):
+    if redop in ("sum",) + _SCALING:
         return acc + x
     if redop == "prod":
         return acc * x
@@ -443,18 +455,24 @@ def _combine(acc: torch.Tensor, x: torch.Tensor, redop: str) -> torch.Tensor:
 
 
 def reduced_input(world: int, count: int, dtype: torch.dtype, redop: str,
-                  offset: int = 0) -> torch.Tensor:
+                  offset: int = 0, factor: float = 1.0) -> torch.Tensor:
     """The reduction over all ranks of ``make_input``, computed in float64/int64, then cast.
 
     Bool reduces as 0/1 integers, so the cast back gives SUM=OR and PRODUCT=AND as NCCL
     does; AVG on integers divides the sum as the dtype holds it (wrapped, as SUM wraps)
-    and truncates.
+    and truncates; PREMUL_SUM is the sum times ``factor``.
     """
     wide = torch.complex128 if dtype.is_complex else (
         torch.float64 if dtype.is_floating_point else torch.int64)
-    acc = make_input(0, count, dtype, redop, offset).to(wide)
+
+    def part(r: int) -> torch.Tensor:
+        return make_input(r, count, dtype, redop, offset, world).to(wide)
+
+    acc = part(0)
     for r in range(1, world):
-        acc = _combine(acc, make_input(r, count, dtype, redop, offset).to(wide), redop)
+        acc = _combine(acc, part(r), redop)
+    if redop == "premul_sum":
+        acc = acc * factor
     if redop == "avg":
         if wide != torch.int64:
             acc = acc / world
@@ -465,55 +483,69 @@ def reduced_input(world: int, count: int, dtype: torch.dtype, redop: str,
 
 
 def expected_output(op: str, rank: int, world: int, count: int, dtype: torch.dtype,
-                    redop: str = "sum", root: int = 0) -> torch.Tensor | None:
+                    redop: str = "sum", root: int = 0,
+                    factor: float = 1.0) -> torch.Tensor | None:
     """What ``rank``'s output buffer must hold after ``op`` on ``make_input`` data.
 
     ``count`` is the row's element count (the whole buffer for all_gather, reduce_scatter
     and all_to_all). None where the rank's output is undefined (reduce, rank != root).
+    The inputs of ops that reduce depend on the redop and the world (``op_input``);
+    those of ops that only move data do not.
     """
     chunk = count // world
     if op == "all_reduce":
-        return reduced_input(world, count, dtype, redop)
+        return reduced_input(world, count, dtype, redop, factor=factor)
     if op == "reduce":
-        return reduced_input(world, count, dtype, redop) if rank == root else None
+        return reduced_input(world, count, dtype, redop, factor=factor) if rank == root else None
     if op == "broadcast":
-        return make_input(root, count, dtype, redop)
+        return make_input(root, count, dtype)
     if op == "all_gather":
-        return torch.cat([make_input(r, chunk, dtype, redop) for r in range(world)])
+        return torch.cat([make_input(r, chunk, dtype) for r in range(world)])
     if op == "reduce_scatter":
-        return reduced_input(world, chunk, dtype, redop, offset=rank * chunk)
+        return reduced_input(world, chunk, dtype, redop, offset=rank * chunk, factor=factor)
     if op == "all_to_all":
-        return torch.cat([make_input(r, chunk, dtype, redop, offset=rank * chunk)
+        return torch.cat([make_input(r, chunk, dtype, offset=rank * chunk)
                           for r in range(world)])
     if op == "sendrecv":
-        return make_input((rank - 1) % world, count, dtype, redop)
+        return make_input((rank - 1) % world, count, dtype)
     raise ValueError(f"unknown op {op!r}")
 
 
-def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2) -> int:
+def op_input(op: str, rank: int, world: int, count: int, dtype: torch.dtype,
+             redop: str = "sum", offset: int = 0) -> torch.Tensor:
+    """``rank``'s input to ``op``, as ``expected_output`` assumes it."""
+    if OPS[op].reduces:
+        return make_input(rank, count, dtype, redop, offset, world)
+    return make_input(rank, count, dtype, offset=offset)
+
+
+def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2,
+                redop: str | None = None) -> int:
     """Number of elements of ``got`` that differ from ``want``.
 
-    Integers and bools must match exactly. Floating types allow two ulps of relative
-    error (AVG scales each share, or divides the sum, and rounds once) where the result
-    is an integer the dtype holds exactly, as every partial sum of the small positive
-    inputs then is too; beyond that (bfloat16 past 256, float16 past 2048), where each of
-    a sum's ``world - 1`` additions may round, ``world`` ulps. NaN is always wrong. A shape
-    mismatch counts every element as wrong.
+    Exact, except where a floating reduction may round: ``redop`` "sum" beyond the
+    integers the dtype holds exactly (bfloat16 past 256, float16 past 2048), where each
+    of the ``world - 1`` additions may round by half an ulp of the result, and "avg" and
+    "premul_sum", which scale each share (or the sum) and round: two ulps of relative
+    error, or the sum's allowance plus two. Copies (``redop`` None), products, minima and maxima
+    of the small integer inputs are exact. NaN is always wrong. A shape mismatch counts
+    every element as wrong.
     """
     got = got.detach().to("cpu")
     if got.shape != want.shape:
         return max(want.numel(), got.numel())
-    if not (want.dtype.is_floating_point or want.dtype.is_complex):
+    floating = want.dtype.is_floating_point or want.dtype.is_complex
+    if not floating or redop not in ("sum",) + _SCALING:
         return int((got != want).sum())
     wide = torch.complex128 if want.dtype.is_complex else torch.float64
     g, w = got.to(wide), want.to(wide)
-    try:
-        info = torch.finfo(want.dtype)
-    except TypeError:  # pragma: no cover - dtypes without finfo
-        return int((g != w).sum())
+    info = torch.finfo(want.dtype)
     exact_below = 2.0 / info.eps  # 2^(mantissa bits + 1): integers up to it are exact
-    rtol = torch.full(w.shape, 2 * info.eps, dtype=torch.float64)
-    if not want.dtype.is_complex:
-        rtol = torch.where(w.abs() > exact_below, max(2, world) * info.eps, rtol)
+    rounding = max(1, world - 1) / 2 * info.eps  # the additions' half ulps, relative
+    big = w.abs() > exact_below
+    if redop == "sum":
+        rtol = torch.where(big, rounding, 0.0)
+    else:
+        rtol = torch.where(big, rounding + 2 * info.eps, 2 * info.eps)
     close = (g - w).abs() <= rtol * w.abs()
     return int((~close).sum())

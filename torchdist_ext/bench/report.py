@@ -265,12 +265,14 @@ def compare_auto(rows: Sequence[dict[str, Any]],
                     e["choice_loss"] = e["chosen_us"] / t - 1.0
             if e["auto_us"] is not None and e["best_us"]:
                 e["loss"] = e["auto_us"] / e["best_us"] - 1.0
-                if e["loss"] > tolerance:
-                    other = e["auto_algo"] is None or e["auto_algo"] != e["best_algo"]
-                    costly = (e["choice_loss"] if e["choice_loss"] is not None
-                              else e["loss"]) > tolerance
-                    e["lost"] = other and costly
-                    e["noise"] = not e["lost"]
+            # The choice is judged by the pinned row of the algorithm auto picked, timed
+            # with the others; auto's own row only where that pick has no pinned row.
+            other = e["auto_algo"] is None or e["auto_algo"] != e["best_algo"]
+            if e["choice_loss"] is not None:
+                e["lost"] = other and e["choice_loss"] > tolerance
+            elif e["loss"] is not None:
+                e["lost"] = other and e["loss"] > tolerance
+            e["noise"] = e["loss"] is not None and e["loss"] > tolerance and not e["lost"]
             entries.append(e)
         out[op] = entries
     return out

@@ -47,7 +47,7 @@ from .core import (
     dtype_name,
     expected_output,
     labels_for_op,
-    make_input,
+    op_input,
     parse_backend,
     poison,
     sizes_for,
@@ -86,7 +86,7 @@ def _spoil(t: torch.Tensor) -> torch.Tensor:
 # Read-only copies for checking: every backend and both forms of one size share them,
 # so a large size is computed once. Buffers are always filled from fresh tensors.
 _expected = functools.lru_cache(maxsize=2)(expected_output)
-_input = functools.lru_cache(maxsize=2)(make_input)
+_input = functools.lru_cache(maxsize=2)(op_input)
 
 
 @dataclass
@@ -135,11 +135,12 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
     """
     o, rank, world = ctx.opts, ctx.rank, ctx.world
     dtype, redop, root, dev = o.torch_dtype, o.redop, o.root, ctx.device
-    rop = _REDOPS[redop]
+    rop = (dist._make_nccl_premul_sum(o.premul_factor) if redop == "premul_sum"
+           else _REDOPS[redop])
     chunk = count // world
 
     def inp(n: int, r: int = rank, offset: int = 0) -> torch.Tensor:
-        return make_input(r, n, dtype, redop, offset).to(dev)
+        return op_input(spec.name, r, world, n, dtype, redop, offset).to(dev)
 
     def empty(n: int) -> torch.Tensor:
         return poison(n, dtype, redop).to(dev)
@@ -156,7 +157,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
             src = None
         else:
             src, out = inp(count), empty(count)
-            keep.append((src, lambda: _input(rank, count, dtype, redop)))
+            keep.append((src, lambda: _input(name, rank, world, count, dtype, redop)))
 
         def coll() -> None:
             if name == "all_reduce":
@@ -182,7 +183,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
             mine.copy_(inp(chunk))
         else:
             mine, out = inp(chunk), empty(count)
-            keep.append((mine, lambda: _input(rank, chunk, dtype, redop)))
+            keep.append((mine, lambda: _input(name, rank, world, chunk, dtype, redop)))
 
         def call() -> None:
             dist.all_gather_into_tensor(out, mine, group=group)
@@ -192,7 +193,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
             out = full.narrow(0, rank * chunk, chunk)
         else:
             full, out = inp(count), empty(chunk)
-            keep.append((full, lambda: _input(rank, count, dtype, redop)))
+            keep.append((full, lambda: _input(name, rank, world, count, dtype, redop)))
 
         def call() -> None:
             dist.reduce_scatter_tensor(out, full, op=rop, group=group)
@@ -200,7 +201,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
         if in_place:
             raise ValueError("all_to_all has no in-place form")
         src, out = inp(count), empty(count)
-        keep.append((src, lambda: _input(rank, count, dtype, redop)))
+        keep.append((src, lambda: _input(name, rank, world, count, dtype, redop)))
 
         def call() -> None:
             dist.all_to_all_single(out, src, group=group)
@@ -210,7 +211,7 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
         if world < 2:
             raise ValueError("sendrecv needs at least 2 ranks")
         src, out = inp(count), empty(count)
-        keep.append((src, lambda: _input(rank, count, dtype, redop)))
+        keep.append((src, lambda: _input(name, rank, world, count, dtype, redop)))
         # The bench's groups span every rank, so group ranks are global ranks.
         ops = [dist.P2POp(dist.isend, src, (rank + 1) % world, group),
                dist.P2POp(dist.irecv, out, (rank - 1) % world, group)]
@@ -223,10 +224,10 @@ def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) 
 
     def wrong() -> int:
         n = 0
-        want = _expected(name, rank, world, count, dtype, redop, root)
+        want = _expected(name, rank, world, count, dtype, redop, root, o.premul_factor)
         if want is not None:
             got = _spoil(out) if o._corrupt else out
-            n += count_wrong(got, want, world)
+            n += count_wrong(got, want, world, redop if spec.reduces else None)
         for tensor, original in keep:  # an out-of-place op must leave its input alone
             n += count_wrong(tensor, original())
         return n
