@@ -76,6 +76,7 @@ FOUR = "f"  # CPUs 0-3
     ([FOUR + ",a:2"] + [FOUR + ",b:5;a:2"] * 3, 2),
     (["f,x:4"] * 2 + ["1,x:4"] * 2, 3),                      # the cgroup allows 4, the masks 3
     (["zz", "f,"], 1),                                       # a malformed text is left out
+    (["f,a:1;b:2", "f,b:2;a:1"], 2),                         # parents in a cycle: no limit
 ])
 def test_cpus_together(texts: list[str], together: int) -> None:
     assert _C._cpus_together(texts) == together

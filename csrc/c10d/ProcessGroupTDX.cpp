@@ -261,19 +261,20 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   try {
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
-                        "|" + tuningText + "#" + cpuText() + "|" + key));
+                        "|" + tuningText + "@" + cpuText() + "|" + key));
     std::string disagreement;
     for (int r = 0; r < size; ++r) {
       const auto theirs = store_->get("tdx/host/" + std::to_string(r));
       const std::string text(theirs.begin(), theirs.end());
-      // flag, mask, "|", tuning, "#", CPUs, "|", host key: the separators tell a record
-      // of another version apart (which, in turn, refuses this one at the "#"), whose key
+      // flag, mask, "|", tuning, "@", CPUs, "|", host key: the separators tell a record
+      // of another version apart (which, in turn, refuses this one at the "@"; records
+      // with the CPUs' earlier format had a "#" there), whose key
       // would otherwise be read as tuning or CPUs.
       const size_t tuningAt = 1 + kMaskDigits + 1;
       const size_t cpusAt = tuningAt + tuningText.size() + 1;
       const size_t cpusEnd = text.size() < cpusAt ? std::string::npos : text.find('|', cpusAt);
       const size_t keyAt = cpusEnd == std::string::npos ? text.size() + 1 : cpusEnd + 1;
-      if (text.size() < keyAt || text[tuningAt - 1] != '|' || text[cpusAt - 1] != '#' ||
+      if (text.size() < keyAt || text[tuningAt - 1] != '|' || text[cpusAt - 1] != '@' ||
           text.find(',', cpusAt) >= cpusEnd) {
         C10_THROW_ERROR(DistBackendError,
                         prefix() + " rank " + std::to_string(r) +

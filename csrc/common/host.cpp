@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <set>
 
 namespace tdx {
 
@@ -191,18 +192,24 @@ int cpusTogether(const std::vector<std::string>& texts) {
   }
   if (cgroups.empty()) return held;
   // Bottom-up: a cgroup runs min(its limit, its own processes + what its children run).
-  // `depth` stops texts that name each other as parents from recursing for ever.
-  std::function<int(const std::string&, int)> runs = [&](const std::string& name, int depth) {
+  std::set<std::string> reached;
+  std::function<int(const std::string&)> runs = [&](const std::string& name) {
+    reached.insert(name);
     const auto& c = cgroups[name];
     int inside = c.processes;
-    if (depth < 64) {
-      for (const auto& child : c.children) inside += runs(child, depth + 1);
+    for (const auto& child : c.children) {
+      if (!reached.count(child)) inside += runs(child);
     }
     return std::min(c.cpus, inside);
   };
   int together = unlimited;
   for (const auto& [name, c] : cgroups) {
-    if (c.parent.empty()) together += runs(name, 0);
+    if (c.parent.empty()) together += runs(name);
+  }
+  // Texts that name each other as parents (no real hierarchy does) leave cgroups no root
+  // reaches: their processes count as unlimited rather than not at all.
+  for (const auto& [name, c] : cgroups) {
+    if (!reached.count(name)) together += c.processes;
   }
   return std::min(held, together);
 }

@@ -30,7 +30,7 @@ int cpuQuota();
 // core a peer needs, and every step that waits for a peer waits for it to be scheduled.
 int usableCpus();
 
-// This process's allowed CPUs and CPU limits as text without '|' or '#', to publish to
+// This process's allowed CPUs and CPU limits as text without '|' or '@', to publish to
 // other processes: "<hex mask>,<cgroup>:<cpus>;<cgroup>:<cpus>..." (limits innermost
 // first; none after the comma when there are none).
 std::string cpuText(const std::vector<bool>& cpus, const std::vector<CpuLimit>& limits);
