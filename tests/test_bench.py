@@ -182,6 +182,28 @@ def test_checker_is_exact_where_the_result_is(dtype: torch.dtype) -> None:
                            make_input(7, 64, torch.float32, "prod"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("world", [10, 20, 40, 150])
+def test_checker_allows_what_scaling_rounds(world: int, dtype: torch.dtype) -> None:
+    """AVG as an algorithm computes it (each share scaled and rounded, then added rank by
+    rank in the dtype) is not counted wrong, and neither is PREMUL_SUM by 0.1; equal
+    infinities match."""
+    count = 4096
+    for redop, factor in (("avg", 1.0 / world), ("premul_sum", 0.1)):
+        acc = None
+        for r in range(world):
+            x = op_input("all_reduce", r, world, count, dtype, redop)
+            share = (x.double() * factor).to(dtype)
+            acc = share if acc is None else acc + share
+        want = expected_output("all_reduce", 0, world, count, dtype, redop, factor=0.1)
+        assert count_wrong(acc, want, world, redop) == 0, redop
+        if (world + 2) / 2 * torch.finfo(dtype).eps < 0.5:  # (bfloat16 at 150 ranks: 59%)
+            assert count_wrong(acc * 1.5, want, world, redop) == count, redop
+    inf = torch.full((4,), float("inf"), dtype=dtype)
+    assert count_wrong(inf, inf, world, "premul_sum") == 0
+    assert count_wrong(inf, -inf, world, "premul_sum") == 4
+
+
 def test_checker_nan_and_chunks_from_the_wrong_rank() -> None:
     want = expected_output("all_gather", 0, 4, 64, torch.float32)
     swapped = torch.cat([want[16:32], want[:16], want[32:]])

@@ -414,7 +414,8 @@ def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
     comes from the wrong rank is counted wrong, and sums over the ranks are not the
     same everywhere. Given the ``world`` a sum or average runs over, a floating input
     stays small enough that the sum of ``world`` of them is an integer the dtype holds
-    exactly (bfloat16: 1..6 over 40 ranks), so such sums are checked exactly.
+    exactly (bfloat16: 1..6 over 40 ranks, down to 1..4 over 64), so such sums are
+    checked exactly.
     """
     index = torch.int32 if (offset + count) * 13 + rank < 2**31 else torch.int64
     i = torch.arange(offset, offset + count, dtype=index)
@@ -425,8 +426,10 @@ def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
         return (1 + (mixed % 7 == 0).to(index)).to(dtype)
     if redop in ("sum",) + _SCALING and world > 0 and (dtype.is_floating_point or dtype.is_complex):
         largest = int(2.0 / torch.finfo(dtype).eps) // world
-        if largest < 13:
-            mixed = mixed % max(1, largest)
+        # Fewer than four values would no longer tell ranks and positions apart: beyond
+        # that (bfloat16 past 64 ranks) the inputs stay as they are and the sums round.
+        if 4 <= largest < 13:
+            mixed = mixed % largest
     return (mixed + 1).to(dtype)
 
 
@@ -526,10 +529,10 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2,
     Exact, except where a floating reduction may round: ``redop`` "sum" beyond the
     integers the dtype holds exactly (bfloat16 past 256, float16 past 2048), where each
     of the ``world - 1`` additions may round by half an ulp of the result, and "avg" and
-    "premul_sum", which scale each share (or the sum) and round: two ulps of relative
-    error, or the sum's allowance plus two. Copies (``redop`` None), products, minima and maxima
-    of the small integer inputs are exact. NaN is always wrong. A shape mismatch counts
-    every element as wrong.
+    "premul_sum", which scale each share, so each share and each addition may round:
+    ``(world + 2) / 2`` ulps, relative. Copies (``redop`` None), products, minima and
+    maxima of the small integer inputs are exact. Equal infinities match; NaN is always
+    wrong. A shape mismatch counts every element as wrong.
     """
     got = got.detach().to("cpu")
     if got.shape != want.shape:
@@ -541,11 +544,10 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2,
     g, w = got.to(wide), want.to(wide)
     info = torch.finfo(want.dtype)
     exact_below = 2.0 / info.eps  # 2^(mantissa bits + 1): integers up to it are exact
-    rounding = max(1, world - 1) / 2 * info.eps  # the additions' half ulps, relative
-    big = w.abs() > exact_below
     if redop == "sum":
-        rtol = torch.where(big, rounding, 0.0)
+        # the additions' half ulps, relative, once the sums outgrow the exact integers
+        rtol = torch.where(w.abs() > exact_below, max(1, world - 1) / 2 * info.eps, 0.0)
     else:
-        rtol = torch.where(big, rounding + 2 * info.eps, 2 * info.eps)
-    close = (g - w).abs() <= rtol * w.abs()
+        rtol = torch.full(w.shape, (world + 2) / 2 * info.eps, dtype=torch.float64)
+    close = (g == w) | (torch.isfinite(w) & ((g - w).abs() <= rtol * w.abs()))
     return int((~close).sum())

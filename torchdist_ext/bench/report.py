@@ -295,9 +295,10 @@ def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) ->
     out = [
         "#",
         "# check-auto: tdx (auto) vs the fastest pinned tdx:<algorithm> per size; time: "
-        "in-place (out-of-place for all_to_all), loss = auto / best - 1",
+        "in-place (out-of-place for all_to_all), loss = auto / best - 1, pick = the "
+        "pinned row of auto's algorithm / best - 1 (what LOST judges)",
         "# " + _line((("op", 15), ("size", 12), ("auto algo", 10), ("auto us", 10),
-                      ("best", 16), ("best us", 10), ("loss", 8))),
+                      ("best", 16), ("best us", 10), ("loss", 8), ("pick", 8))),
     ]
     summary = []
     for op, entries in compare_auto(rows, tolerance).items():
@@ -308,6 +309,7 @@ def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) ->
                 (e["best"] or "-", 16),
                 (_fmt_time(e["best_us"]) if e["best_us"] is not None else "n/a", 10),
                 (_pct(e["loss"]) if e["loss"] is not None else "n/a", 8),
+                (_pct(e["choice_loss"]) if e["choice_loss"] is not None else "-", 8),
             )) + ("  LOST" if e["lost"] else "  (noise)" if e["noise"] else ""))
         compared = [e for e in entries if e["loss"] is not None]
         head = f"# check-auto {op}:"
