@@ -138,6 +138,8 @@ Registry::Registry() : model_(CostModel::defaults()) {
        "binomial tree, ceil(log2 N) steps"},
       {C::Reduce, "shm", L::Shm, false, noLimit, false, nullptr, shmReduceCost,
        "same host: ranks reduce 1/N each through a shared-memory window"},
+      {C::Reduce, "shm_direct", L::Shm, false, noLimit, false, nullptr, shmDirectReduceCost,
+       "same host: the root reduces every rank's slot of a shared-memory window itself"},
       {C::Allgather, "ring", L::Net, false, noLimit, false, ringAllgatherPlan, ringAllgatherCost,
        "ring, N-1 steps, any block sizes"},
       {C::Allgather, "rd", L::Net, true, noLimit, false, rdAllgatherPlan, rdAllgatherCost,

@@ -43,13 +43,15 @@ enum Kind : uint64_t {
   kScatter,
   kBarrier,
   kCmaAllreduce,
+  kDirectReduce,
 };
 
 const char* kindName(uint64_t k) {
   static const char* const names[] = {"?",       "all_reduce (shm)", "all_reduce (shm_direct)",
                                       "broadcast", "reduce",         "all_gather",
                                       "reduce_scatter", "all_to_all", "gather",
-                                      "scatter",   "barrier",        "all_reduce (cma)"};
+                                      "scatter",   "barrier",        "all_reduce (cma)",
+                                      "reduce (shm_direct)"};
   return k < sizeof(names) / sizeof(names[0]) ? names[k] : "?";
 }
 
@@ -253,6 +255,38 @@ void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* ou
   }
 }
 
+void shmDirectReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
+                     size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
+                     const kernels::Load& load) {
+  const int n = w.size(), r = w.rank();
+  const size_t per = chunkElems(w, elemSize);
+  for (size_t first = 0; first == 0 || first < count; first += per) {
+    const size_t cnt = std::min(per, count - first);
+    const char* src = input + first * elemSize;
+    const int h = w.acquireHalf(wc);
+    if (first == 0) announce(w, h, kDirectReduce, count * elemSize, root);
+    if (r != root) {
+      // Nothing to wait for: the root reads the slot, and this half is reused only once
+      // every rank has released it.
+      load(w.half(r, h), src, cnt * elemSize);
+      w.post();
+    } else {
+      char* dst = output + first * elemSize;
+      load(dst, src, cnt * elemSize);
+      w.post();
+      const uint64_t copied = w.posted();
+      for (int k = 1; k < n; ++k) {  // each peer as soon as it is ready, in a fixed order
+        const int q = (r + k) % n;
+        w.waitRank(q, copied, wc);
+        if (first == 0) verify(w, h, q);
+        if (cnt > 0) reduce(dst, w.half(q, h), cnt);
+      }
+    }
+    w.post();
+    w.releaseHalf(h);
+  }
+}
+
 void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
                   const std::vector<Block>& blocks) {
   const int n = w.size(), r = w.rank();
@@ -448,6 +482,11 @@ Cost shmBroadcastCost(double bytes, int n) {
 Cost shmReduceCost(double bytes, int n) {
   if (n == 1) return {};
   return {3 * chunks(bytes, halfBytes()), 2 * bytes, double(n - 1) / n * bytes};
+}
+
+Cost shmDirectReduceCost(double bytes, int n) {
+  if (n == 1) return {};
+  return {chunks(bytes, halfBytes()), bytes, (n - 1) * bytes};
 }
 
 Cost shmAllgatherCost(double bytes, int n) {

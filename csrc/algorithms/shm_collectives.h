@@ -47,6 +47,13 @@ void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes
 void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
                size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
                const kernels::Load& load);
+// The root reduces every rank's slot into its output itself, each as soon as it is
+// ready; the other ranks copy in and signal once, and wait for nobody. One signal per
+// chunk on the critical path: for small messages, and for hosts with more ranks than
+// cores, where each signal every rank must wait for costs a wake-up.
+void shmDirectReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
+                     size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
+                     const kernels::Load& load);
 // blocks[i] receives rank i's block (all the same size); `mine` is this rank's input,
 // which blocks[rank] must already hold.
 void shmAllgather(HostWindow& w, const WaitContext& wc, const char* mine,
@@ -74,6 +81,7 @@ Cost shmDirectAllreduceCost(double bytes, int n);
 Cost cmaAllreduceCost(double bytes, int n);
 Cost shmBroadcastCost(double bytes, int n);
 Cost shmReduceCost(double bytes, int n);
+Cost shmDirectReduceCost(double bytes, int n);
 Cost shmAllgatherCost(double bytes, int n);
 Cost shmReduceScatterCost(double bytes, int n);
 Cost shmAlltoallCost(double bytes, int n);

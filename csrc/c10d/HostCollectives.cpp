@@ -119,8 +119,13 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
   auto sel = pg.select(Collective::Reduce, double(count * elemSize), ch, "reduce");
   if (sel.window) {
     onWindow(ch, *sel.window, [&] {
-      algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root,
-                            load);
+      if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
+        algorithms::shmDirectReduce(*sel.window, sel.wait, input, output, count, elemSize, fn,
+                                    root, load);
+      } else {
+        algorithms::shmReduce(*sel.window, sel.wait, input, output, count, elemSize, fn, root,
+                              load);
+      }
     });
     return;
   }
