@@ -18,7 +18,7 @@ TIMEOUT = 15.0
 # its pidfd at once (the slowest survivor measured 1.2 s, at world 5 on 2 cores), so a
 # survivor that needs more than this fell back to the timeout: a regression.
 NOTICED = 5.0
-OPS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
        "all_to_all_single", "barrier", "send_recv", "recv_any_source"]
 
 
@@ -28,6 +28,8 @@ def _call(op: str, n: int, async_op: bool = False):
         return dist.all_reduce(torch.ones(big), async_op=async_op)
     if op == "broadcast":
         return dist.broadcast(torch.ones(big), src=0, async_op=async_op)
+    if op == "reduce":  # the ranks other than the root wait for nobody in shm_direct
+        return dist.reduce(torch.ones(big), dst=0, async_op=async_op)
     if op == "all_gather_into_tensor":
         return dist.all_gather_into_tensor(torch.empty(big * n), torch.ones(big), async_op=async_op)
     if op == "reduce_scatter_tensor":
@@ -97,6 +99,16 @@ def test_kill_during_op(op: str) -> None:
     for victim in (0, n - 1):
         results = run_ranks(_trial, n, timeout=TIMEOUT, args=(op, victim), may_exit=[victim])
         _check_survivors(results, op, victim)
+
+
+def test_kill_during_direct_reduce() -> None:
+    """shm_direct reduce: the root waits for every rank, the others for nobody, so a
+    survivor that is not the root notices a death only at a later op's window half."""
+    n = 3
+    for victim in (0, 1):
+        results = run_ranks(_trial, n, timeout=TIMEOUT, args=("reduce", victim),
+                            may_exit=[victim], env={"TDX_ALGO": "reduce:shm_direct"})
+        _check_survivors(results, "reduce", victim)
 
 
 def test_kill_sender_part_way_through_an_any_source_message() -> None:
