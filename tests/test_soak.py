@@ -22,10 +22,10 @@ SEED = 20261123
 MAX_COUNT = 1 << 16
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int32, torch.int64, torch.int8, torch.uint8]
-KINDS = ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-         "all_to_all_single", "barrier", "isend_irecv"]
+KINDS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor",
+         "reduce_scatter_tensor", "all_to_all_single", "barrier", "isend_irecv"]
 # Weights: mostly collectives, a few point-to-point pairs and barriers.
-WEIGHTS = [30, 14, 14, 14, 14, 6, 8]
+WEIGHTS = [28, 12, 10, 12, 12, 12, 6, 8]
 R = dist.ReduceOp
 
 
@@ -138,6 +138,18 @@ def _soak(rank: int, n: int, ops: int, warmup: int, seed: int) -> dict:
             t = _value(rank, it, count, dtype) if rank == root else torch.zeros(count, dtype=dtype)
             done(dist.broadcast(t, src=root, async_op=async_op))
             check(it, f"{what} root={root}", t, _value(root, it, count, dtype))
+        elif kind == "reduce":
+            # The ranks other than the root may run ahead into the next op (shm_direct).
+            root = rng.randrange(n)
+            op = rng.choice(_ops_for(dtype))
+            t = _value(rank, it, count, dtype, op)
+            done(dist.reduce(t, dst=root, op=getattr(R, op), async_op=async_op))
+            if rank == root:
+                want = _reduce([_value(r, it, count, dtype, op) for r in range(n)], op, dtype)
+                check(it, f"{what} {op} root={root}", t, want)
+            else:
+                check(it, f"{what} {op} root={root} (input kept)", t,
+                      _value(rank, it, count, dtype, op))
         elif kind == "all_gather_into_tensor":
             count //= n
             out = torch.zeros(count * n, dtype=dtype)
