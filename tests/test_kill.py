@@ -19,7 +19,7 @@ TIMEOUT = 15.0
 # survivor that needs more than this fell back to the timeout: a regression.
 NOTICED = 5.0
 OPS = ["all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
-       "all_to_all_single", "barrier", "send_recv", "recv_any_source"]
+       "all_to_all_single", "gather", "scatter", "barrier", "send_recv", "recv_any_source"]
 
 
 def _call(op: str, n: int, async_op: bool = False):
@@ -30,6 +30,14 @@ def _call(op: str, n: int, async_op: bool = False):
         return dist.broadcast(torch.ones(big), src=0, async_op=async_op)
     if op == "reduce":  # the ranks other than the root wait for nobody in shm_direct
         return dist.reduce(torch.ones(big), dst=0, async_op=async_op)
+    if op == "gather":
+        mine = torch.ones(big // n)
+        slots = [torch.empty(big // n) for _ in range(n)] if dist.get_rank() == 0 else None
+        return dist.gather(mine, slots, dst=0, async_op=async_op)
+    if op == "scatter":
+        out = torch.empty(big // n)
+        parts = [torch.ones(big // n) for _ in range(n)] if dist.get_rank() == 0 else None
+        return dist.scatter(out, parts, src=0, async_op=async_op)
     if op == "all_gather_into_tensor":
         return dist.all_gather_into_tensor(torch.empty(big * n), torch.ones(big), async_op=async_op)
     if op == "reduce_scatter_tensor":
