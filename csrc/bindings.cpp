@@ -124,6 +124,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                d["crowded"] = pg.placement().crowded;
                                return d;
                              })
+      .def("predict",
+           [](const tdx::ProcessGroupTDX& pg, const std::string& collective, double bytes) {
+             const auto c = pg.predict(tdx::algorithms::collectiveFromName(collective), bytes);
+             return py::make_tuple(c.algorithm->name, c.predicted);
+           })
       .def("flight_record", [](const tdx::ProcessGroupTDX& pg) {
         py::list out;
         for (const auto& e : pg.flightRecord()) {

@@ -310,8 +310,12 @@ def _crowded_group(rank: int, n: int, pin: str) -> dict:
     t = torch.full((1 << 20,), float(rank))  # 4 MiB
     dist.broadcast(t, src=0, group=group)
     assert torch.equal(t, torch.zeros_like(t))
+    own_model = torchdist_ext.predict("broadcast", 1 << 22, n, same_host=False,
+                                      one_host=True, crowded=True)[0]
     return {"crowded": torchdist_ext.placement(group)["crowded"],
-            "path": torchdist_ext.flight_recorder(group)[-1]["path"]}
+            "path": torchdist_ext.flight_recorder(group)[-1]["path"],
+            "predicted": torchdist_ext.predict("broadcast", 1 << 22, group=group)[0],
+            "own_model": own_model}
 
 
 @pytest.mark.parametrize("pin,rank0_wake_us", [("all", "0"), ("all", "200"), ("others", "200")])
@@ -328,6 +332,11 @@ def test_groups_agree_whether_they_are_crowded(pin: str, rank0_wake_us: str) -> 
         # 4 MiB at 3 ranks: the chain unless rank 0's model charges the wake-ups.
         assert res["path"] == ("tree" if crowded and rank0_wake_us != "0" else "chain"), \
             (rank, res)
+        # predict(group=...) answers with the group's model; predict(world) with this
+        # rank's own, which differs from rank 0's on the other ranks when rank 0's is 0.
+        assert res["predicted"] == res["path"], (rank, res)
+        own_wake = rank0_wake_us if rank == 0 else "200"
+        assert res["own_model"] == ("chain" if own_wake == "0" else "tree"), (rank, res)
 
 
 def test_messages_on_one_host_are_priced_apart() -> None:
@@ -420,6 +429,10 @@ def test_registry_and_overrides() -> None:
         torchdist_ext.set_algorithm("allreduce", "ring")
         assert torchdist_ext.get_algorithm("allreduce") == "ring"
         assert torchdist_ext.predict("allreduce", 1 << 20, 4)[0] == "ring"
+        with pytest.raises(ValueError, match="not both"):
+            torchdist_ext.predict("allreduce", 1 << 20, 4, group=object())
+        with pytest.raises(ValueError, match="not been initialized"):
+            torchdist_ext.predict("allreduce", 1 << 20)  # no world: the default group's
         torchdist_ext.set_algorithm("allgather", "rd")
         with pytest.raises(ValueError, match="power-of-two"):
             torchdist_ext.predict("allgather", 1 << 20, 3)

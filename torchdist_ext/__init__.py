@@ -227,15 +227,27 @@ def set_cost_model(model: dict[str, dict[str, float]]) -> None:
     _C._set_cost_model(model)
 
 
-def predict(collective: str, nbytes: int, world: int, same_host: bool = True,
-            one_host: bool = False, crowded: bool = False) -> tuple[str, float]:
+def predict(collective: str, nbytes: int, world: int | None = None, same_host: bool = True,
+            one_host: bool = False, crowded: bool = False,
+            group: Any = None) -> tuple[str, float]:
     """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds.
 
-    ``same_host``: every rank on one host with its shared-memory windows; ``one_host``
-    alone: on one host with ``TDX_SHM=0`` (messages priced as same-host ones, no windows).
-    Both False: ranks on several hosts. ``crowded`` (with one host): the ranks outnumber
-    the host's CPUs, so each message step also pays a wake-up (``TDX_CROWDED_STEP_US``).
-    Priced with this process's cost model; a group uses its rank 0's."""
+    With ``group``, or without ``world`` (then the default group): what that tdx group
+    would run now, from its size, its placement as its ranks agreed, its cost model (its
+    rank 0's, which every rank of it uses) and the algorithms pinned at this moment.
+
+    With ``world``: a group of that size, described by the flags and priced with this
+    process's cost model. ``same_host``: every rank on one host with its shared-memory
+    windows; ``one_host`` alone: on one host with ``TDX_SHM=0`` (messages priced as
+    same-host ones, no windows). Both False: ranks on several hosts. ``crowded`` (with
+    one host): the ranks outnumber the host's CPUs, so each message step also pays a
+    wake-up (``TDX_CROWDED_STEP_US``)."""
+    if group is not None or world is None:
+        if world is not None:
+            raise ValueError("predict takes a world size or a group, not both: a group's "
+                             "size, placement and cost model are its own")
+        name, seconds = _tdx_backend(group).predict(collective, float(nbytes))
+        return name, float(seconds)
     return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host),
                                       bool(one_host), bool(crowded)))
 

@@ -756,6 +756,10 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   return sel;
 }
 
+algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double bytes) const {
+  return algorithms::Registry::get().choose(c, bytes, size_, placement_, costModel_);
+}
+
 std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key,
                                                      const transport::WaitContext& wc) {
   // Short store waits, so a rank that died before publishing `key` (or an abort, or the

@@ -159,6 +159,9 @@ class ProcessGroupTDX : public c10d::Backend {
   const algorithms::Placement& placement() const {
     return placement_;
   }
+  // What this group would run for an op of `bytes` now: its size, placement and cost
+  // model (its rank 0's), and the algorithms pinned at this moment.
+  algorithms::Choice predict(algorithms::Collective c, double bytes) const;
 
  private:
   using DeviceBody = std::function<void(GroupChannel&, DeviceContext&)>;
