@@ -41,8 +41,10 @@ KNOWN_BACKENDS = ("tdx", "gloo", "nccl")
 BACKENDS = KNOWN_BACKENDS
 REDOPS = ("sum", "prod", "min", "max", "avg", "premul_sum", "band", "bor", "bxor")
 _REDOP_ALIASES = {"product": "prod", "mean": "avg", "premulsum": "premul_sum"}
-# Reductions that scale each share (or the sum) and so may round on floating types.
+# Reductions that scale each share (or the sum) and so may round on floating types, and
+# every reduction that adds.
 _SCALING = ("avg", "premul_sum")
+_SUMS = ("sum",) + _SCALING
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -424,7 +426,7 @@ def make_input(rank: int, count: int, dtype: torch.dtype, redop: str = "sum",
         return mixed < 6
     if redop == "prod":
         return (1 + (mixed % 7 == 0).to(index)).to(dtype)
-    if redop in ("sum",) + _SCALING and world > 0 and (dtype.is_floating_point or dtype.is_complex):
+    if redop in _SUMS and world > 0 and (dtype.is_floating_point or dtype.is_complex):
         largest = int(2.0 / torch.finfo(dtype).eps) // world
         # Fewer than four values would no longer tell ranks and positions apart: beyond
         # that (bfloat16 past 64 ranks) the inputs stay as they are and the sums round.
@@ -445,7 +447,7 @@ def poison(count: int, dtype: torch.dtype, redop: str = "sum") -> torch.Tensor:
 
 
 def _combine(acc: torch.Tensor, x: torch.Tensor, redop: str) -> torch.Tensor:
-    if redop in ("sum",) + _SCALING:
+    if redop in _SUMS:
         return acc + x
     if redop == "prod":
         return acc * x
@@ -538,7 +540,7 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2,
     if got.shape != want.shape:
         return max(want.numel(), got.numel())
     floating = want.dtype.is_floating_point or want.dtype.is_complex
-    if not floating or redop not in ("sum",) + _SCALING:
+    if not floating or redop not in _SUMS:
         return int((got != want).sum())
     wide = torch.complex128 if want.dtype.is_complex else torch.float64
     g, w = got.to(wide), want.to(wide)
