@@ -78,6 +78,48 @@ void bindAlgorithms(py::module& m) {
     }
     Registry::get().setCostModel(m);
   });
+  // Rules as dicts: {collective, world, placement, crowded, min_bytes, max_bytes,
+  // algorithm}, sizes in [min_bytes, max_bytes).
+  m.def("_cost_rules", [] {
+    py::list out;
+    for (const Rule& r : Registry::get().costModel().rules) {
+      py::dict d;
+      d["collective"] = collectiveName(r.collective);
+      d["world"] = r.world;
+      d["placement"] = spreadName(r.spread);
+      d["crowded"] = r.crowded;
+      d["min_bytes"] = r.fromBytes;
+      d["max_bytes"] = r.toBytes;
+      d["algorithm"] = r.algorithm;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("_set_cost_rules", [](const py::list& rules) {
+    CostModel m = Registry::get().costModel();
+    m.rules.clear();
+    for (const auto& item : rules) {
+      const py::dict d = item.cast<py::dict>();
+      for (const char* key : {"collective", "world", "placement", "crowded", "min_bytes",
+                              "max_bytes", "algorithm"}) {
+        if (!d.contains(key)) {
+          throw std::invalid_argument(std::string("measured rule ") +
+                                      py::str(item).cast<std::string>() + " has no '" + key +
+                                      "'");
+        }
+      }
+      Rule r;
+      r.collective = collectiveFromName(d["collective"].cast<std::string>());
+      r.world = d["world"].cast<int>();
+      r.spread = spreadFromName(d["placement"].cast<std::string>());
+      r.crowded = d["crowded"].cast<bool>();
+      r.fromBytes = d["min_bytes"].cast<double>();
+      r.toBytes = d["max_bytes"].cast<double>();
+      r.algorithm = d["algorithm"].cast<std::string>();
+      m.rules.push_back(std::move(r));
+    }
+    Registry::get().setCostModel(m);  // checks every rule
+  });
   m.def(
       "_algorithm_cost",
       [](const std::string& collective, const std::string& name, double bytes, int world,

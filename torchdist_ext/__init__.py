@@ -231,6 +231,8 @@ def predict(collective: str, nbytes: int, world: int | None = None, same_host: b
             one_host: bool = False, crowded: bool = False,
             group: Any = None) -> tuple[str, float]:
     """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds.
+    Auto follows a measured rule (``python -m torchdist_ext.bench tune``) that matches the
+    op and can run it, else the cheapest algorithm by the cost model.
 
     With ``group``, or without ``world`` (then the default group): what that tdx group
     would run now, from its size, its placement as its ranks agreed, its cost model (its

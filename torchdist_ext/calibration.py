@@ -2,7 +2,10 @@
 
 ``python -m torchdist_ext.bench calibrate`` measures the α (per step), β (per byte moved)
 and γ (per byte reduced) terms of each link on this machine and writes them here;
-importing :mod:`torchdist_ext` loads them. Without a file the backend's defaults apply.
+``python -m torchdist_ext.bench tune`` adds measured rules (for a collective, world size
+and placement, which algorithm runs which sizes) where the terms do not predict well, as
+on hosts whose ranks outnumber their CPUs. Importing :mod:`torchdist_ext` loads both.
+Without a file the backend's defaults apply.
 
 The file is ``$TDX_CALIBRATION`` when set, else
 ``$XDG_CACHE_HOME/torchdist_ext/calibration-<hostname>.json`` (``~/.cache`` by default).
@@ -21,7 +24,7 @@ from typing import Any
 
 from . import _C
 
-__all__ = ["calibration_path", "load", "save", "load_into_backend"]
+__all__ = ["RULE_KEYS", "calibration_path", "load", "save", "load_into_backend", "rule_key"]
 
 # The backend's links, in its order: net, local, shm, cma.
 LINKS = tuple(_C._cost_model())
@@ -55,8 +58,46 @@ def _valid(links: Any) -> bool:
     return True
 
 
+# What a measured rule holds; sizes in [min_bytes, max_bytes) of `collective` at `world`
+# ranks placed as `placement` (hosts, host or windows) and `crowded` run `algorithm`.
+RULE_KEYS = ("collective", "world", "placement", "crowded", "min_bytes", "max_bytes",
+             "algorithm")
+_PLACEMENTS = ("hosts", "host", "windows")
+
+
+def _number(v: Any) -> bool:
+    try:
+        return type(v) in (int, float) and math.isfinite(float(v)) and v >= 0
+    except OverflowError:
+        return False
+
+
+def _valid_rules(rules: Any) -> bool:
+    if not isinstance(rules, list):
+        return False
+    for r in rules:
+        if not isinstance(r, dict) or set(r) != set(RULE_KEYS):
+            return False
+        if not (isinstance(r["collective"], str) and isinstance(r["algorithm"], str)
+                and type(r["world"]) is int and r["world"] >= 1
+                and r["placement"] in _PLACEMENTS and type(r["crowded"]) is bool
+                and _number(r["min_bytes"])
+                # the last rule of a range may reach any size
+                and (r["max_bytes"] == math.inf or _number(r["max_bytes"]))
+                and r["min_bytes"] < r["max_bytes"]):
+            return False
+    return True
+
+
+def rule_key(rule: dict[str, Any]) -> tuple[str, int, str, bool]:
+    """What a rule applies to, but for its sizes: a tuning run replaces the rules of the
+    keys it measured and keeps the others."""
+    return (rule["collective"], rule["world"], rule["placement"], rule["crowded"])
+
+
 def load(path: Path | None = None) -> dict[str, Any] | None:
-    """The stored calibration (``{"links": {...}, ...}``), or None when there is none."""
+    """The stored calibration (``{"links": {...}, "rules": [...], ...}``, either possibly
+    empty), or None when there is none."""
     path = path or calibration_path()
     try:
         data = json.loads(path.read_text())
@@ -65,7 +106,9 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         warnings.warn(f"torchdist_ext: ignoring unreadable calibration {path}: {exc}")
         return None
-    if not isinstance(data, dict) or not _valid(data.get("links")):
+    if (not isinstance(data, dict) or not _valid(data.setdefault("links", {}))
+            or not _valid_rules(data.setdefault("rules", []))
+            or not (data["links"] or data["rules"])):
         warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}; "
                       "rerun `python -m torchdist_ext.bench calibrate` or delete it")
         return None
@@ -78,18 +121,33 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
 
 
 def save(data: dict[str, Any], path: Path | None = None) -> Path:
-    """Write a calibration (with its ``links``) atomically; returns the path. Links the
-    file already holds and ``data`` does not (``net`` from a run across hosts, when this
-    one ran on one host) are kept; their names go to ``data["kept_from_file"]``."""
-    if not isinstance(data, dict) or not _valid(data.get("links")):
+    """Write a calibration (its ``links``, its ``rules`` or both) atomically; returns the
+    path. Links the file already holds and ``data`` does not (``net`` from a run across
+    hosts, when this one ran on one host) are kept, their names listed in
+    ``data["kept_from_file"]``; so are rules for keys (:func:`rule_key`) that ``data`` has
+    none for."""
+    if not isinstance(data, dict):
+        raise ValueError("a calibration is a dict with links and/or rules")
+    data = {**data, "links": data.get("links") or {}, "rules": data.get("rules") or []}
+    if not _valid(data["links"]):
         raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}}, "
                          "each a finite number >= 0")
+    if not _valid_rules(data["rules"]):
+        raise ValueError(f"each measured rule needs exactly {', '.join(RULE_KEYS)}: a world "
+                         f">= 1, a placement of {', '.join(_PLACEMENTS)}, crowded true or "
+                         f"false and 0 <= min_bytes < max_bytes")
+    if not (data["links"] or data["rules"]):
+        raise ValueError("nothing to save: the calibration has neither links nor rules")
     path = path or calibration_path()
     before = load(path) if path.exists() else None
     if before is not None:
         kept = sorted(set(before["links"]) - set(data["links"]))
-        data = {**data, "links": {**before["links"], **data["links"]},
-                "kept_from_file": kept}
+        fresh = {rule_key(r) for r in data["rules"]}
+        rules = [r for r in before["rules"] if rule_key(r) not in fresh] + data["rules"]
+        # The file's other entries (a calibration's points, a tuning's winners) stay
+        # unless this one has its own.
+        data = {**before, **data, "links": {**before["links"], **data["links"]},
+                "rules": rules, "kept_from_file": kept}
     path.parent.mkdir(parents=True, exist_ok=True)
     # A temporary file of its own in the same directory: two saves at once never write
     # into one file, and the rename is atomic.
@@ -114,5 +172,11 @@ def load_into_backend(path: Path | None = None) -> bool:
     data = load(path)
     if data is None:
         return False
+    try:
+        # Rules first: one naming an algorithm this build lacks leaves the model as it was.
+        _C._set_cost_rules(data["rules"])
+    except (ValueError, TypeError, RuntimeError) as exc:
+        warnings.warn(f"torchdist_ext: ignoring the measured rules of {path}: {exc}; "
+                      "rerun `python -m torchdist_ext.bench tune`")
     _C._set_cost_model(data["links"])
     return True

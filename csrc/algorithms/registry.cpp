@@ -47,6 +47,72 @@ const char* linkName(Link l) {
   return "?";
 }
 
+namespace {
+
+const char* const kSpreadNames[kNumSpreads] = {"hosts", "host", "windows"};
+
+std::string formatDouble(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+double parseDouble(const std::string& text, const std::string& entry) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw std::invalid_argument("bad cost model entry '" + entry + "': '" + text +
+                              "' is not a number");
+}
+
+// "collective,world,spread,crowded,from,to,algorithm", as serialize() writes it.
+Rule parseRule(const std::string& text, const std::string& entry) {
+  std::vector<std::string> f;
+  std::stringstream ss(text);
+  std::string field;
+  while (std::getline(ss, field, ',')) f.push_back(field);
+  if (f.size() != 7) {
+    throw std::invalid_argument("bad cost model entry '" + entry +
+                                "': a rule is collective,world,spread,crowded,from,to,algorithm");
+  }
+  Rule r;
+  r.collective = collectiveFromName(f[0]);
+  const double world = parseDouble(f[1], entry);
+  if (!(world >= 1 && world <= 1 << 24) || world != static_cast<int>(world)) {
+    throw std::invalid_argument("bad cost model entry '" + entry +
+                                "': the world size is a whole number from 1");
+  }
+  r.world = static_cast<int>(world);
+  r.spread = spreadFromName(f[2]);
+  if (f[3] != "0" && f[3] != "1") {
+    throw std::invalid_argument("bad cost model entry '" + entry + "': crowded is 0 or 1");
+  }
+  r.crowded = f[3] == "1";
+  r.fromBytes = parseDouble(f[4], entry);
+  r.toBytes = parseDouble(f[5], entry);
+  r.algorithm = f[6];
+  return r;
+}
+
+} // namespace
+
+const char* spreadName(Spread s) {
+  return kSpreadNames[static_cast<int>(s)];
+}
+
+Spread spreadFromName(const std::string& name) {
+  for (int i = 0; i < kNumSpreads; ++i) {
+    if (name == kSpreadNames[i]) return static_cast<Spread>(i);
+  }
+  throw std::invalid_argument("unknown placement '" + name +
+                              "'; use hosts (ranks on several hosts), host (one host, "
+                              "windows off) or windows (one host with its windows)");
+}
+
 CostModel CostModel::defaults() {
   // Rough figures for TCP loopback / a NIC (net) and memory copies (shm) on a current
   // server; `bench calibrate` replaces them with this machine's.
@@ -78,6 +144,11 @@ std::string CostModel::serialize() const {
        << links[i].beta << "," << links[i].gamma;
   }
   os << ";wake:" << wake;
+  for (const Rule& r : rules) {
+    os << ";rule:" << collectiveName(r.collective) << "," << r.world << ","
+       << spreadName(r.spread) << "," << (r.crowded ? 1 : 0) << "," << formatDouble(r.fromBytes)
+       << "," << formatDouble(r.toBytes) << "," << r.algorithm;
+  }
   return os.str();
 }
 
@@ -93,6 +164,12 @@ CostModel CostModel::parse(const std::string& text) {
       if (std::sscanf(part.c_str() + colon + 1, "%lf", &m.wake) != 1 || !(m.wake >= 0)) {
         throw std::invalid_argument("bad cost model entry '" + part + "'");
       }
+      continue;
+    }
+    if (link == "rule") {
+      Rule r = parseRule(part.substr(colon + 1), part);
+      Registry::get().checkRule(r);
+      m.rules.push_back(std::move(r));
       continue;
     }
     double a, b, g;
@@ -219,6 +296,18 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const Placemen
 
 Choice Registry::cheapest(Collective c, double bytes, int n, const Placement& p,
                           const CostModel& model, const Link* only) const {
+  const Spread spread = p.spread();
+  for (const Rule& r : model.rules) {
+    if (r.collective != c || r.world != n || r.spread != spread || r.crowded != p.crowded ||
+        bytes < r.fromBytes || bytes >= r.toBytes) {
+      continue;
+    }
+    const Algorithm* a = find(c, r.algorithm);
+    if (a == nullptr || (only && a->link != *only) || !unusable(*a, bytes, n, p).empty()) {
+      continue;
+    }
+    return Choice{a, predict(*a, bytes, n, p, model), false, true};
+  }
   Choice best;
   best.predicted = std::numeric_limits<double>::infinity();
   for (const auto& a : algorithms_) {
@@ -308,8 +397,27 @@ CostModel Registry::costModel() const {
 }
 
 void Registry::setCostModel(const CostModel& m) {
+  for (const Rule& r : m.rules) checkRule(r);
   std::lock_guard<std::mutex> lock(mu_);
   model_ = m;
+}
+
+void Registry::checkRule(const Rule& r) const {
+  const std::string what = std::string("rule for ") + collectiveName(r.collective) + " at world " +
+                           std::to_string(r.world) + ": ";
+  if (find(r.collective, r.algorithm) == nullptr) {
+    std::string names;
+    for (const auto& a : algorithms_) {
+      if (a.collective == r.collective) names += std::string(names.empty() ? "" : ", ") + a.name;
+    }
+    throw std::invalid_argument(what + "unknown algorithm '" + r.algorithm + "'; use one of " +
+                                names);
+  }
+  if (r.world < 1) throw std::invalid_argument(what + "the world size must be at least 1");
+  if (!(r.fromBytes >= 0) || !(r.toBytes > r.fromBytes)) {
+    throw std::invalid_argument(what + "needs 0 <= from_bytes < to_bytes, got " +
+                                formatDouble(r.fromBytes) + " and " + formatDouble(r.toBytes));
+  }
 }
 
 } // namespace algorithms

@@ -61,8 +61,35 @@ struct LinkCost {
   double gamma = 0;  // seconds per byte reduced
 };
 
+// Where a group's ranks are, as a measured rule names it (Placement::key()).
+enum class Spread : uint8_t {
+  Hosts,    // ranks on several hosts
+  Host,     // one host, shared-memory windows off
+  Windows,  // one host with its windows
+};
+constexpr int kNumSpreads = 3;
+const char* spreadName(Spread s);
+Spread spreadFromName(const std::string& name);
+
+// A measured choice: for this collective, world size and placement, sizes in
+// [fromBytes, toBytes) run `algorithm`. `python -m torchdist_ext.bench tune` times every
+// algorithm where the model's terms cannot be trusted (crowded hosts, whose time is the
+// scheduler's as much as the links') and records the fastest; a rule whose algorithm
+// cannot run an op (a pin-free fallback, a host without cross-memory attach) is passed
+// over and the model decides.
+struct Rule {
+  Collective collective;
+  int world = 0;
+  Spread spread = Spread::Windows;
+  bool crowded = false;
+  double fromBytes = 0;
+  double toBytes = 0;
+  std::string algorithm;
+};
+
 struct CostModel {
   LinkCost links[kNumLinks];
+  std::vector<Rule> rules;
   // Seconds each step of a message algorithm adds on a crowded host (more ranks than
   // cores): a step ends when its peers have run, and with ranks taking turns on the cores
   // that means waiting for the scheduler to wake a peer. TDX_CROWDED_STEP_US; the
@@ -70,7 +97,9 @@ struct CostModel {
   // 256 KiB hops took about 200 us each beyond their copies.
   double wake = 0;
   static CostModel defaults();
-  // "net:alpha,beta,gamma;local:...;shm:...;cma:...;wake:seconds", for the store exchange.
+  // "net:alpha,beta,gamma;local:...;shm:...;cma:...;wake:seconds" then one
+  // ";rule:collective,world,spread,crowded,from,to,algorithm" per rule, for the store
+  // exchange.
   std::string serialize() const;
   static CostModel parse(const std::string& text);
 };
@@ -87,6 +116,9 @@ struct Placement {
   // One host with its windows (`sameHost`), or ranks on several hosts.
   static Placement of(bool sameHost, bool crowded = false) {
     return Placement{sameHost, sameHost, true, sameHost && crowded};
+  }
+  Spread spread() const {
+    return !oneHost ? Spread::Hosts : windows ? Spread::Windows : Spread::Host;
   }
 };
 
@@ -113,6 +145,7 @@ struct Choice {
   const Algorithm* algorithm = nullptr;
   double predicted = 0;  // seconds
   bool pinned = false;   // chosen by an override
+  bool measured = false;  // chosen by a measured rule (CostModel::rules)
 };
 
 class Registry {
@@ -136,8 +169,9 @@ class Registry {
   // `pins`: the pins to obey (an op's snapshot); null for the ones in force now.
   Choice choose(Collective c, double bytes, int n, const Placement& p, const CostModel& model,
                 const Pins* pins = nullptr) const;
-  // The cheapest usable algorithm ignoring overrides (what `auto` would pick), optionally
-  // restricted to algorithms declaring one link.
+  // What `auto` picks, ignoring overrides: the algorithm of the model's first matching
+  // rule when it can run the op, else the cheapest usable one; optionally restricted to
+  // algorithms declaring one link.
   Choice cheapest(Collective c, double bytes, int n, const Placement& p, const CostModel& model,
                   const Link* only = nullptr) const;
 
@@ -155,6 +189,9 @@ class Registry {
   // The process's cost model (calibration or defaults); groups take rank 0's copy.
   CostModel costModel() const;
   void setCostModel(const CostModel& m);
+  // Throws std::invalid_argument naming what is wrong with `r` (an unknown algorithm,
+  // a world below 1, an empty or negative size range).
+  void checkRule(const Rule& r) const;
 
  private:
   Registry();

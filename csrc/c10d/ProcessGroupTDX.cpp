@@ -752,7 +752,8 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
                           << " B: " << choice.algorithm->name << " (predicted "
                           << choice.predicted * 1e6 << " us"
-                          << (choice.pinned ? ", pinned" : "") << ")";
+                          << (choice.pinned ? ", pinned" : "")
+                          << (choice.measured ? ", measured rule" : "") << ")";
   return sel;
 }
 

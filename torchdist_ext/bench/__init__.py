@@ -34,6 +34,10 @@ Usage::
     # fit tdx's cost model to this machine (see torchdist_ext.bench.calibrate)
     python -m torchdist_ext.bench calibrate --world 2
 
+    # time every algorithm at 4 ranks and let auto follow the fastest per size there
+    # (see torchdist_ext.bench.tune); for hosts whose ranks outnumber their CPUs
+    python -m torchdist_ext.bench tune --world 4
+
 Backends: ``tdx``, ``gloo``, ``nccl``, and ``tdx:<algorithm>`` (``torchdist_ext.algorithms()``
 lists them per collective): tdx with that algorithm pinned (``set_algorithm``, on every
 rank, right before the label's rows; the previous choice, normally auto, comes back right

@@ -1,5 +1,5 @@
 """Command line: ``python -m torchdist_ext.bench --help``; ``python -m torchdist_ext.bench
-calibrate --help`` for the cost-model calibration."""
+calibrate --help`` for the cost-model calibration, ``... tune --help`` for measured rules."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "backends side by side in one run.",
         epilog="Under torchrun (RANK and WORLD_SIZE set) the ranks come from the environment "
                "and --world is ignored. 'python -m torchdist_ext.bench calibrate --help': "
-               "fit tdx's cost model to this machine.",
+               "fit tdx's cost model to this machine; 'python -m torchdist_ext.bench tune "
+               "--help': record the fastest algorithm per size where the model misjudges.",
     )
     p.add_argument("--op", default="all_reduce",
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
@@ -110,9 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 when every op ran and every checked element was right (and, with
     ``--check-auto=strict``, auto never lost), 1 otherwise: a wrong element, an op that
     failed (a skip, such as a pinned algorithm that cannot run a size, is not a failure)
-    or a sweep with no rows. ``calibrate`` as the first argument runs
-    :func:`torchdist_ext.bench.calibrate.main` on the rest."""
+    or a sweep with no rows. ``calibrate`` (or ``tune``) as the first argument runs
+    :func:`torchdist_ext.bench.calibrate.main` (:func:`torchdist_ext.bench.tune.main`) on
+    the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "tune":
+        from . import tune
+
+        return tune.main(argv[1:])
     if argv and argv[0] == "calibrate":
         from . import calibrate
 

@@ -1,0 +1,247 @@
+"""Measured rules (``python -m torchdist_ext.bench tune``): what auto does with them, how
+they are derived from benchmark rows, stored, exchanged and refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchdist_ext
+from torchdist_ext import _C, calibration
+from torchdist_ext.bench import tune
+from torchdist_ext.testing import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rule(collective: str = "broadcast", world: int = 4, placement: str = "windows",
+         crowded: bool = False, lo: float = 0.0, hi: float = 1 << 20,
+         algorithm: str = "tree") -> dict[str, Any]:
+    return {"collective": collective, "world": world, "placement": placement,
+            "crowded": crowded, "min_bytes": lo, "max_bytes": hi, "algorithm": algorithm}
+
+
+@pytest.fixture
+def no_rules():
+    before = _C._cost_rules()
+    _C._set_cost_rules([])
+    try:
+        yield
+    finally:
+        _C._set_cost_rules(before)
+
+
+def test_auto_follows_a_matching_rule_only(no_rules: None) -> None:
+    """A rule decides its collective, world size, placement, crowding and byte range and
+    nothing else; outside it the model picks as before."""
+    cases = [  # (bytes, world, same_host, one_host, crowded)
+        (4096, 4, True, False, False), (1 << 19, 4, True, False, False),
+        (1 << 20, 4, True, False, False),  # max_bytes is excluded
+        (4096, 3, True, False, False), (4096, 4, False, True, False),
+        (4096, 4, True, False, True), (4096, 4, False, False, False)]
+    model = {c: torchdist_ext.predict("broadcast", c[0], c[1], same_host=c[2], one_host=c[3],
+                                      crowded=c[4])[0] for c in cases}
+    # The rule names what the model does not pick for the ruled case.
+    ruled = cases[0]
+    other = next(a for a in torchdist_ext.algorithms()["broadcast"] if a != model[ruled])
+    _C._set_cost_rules([rule(algorithm=other)])
+    for c in cases:
+        got = torchdist_ext.predict("broadcast", c[0], c[1], same_host=c[2], one_host=c[3],
+                                    crowded=c[4])
+        want = other if c in (cases[0], cases[1]) else model[c]
+        assert got[0] == want, c
+        assert got[1] == pytest.approx(_C._algorithm_cost(
+            "broadcast", got[0], float(c[0]), c[1], one_host=c[2] or c[3],
+            crowded=c[4])["seconds"]), c
+    # A pin still wins over a rule.
+    try:
+        torchdist_ext.set_algorithm("broadcast", model[ruled])
+        assert torchdist_ext.predict("broadcast", 4096, 4)[0] == model[ruled]
+    finally:
+        torchdist_ext.set_algorithm("broadcast", "auto")
+    # Other collectives are untouched.
+    _C._set_cost_rules([])
+    ar = torchdist_ext.predict("allreduce", 4096, 4)
+    _C._set_cost_rules([rule(algorithm=other)])
+    assert torchdist_ext.predict("allreduce", 4096, 4) == ar
+
+
+def test_a_rule_that_cannot_run_the_op_leaves_it_to_the_model(no_rules: None) -> None:
+    """Recursive doubling needs a power-of-two world and the windows need them on: a rule
+    naming either where it cannot run is passed over, never an error."""
+    model3 = torchdist_ext.predict("allgather", 1 << 16, 3)[0]
+    _C._set_cost_rules([rule("allgather", 3, algorithm="rd"),
+                        rule("allgather", 4, "host", algorithm="shm")])
+    assert torchdist_ext.predict("allgather", 1 << 16, 3)[0] == model3
+    assert torchdist_ext.predict("allgather", 1 << 16, 4, same_host=False,
+                                 one_host=True)[0] in ("ring", "rd")
+    # The first usable matching rule wins.
+    _C._set_cost_rules([rule("allgather", 4, algorithm="rd", hi=1 << 10),
+                        rule("allgather", 4, algorithm="ring")])
+    assert torchdist_ext.predict("allgather", 1 << 9, 4)[0] == "rd"
+    assert torchdist_ext.predict("allgather", 1 << 16, 4)[0] == "ring"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (rule(algorithm="chainsaw"), "unknown algorithm 'chainsaw'; use one of tree, chain, shm"),
+    (rule(collective="allsort"), "unknown collective 'allsort'"),
+    (rule(world=0), "world size must be at least 1"),
+    (rule(lo=10, hi=10), "0 <= from_bytes < to_bytes"),
+    (rule(lo=-1), "0 <= from_bytes < to_bytes"),
+    (rule(placement="moon"), "unknown placement 'moon'"),
+    ({k: v for k, v in rule().items() if k != "world"}, "has no 'world'"),
+])
+def test_bad_rules_are_refused_and_change_nothing(no_rules: None, bad: dict,
+                                                  match: str) -> None:
+    _C._set_cost_rules([rule(algorithm="chain")])
+    with pytest.raises(ValueError, match=match):
+        _C._set_cost_rules([rule(), bad])
+    assert _C._cost_rules() == [rule(algorithm="chain")]
+
+
+def _ruled_group(rank: int, n: int) -> dict:
+    """Only rank 0 holds a rule; the group takes rank 0's model, so both ranks run it."""
+    model = torchdist_ext.predict("broadcast", 4096, n)[0]  # the same on every rank here
+    other = "tree" if model != "tree" else "shm"
+    if rank == 0:
+        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=other, hi=1 << 16)
+                            for c in (False, True)])
+    group = dist.new_group(list(range(n)), backend="tdx")
+    paths = []
+    for numel in (1024, 1 << 20):  # 4 KiB (ruled) and 4 MiB (the model's)
+        t = torch.full((numel,), float(rank))
+        dist.broadcast(t, src=0, group=group)
+        assert torch.equal(t, torch.zeros_like(t))
+        paths.append(torchdist_ext.flight_recorder(group)[-1]["path"])
+    return {"paths": paths, "model": model, "other": other,
+            "predicted": [torchdist_ext.predict("broadcast", b, group=group)[0]
+                          for b in (4096, 1 << 22)],
+            "own": torchdist_ext.predict("broadcast", 4096, n)[0],
+            "windows": torchdist_ext.placement(group)["windows"]}
+
+
+def test_a_groups_ranks_follow_rank0s_rules() -> None:
+    results = run_ranks(_ruled_group, 2, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["windows"], res
+        assert res["paths"][0] == res["other"], (rank, res)
+        assert res["predicted"] == res["paths"], (rank, res)
+    # Rank 1 holds no rule: its own model still picks otherwise.
+    assert results[1]["own"] == results[1]["model"] != results[1]["other"]
+
+
+def _row(op: str, size: int, algo: str, us: float, **kw: Any) -> dict[str, Any]:
+    r = {"op": op, "size": size, "algo": algo, "pinned": True, "world": 4, "dtype": "float32",
+         "one_host": True, "same_host": True, "crowded": True, "ip_time_us": us,
+         "oop_time_us": us, "ip_error": None, "oop_error": None}
+    r.update(kw)
+    return r
+
+
+def test_rules_from_rows_take_the_fastest_per_size_and_merge_neighbours() -> None:
+    k = 1 << 10
+    rows = []
+    for size, times in ((4 * k, {"shm": 10, "tree": 20}), (16 * k, {"shm": 30, "tree": 20}),
+                        (64 * k, {"shm": 90, "tree": 60}), (256 * k, {"shm": 100, "tree": 300})):
+        rows += [_row("broadcast", size, a, t) for a, t in times.items()]
+    rows.append(_row("broadcast", 4 * k, "chain", 1.0, ip_error="boom"))  # failed: ignored
+    rows.append(_row("broadcast", 4 * k, None, 1.0, pinned=False))  # auto's row: ignored
+    rows += [_row("all_gather", 4 * k, "ring", 5, same_host=False, crowded=False)]
+    rules, winners = tune.rules_from_rows(rows)
+    assert rules == [
+        rule("allgather", 4, "host", False, 0, 8 * k, "ring"),
+        rule("broadcast", 4, "windows", True, 0, 8 * k, "shm"),
+        rule("broadcast", 4, "windows", True, 8 * k, 128 * k, "tree"),
+        rule("broadcast", 4, "windows", True, 128 * k, 512 * k, "shm"),
+    ]
+    w = {(x["op"], x["size"]): x for x in winners}
+    assert w[("broadcast", 16 * k)]["algorithm"] == "tree"
+    assert w[("broadcast", 16 * k)]["runner_up"] == "shm"
+    assert w[("broadcast", 16 * k)]["runner_up_us"] == 30
+    assert w[("all_gather", 4 * k)]["runner_up"] is None
+    # Each becomes the backend's own.
+    before = _C._cost_rules()
+    try:
+        _C._set_cost_rules(rules)
+        assert _C._cost_rules() == rules
+    finally:
+        _C._set_cost_rules(before)
+
+
+def test_saved_rules_merge_by_key_and_keep_the_terms(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    links = {"shm": {"alpha": 1e-6, "beta": 1e-10, "gamma": 2e-10}}
+    calibration.save({"links": links, "points": [1, 2]}, path)
+    calibration.save({"rules": [rule(world=3), rule(world=4)], "tuning": {"world": 4}}, path)
+    calibration.save({"rules": [rule(world=4, algorithm="chain")]}, path)
+    data = calibration.load(path)
+    assert data["links"]["shm"] == links["shm"]
+    assert data["points"] == [1, 2] and data["tuning"] == {"world": 4}
+    assert data["rules"] == [rule(world=3), rule(world=4, algorithm="chain")]
+    # A later calibration keeps the rules.
+    calibration.save({"links": links}, path)
+    assert calibration.load(path)["rules"] == data["rules"]
+    with pytest.raises(ValueError, match="nothing to save"):
+        calibration.save({"rules": []}, tmp_path / "empty.json")
+    with pytest.raises(ValueError, match="each measured rule needs"):
+        calibration.save({"rules": [rule(hi=math.nan)]}, tmp_path / "nan.json")
+
+
+def test_stored_rules_load_at_import_and_bad_ones_are_skipped(tmp_path: Path) -> None:
+    """Rules in the host's file apply from ``import torchdist_ext``; a rule naming an
+    algorithm this build lacks is warned about and dropped, the terms still apply."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"rules": [rule(world=5, algorithm="chain", hi=1e9)]}))
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({
+        "links": {"shm": {"alpha": 7e-6, "beta": 1e-10, "gamma": 1e-10}},
+        "rules": [rule(world=5, algorithm="telepathy")]}))
+    code = ("import torchdist_ext, json; print(json.dumps(["
+            "torchdist_ext.predict('broadcast', 4096, 5)[0], "
+            "torchdist_ext.cost_model()['shm']['alpha']]))")
+    for path, want in ((good, ["chain", None]), (unknown, [None, 7e-6])):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "TDX_CALIBRATION": str(path)}, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        if want[0]:
+            assert got[0] == want[0]
+        if want[1]:
+            assert got[1] == want[1]
+            assert "ignoring the measured rules" in proc.stderr
+            assert "unknown algorithm 'telepathy'" in proc.stderr
+
+
+def test_tune_end_to_end(tmp_path: Path) -> None:
+    """``bench tune`` at 2 ranks: every algorithm of broadcast timed, a rule per winning
+    range saved beside the file's terms, and the report names each size's fastest."""
+    out = tmp_path / "cal.json"
+    calibration.save({"links": {"shm": {"alpha": 3e-6, "beta": 2e-10, "gamma": 3e-10}}}, out)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchdist_ext.bench", "tune", "--world", "2", "--ops",
+         "broadcast", "--sizes", "4K,64K", "-n", "2", "-w", "1", "--rounds", "1",
+         "--out", str(out), "--json", str(tmp_path / "tune.json"), "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = calibration.load(out)
+    assert data["links"]["shm"]["alpha"] == 3e-6
+    rules = data["rules"]
+    assert rules and all(r["collective"] == "broadcast" and r["world"] == 2 for r in rules)
+    assert rules[0]["min_bytes"] == 0 and rules[-1]["max_bytes"] == 2 * 65536
+    names = set(torchdist_ext.algorithms()["broadcast"])
+    assert {r["algorithm"] for r in rules} <= names
+    winners = json.loads((tmp_path / "tune.json").read_text())["tuning"]["winners"]
+    assert [w["size"] for w in winners] == [4096, 65536]
+    for w in winners:
+        assert w["us"] <= w["runner_up_us"]
+        assert "broadcast" in proc.stdout and w["algorithm"] in proc.stdout
+    assert "# saved to" in proc.stdout

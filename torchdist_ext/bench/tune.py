@@ -1,0 +1,225 @@
+"""``python -m torchdist_ext.bench tune``: measured rules where the cost model misjudges.
+
+The cost model (``calibrate``) prices each algorithm from a few terms per link. Where
+those terms cannot describe the time, as on a host whose ranks outnumber its CPUs (each
+step then waits for the scheduler to run a peer, and how long depends on how many ranks
+the algorithm keeps busy at once), ``auto`` can lose to a fixed algorithm. Tuning times
+every algorithm of each collective pinned in turn, at this world size and placement,
+and records the fastest at each size as a rule::
+
+    {"collective": "reduce", "world": 4, "placement": "windows", "crowded": true,
+     "min_bytes": 0, "max_bytes": 32768, "algorithm": "shm_direct"}
+
+The latest run's details (every size's fastest and runner-up) are kept under ``tuning``.
+A measured size's rule reaches halfway (geometrically) to the next measured size, the
+smallest down to 0 and the largest up to twice itself; beyond that the model decides.
+Adjacent sizes with the same winner share one rule. ``auto`` takes a rule whenever one
+matches the op's collective, byte count, group size and placement and its algorithm can
+run the op; rules travel with rank 0's cost model, so every rank of a group agrees.
+
+The rules go to the host's calibration file (:func:`torchdist_ext.calibration.save`),
+replacing those of the same collective, world size and placement and keeping the rest,
+and its links. ``--dry-run`` saves nothing.
+
+Usage::
+
+    python -m torchdist_ext.bench tune --world 4
+    python -m torchdist_ext.bench tune --world 3 --ops reduce,broadcast --rounds 5 --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torchdist_ext
+from torchdist_ext import _C, calibration
+
+from .calibrate import DEFAULT_OPS, DEFAULT_SIZES, _sizes
+from .core import COLLECTIVES, OPS, Options, canonical_op
+from .runner import run
+
+__all__ = ["build_parser", "main", "rules_from_rows", "tune"]
+
+
+def _labels(ops: Sequence[str]) -> list[str]:
+    """``tdx:<name>`` for every algorithm of these ops; the runner drops those a world
+    cannot run (a power-of-two algorithm at 3 ranks, windows under TDX_SHM=0)."""
+    wanted = {COLLECTIVES[o] for o in ops}
+    names: dict[str, None] = {}
+    for a in _C._algorithms():
+        if a["collective"] in wanted:
+            names.setdefault(a["name"])
+    return [f"tdx:{n}" for n in names]
+
+
+def _placement(row: dict[str, Any]) -> str:
+    if not row.get("one_host", True):
+        return "hosts"
+    return "windows" if row.get("same_host") else "host"
+
+
+def _time_us(row: dict[str, Any]) -> float | None:
+    """The row's time as ``--check-auto`` judges it: in place where the op has that form."""
+    prefix = "ip_" if OPS[row["op"]].in_place else "oop_"
+    t = row.get(f"{prefix}time_us")
+    return None if row.get(f"{prefix}error") or not t else float(t)
+
+
+def rules_from_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]],
+                                                            list[dict[str, Any]]]:
+    """The rules that the pinned rows of a benchmark run support, and per (op, size) the
+    winner (``op``, ``size``, ``algorithm``, ``us``, ``runner_up``, ``runner_up_us``)."""
+    times: dict[tuple[str, int, str, bool], dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if not r.get("pinned") or not r.get("algo"):
+            continue
+        t = _time_us(r)
+        if t is None:
+            continue
+        key = (r["op"], r["world"], _placement(r), bool(r.get("crowded")))
+        times.setdefault(key, {}).setdefault(int(r["size"]), {})[r["algo"]] = t
+    rules: list[dict[str, Any]] = []
+    winners: list[dict[str, Any]] = []
+    for (op, world, placement, crowded), by_size in sorted(times.items()):
+        sizes = sorted(by_size)
+        best = []
+        for s in sizes:
+            ranked = sorted(by_size[s].items(), key=lambda kv: kv[1])
+            best.append(ranked[0][0])
+            winners.append({"op": op, "size": s, "algorithm": ranked[0][0], "us": ranked[0][1],
+                            "runner_up": ranked[1][0] if len(ranked) > 1 else None,
+                            "runner_up_us": ranked[1][1] if len(ranked) > 1 else None})
+        bounds = [0.0] + [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])] + [2.0 * sizes[-1]]
+        for i, algo in enumerate(best):
+            lo, hi = bounds[i], bounds[i + 1]
+            if rules and rules[-1]["algorithm"] == algo and rules[-1]["max_bytes"] == lo and \
+                    calibration.rule_key(rules[-1]) == (COLLECTIVES[op], world, placement, crowded):
+                rules[-1]["max_bytes"] = hi
+                continue
+            rules.append({"collective": COLLECTIVES[op], "world": world, "placement": placement,
+                          "crowded": crowded, "min_bytes": lo, "max_bytes": hi,
+                          "algorithm": algo})
+    return rules, winners
+
+
+def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
+         ops: Sequence[str] = DEFAULT_OPS, iters: int = 10, warmup: int = 2,
+         rounds: int = 3, timeout: float = 300.0, progress: bool = True) -> dict[str, Any]:
+    """Time every algorithm of ``ops`` pinned in turn and derive the rules; returns what
+    :func:`calibration.save` takes (``rules``) with the winners and the run's settings.
+    ``rounds`` > 1 lets the algorithms take turns each round and keeps each one's median,
+    so a slow spell of a shared machine lands on all of them."""
+    ops = [canonical_op(o) for o in ops]
+    opts = Options(ops=tuple(ops), backends=tuple(_labels(ops)), world=world,
+                   sizes=tuple(sizes), iters=iters, warmup=warmup, stat="median",
+                   timeout=timeout, quiet=True, progress=progress, rounds=rounds)
+    rows = run(opts)
+    rules, winners = rules_from_rows(rows)
+    tuning = {
+        "winners": winners,
+        "host": socket.gethostname(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "world": rows[0]["world"] if rows else world,
+        "ops": list(ops),
+        "sizes": sorted(sizes),
+        "iters": iters,
+        "rounds": rounds,
+        "warmup": warmup,
+        "tdx_version": torchdist_ext.__version__,
+    }
+    return {"rules": rules, "tuning": tuning}
+
+
+def _size_text(b: float) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if b >= scale:
+            return f"{b / scale:g}{unit}"
+    return f"{b:g}"
+
+
+def report_lines(data: dict[str, Any]) -> list[str]:
+    t = data["tuning"]
+    out = [f"# tdx tune on {t['host']}, {t['date']}: world {t['world']}, "
+           f"{t['iters']} iterations x {t['rounds']} rounds, median"]
+    out.append(f"# {'op':<15}{'size':>8}  {'fastest':<12}{'us':>10}  {'next':<12}{'us':>10}")
+    for w in t["winners"]:
+        nxt = w["runner_up"] or "-"
+        nxt_us = f"{w['runner_up_us']:.1f}" if w["runner_up_us"] is not None else "-"
+        out.append(f"  {w['op']:<15}{_size_text(w['size']):>8}  {w['algorithm']:<12}"
+                   f"{w['us']:>10.1f}  {nxt:<12}{nxt_us:>10}")
+    out.append("# rules:")
+    for r in data["rules"]:
+        out.append(f"  {r['collective']:<15} world {r['world']} {r['placement']}"
+                   f"{' crowded' if r['crowded'] else ''}: "
+                   f"[{_size_text(r['min_bytes'])}, {_size_text(r['max_bytes'])}) -> "
+                   f"{r['algorithm']}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchdist_ext.bench tune",
+        description="Time every tdx algorithm of a few collectives pinned in turn at one "
+                    "world size and record the fastest per size as rules that auto "
+                    "follows (for that world size and placement) instead of the cost model.",
+        epilog=f"Saved to {calibration.calibration_path()} (TDX_CALIBRATION overrides), "
+               "beside the calibrated terms; every later 'import torchdist_ext' loads them.",
+    )
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+                   help="comma-separated sizes, K/M/G allowed (default 4K,16K,64K,256K,1M,4M,16M)")
+    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
+                   help=f"ops to time (default {','.join(DEFAULT_OPS)})")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations (default 10)")
+    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="time every size this many times, the algorithms taking turns, and "
+                        "keep each one's median round (default 3)")
+    p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
+    p.add_argument("--json", dest="json_path", metavar="PATH",
+                   help="also write the rules and every winner here (even with --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, save nothing")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress indicator on stderr")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Tune, print, save; 0 on success, 1 when no algorithm ran."""
+    import json
+
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
+        parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
+                rounds=a.rounds, timeout=a.timeout, progress=a.progress)
+    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
+        return 0
+    for line in report_lines(data):
+        print(line)
+    if a.json_path:
+        Path(a.json_path).write_text(json.dumps(data, indent=1) + "\n")
+    if not data["rules"]:
+        print("# nothing measured: no algorithm ran", file=sys.stderr)
+        return 1
+    target = Path(a.out) if a.out else calibration.calibration_path()
+    if a.dry_run:
+        print(f"# dry run: nothing saved (would write {target})")
+    else:
+        path = calibration.save(data, target)
+        print(f"# saved to {path}; processes that import torchdist_ext from now on use it")
+    return 0
