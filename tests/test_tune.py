@@ -94,7 +94,10 @@ def test_a_rule_that_cannot_run_the_op_leaves_it_to_the_model(no_rules: None) ->
 @pytest.mark.parametrize("bad,match", [
     (rule(algorithm="chainsaw"), "unknown algorithm 'chainsaw'; use one of tree, chain, shm"),
     (rule(collective="allsort"), "unknown collective 'allsort'"),
-    (rule(world=0), "world size must be at least 1"),
+    (rule(world=0), "world size must be 1 to 16777216"),
+    (rule(world=1 << 25), "world size must be 1 to 16777216"),
+    (rule(lo=math.nan), "0 <= from_bytes < to_bytes"),
+    (rule(lo=math.inf, hi=math.inf), "0 <= from_bytes < to_bytes"),
     (rule(lo=10, hi=10), "0 <= from_bytes < to_bytes"),
     (rule(lo=-1), "0 <= from_bytes < to_bytes"),
     (rule(placement="moon"), "unknown placement 'moon'"),
@@ -113,8 +116,11 @@ def _ruled_group(rank: int, n: int) -> dict:
     model = torchdist_ext.predict("broadcast", 4096, n)[0]  # the same on every rank here
     other = "tree" if model != "tree" else "shm"
     if rank == 0:
-        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=other, hi=1 << 16)
-                            for c in (False, True)])
+        # Bounds that only survive the exchange written and read in full: a fraction,
+        # a subnormal, infinity.
+        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=other, hi=math.sqrt(2) * 65536)
+                            for c in (False, True)] +
+                           [rule("allgather", n, lo=5e-324, hi=math.inf, algorithm="ring")])
     group = dist.new_group(list(range(n)), backend="tdx")
     paths = []
     for numel in (1024, 1 << 20):  # 4 KiB (ruled) and 4 MiB (the model's)
@@ -141,8 +147,8 @@ def test_a_groups_ranks_follow_rank0s_rules() -> None:
 
 def _row(op: str, size: int, algo: str, us: float, **kw: Any) -> dict[str, Any]:
     r = {"op": op, "size": size, "algo": algo, "pinned": True, "world": 4, "dtype": "float32",
-         "one_host": True, "same_host": True, "crowded": True, "ip_time_us": us,
-         "oop_time_us": us, "ip_error": None, "oop_error": None}
+         "one_host": True, "windows": True, "crowded": True, "ip_time_us": us,
+         "oop_time_us": us, "ip_error": None, "oop_error": None, "ip_wrong": 0, "oop_wrong": 0}
     r.update(kw)
     return r
 
@@ -154,8 +160,9 @@ def test_rules_from_rows_take_the_fastest_per_size_and_merge_neighbours() -> Non
                         (64 * k, {"shm": 90, "tree": 60}), (256 * k, {"shm": 100, "tree": 300})):
         rows += [_row("broadcast", size, a, t) for a, t in times.items()]
     rows.append(_row("broadcast", 4 * k, "chain", 1.0, ip_error="boom"))  # failed: ignored
+    rows.append(_row("broadcast", 16 * k, "chain", 1.0, ip_wrong=3))  # wrong: ignored
     rows.append(_row("broadcast", 4 * k, None, 1.0, pinned=False))  # auto's row: ignored
-    rows += [_row("all_gather", 4 * k, "ring", 5, same_host=False, crowded=False)]
+    rows += [_row("all_gather", 4 * k, "ring", 5, windows=False, crowded=False)]
     rules, winners = tune.rules_from_rows(rows)
     assert rules == [
         rule("allgather", 4, "host", False, 0, 8 * k, "ring"),
@@ -168,6 +175,7 @@ def test_rules_from_rows_take_the_fastest_per_size_and_merge_neighbours() -> Non
     assert w[("broadcast", 16 * k)]["runner_up"] == "shm"
     assert w[("broadcast", 16 * k)]["runner_up_us"] == 30
     assert w[("all_gather", 4 * k)]["runner_up"] is None
+    assert tune.wrong_rows(rows) == ["broadcast 16384 B chain: 3 wrong"]
     # Each becomes the backend's own.
     before = _C._cost_rules()
     try:
@@ -194,6 +202,13 @@ def test_saved_rules_merge_by_key_and_keep_the_terms(tmp_path: Path) -> None:
         calibration.save({"rules": []}, tmp_path / "empty.json")
     with pytest.raises(ValueError, match="each measured rule needs"):
         calibration.save({"rules": [rule(hi=math.nan)]}, tmp_path / "nan.json")
+    # A file that does not load is moved aside, not overwritten.
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.warns(UserWarning, match="moved the unreadable calibration"):
+        calibration.save({"rules": [rule()]}, broken)
+    assert (tmp_path / "broken.json.unreadable").read_text() == "{not json"
+    assert calibration.load(broken)["rules"] == [rule()]
 
 
 def test_stored_rules_load_at_import_and_bad_ones_are_skipped(tmp_path: Path) -> None:
@@ -204,11 +219,12 @@ def test_stored_rules_load_at_import_and_bad_ones_are_skipped(tmp_path: Path) ->
     unknown = tmp_path / "unknown.json"
     unknown.write_text(json.dumps({
         "links": {"shm": {"alpha": 7e-6, "beta": 1e-10, "gamma": 1e-10}},
-        "rules": [rule(world=5, algorithm="telepathy")]}))
+        "rules": [rule(world=5, algorithm="telepathy"), rule(world=5, algorithm="chain"),
+                  {**rule(world=5), "note": "hand-edited"}]}))
     code = ("import torchdist_ext, json; print(json.dumps(["
             "torchdist_ext.predict('broadcast', 4096, 5)[0], "
             "torchdist_ext.cost_model()['shm']['alpha']]))")
-    for path, want in ((good, ["chain", None]), (unknown, [None, 7e-6])):
+    for path, want in ((good, ["chain", None]), (unknown, ["chain", 7e-6])):
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env={**os.environ, "TDX_CALIBRATION": str(path)}, timeout=120)
         assert proc.returncode == 0, proc.stderr
@@ -217,8 +233,17 @@ def test_stored_rules_load_at_import_and_bad_ones_are_skipped(tmp_path: Path) ->
             assert got[0] == want[0]
         if want[1]:
             assert got[1] == want[1]
-            assert "ignoring the measured rules" in proc.stderr
+            assert "ignoring a measured rule" in proc.stderr
             assert "unknown algorithm 'telepathy'" in proc.stderr
+            assert "ignoring 1 malformed rule(s)" in proc.stderr
+
+
+def test_tune_refuses_all_to_all() -> None:
+    proc = subprocess.run([sys.executable, "-m", "torchdist_ext.bench", "tune", "--ops",
+                           "all_to_all", "--dry-run"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 2 and "before the ranks know each other's byte counts" in \
+        proc.stderr, proc.stderr
 
 
 def test_tune_end_to_end(tmp_path: Path) -> None:
@@ -237,6 +262,7 @@ def test_tune_end_to_end(tmp_path: Path) -> None:
     rules = data["rules"]
     assert rules and all(r["collective"] == "broadcast" and r["world"] == 2 for r in rules)
     assert rules[0]["min_bytes"] == 0 and rules[-1]["max_bytes"] == 2 * 65536
+    assert all(r["placement"] == "windows" for r in rules)  # spawned ranks share a host
     names = set(torchdist_ext.algorithms()["broadcast"])
     assert {r["algorithm"] for r in rules} <= names
     winners = json.loads((tmp_path / "tune.json").read_text())["tuning"]["winners"]
@@ -245,3 +271,10 @@ def test_tune_end_to_end(tmp_path: Path) -> None:
         assert w["us"] <= w["runner_up_us"]
         assert "broadcast" in proc.stdout and w["algorithm"] in proc.stdout
     assert "# saved to" in proc.stdout
+    # A fresh process loads them: auto at 4 KiB follows the first rule.
+    first = rules[0]
+    code = ("import torchdist_ext; print(torchdist_ext.predict('broadcast', 4096, 2, "
+            f"crowded={first['crowded']})[0])")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TDX_CALIBRATION": str(out)})
+    assert got.stdout.strip() == first["algorithm"], got.stdout + got.stderr

@@ -198,7 +198,7 @@ def algorithms(collective: str | None = None) -> dict[str, list[str]]:
 def set_algorithm(collective: str, name: str) -> None:
     """Pin the algorithm of ``collective`` for every tdx group of this process, for ops
     issued after this call (ops already queued keep the pins they were issued under);
-    ``"auto"`` hands the choice back to the cost model.
+    ``"auto"`` hands the choice back to the measured rules and the cost model.
 
     Call it with the same arguments on every rank (as with ``TDX_ALGO``): ranks that run
     different algorithms cannot meet. ``TDX_DEBUG=DETAIL`` checks this per op.

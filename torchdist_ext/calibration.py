@@ -72,21 +72,22 @@ def _number(v: Any) -> bool:
         return False
 
 
+_MAX_WORLD = 1 << 24  # the backend's limit on a rule's world size
+
+
+def _valid_rule(r: Any) -> bool:
+    return (isinstance(r, dict) and set(r) == set(RULE_KEYS)
+            and isinstance(r["collective"], str) and isinstance(r["algorithm"], str)
+            and type(r["world"]) is int and 1 <= r["world"] <= _MAX_WORLD
+            and r["placement"] in _PLACEMENTS and type(r["crowded"]) is bool
+            and _number(r["min_bytes"])
+            # the last rule of a range may reach any size
+            and (r["max_bytes"] == math.inf or _number(r["max_bytes"]))
+            and r["min_bytes"] < r["max_bytes"])
+
+
 def _valid_rules(rules: Any) -> bool:
-    if not isinstance(rules, list):
-        return False
-    for r in rules:
-        if not isinstance(r, dict) or set(r) != set(RULE_KEYS):
-            return False
-        if not (isinstance(r["collective"], str) and isinstance(r["algorithm"], str)
-                and type(r["world"]) is int and r["world"] >= 1
-                and r["placement"] in _PLACEMENTS and type(r["crowded"]) is bool
-                and _number(r["min_bytes"])
-                # the last rule of a range may reach any size
-                and (r["max_bytes"] == math.inf or _number(r["max_bytes"]))
-                and r["min_bytes"] < r["max_bytes"]):
-            return False
-    return True
+    return isinstance(rules, list) and all(_valid_rule(r) for r in rules)
 
 
 def rule_key(rule: dict[str, Any]) -> tuple[str, int, str, bool]:
@@ -107,11 +108,17 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
         warnings.warn(f"torchdist_ext: ignoring unreadable calibration {path}: {exc}")
         return None
     if (not isinstance(data, dict) or not _valid(data.setdefault("links", {}))
-            or not _valid_rules(data.setdefault("rules", []))
+            or not isinstance(data.setdefault("rules", []), list)
             or not (data["links"] or data["rules"])):
         warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}; "
                       "rerun `python -m torchdist_ext.bench calibrate` or delete it")
         return None
+    bad = [r for r in data["rules"] if not _valid_rule(r)]
+    if bad:
+        # A rule edited by hand may be wrong; the terms and the other rules still hold.
+        warnings.warn(f"torchdist_ext: ignoring {len(bad)} malformed rule(s) of {path} "
+                      f"(each needs exactly {', '.join(RULE_KEYS)}): {bad[0]!r}")
+        data["rules"] = [r for r in data["rules"] if _valid_rule(r)]
     links = data["links"]
     if "net" in links and "local" not in links:
         # Written before same-host messages had a link of their own: its `net` priced
@@ -140,6 +147,11 @@ def save(data: dict[str, Any], path: Path | None = None) -> Path:
         raise ValueError("nothing to save: the calibration has neither links nor rules")
     path = path or calibration_path()
     before = load(path) if path.exists() else None
+    if before is None and path.exists():
+        # Unreadable (load warned why): keep it beside the new one rather than lose it.
+        aside = path.with_name(path.name + ".unreadable")
+        os.replace(path, aside)
+        warnings.warn(f"torchdist_ext: moved the unreadable calibration {path} to {aside}")
     if before is not None:
         kept = sorted(set(before["links"]) - set(data["links"]))
         fresh = {rule_key(r) for r in data["rules"]}
@@ -172,11 +184,14 @@ def load_into_backend(path: Path | None = None) -> bool:
     data = load(path)
     if data is None:
         return False
-    try:
-        # Rules first: one naming an algorithm this build lacks leaves the model as it was.
-        _C._set_cost_rules(data["rules"])
-    except (ValueError, TypeError, RuntimeError) as exc:
-        warnings.warn(f"torchdist_ext: ignoring the measured rules of {path}: {exc}; "
-                      "rerun `python -m torchdist_ext.bench tune`")
+    rules = []
+    for r in data["rules"]:
+        try:  # each on its own: one naming an algorithm this build lacks drops alone
+            _C._set_cost_rules([r])
+            rules.append(r)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            warnings.warn(f"torchdist_ext: ignoring a measured rule of {path}: {exc}; "
+                          "rerun `python -m torchdist_ext.bench tune` or delete it")
+    _C._set_cost_rules(rules)
     _C._set_cost_model(data["links"])
     return True

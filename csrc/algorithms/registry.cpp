@@ -1,7 +1,9 @@
 #include "algorithms/registry.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <locale>
 #include <sstream>
 #include <stdexcept>
 
@@ -51,20 +53,23 @@ namespace {
 
 const char* const kSpreadNames[kNumSpreads] = {"hosts", "host", "windows"};
 
+// Largest world size a rule may name.
+constexpr int kMaxRuleWorld = 1 << 24;
+
 std::string formatDouble(double v) {
   std::ostringstream os;
+  os.imbue(std::locale::classic());  // no digit grouping: ',' separates a rule's fields
   os.precision(17);
   os << v;
   return os.str();
 }
 
 double parseDouble(const std::string& text, const std::string& entry) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used == text.size()) return v;
-  } catch (const std::exception&) {
-  }
+  // strtod, not stod: stod throws on the ERANGE that strtod reports for subnormal values,
+  // which the serializing rank wrote and accepted.
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (!text.empty() && end == text.c_str() + text.size()) return v;
   throw std::invalid_argument("bad cost model entry '" + entry + "': '" + text +
                               "' is not a number");
 }
@@ -82,7 +87,7 @@ Rule parseRule(const std::string& text, const std::string& entry) {
   Rule r;
   r.collective = collectiveFromName(f[0]);
   const double world = parseDouble(f[1], entry);
-  if (!(world >= 1 && world <= 1 << 24) || world != static_cast<int>(world)) {
+  if (!(world >= 1 && world <= kMaxRuleWorld) || world != static_cast<int>(world)) {
     throw std::invalid_argument("bad cost model entry '" + entry +
                                 "': the world size is a whole number from 1");
   }
@@ -138,6 +143,7 @@ CostModel CostModel::defaults() {
 
 std::string CostModel::serialize() const {
   std::ostringstream os;
+  os.imbue(std::locale::classic());
   os.precision(17);
   for (int i = 0; i < kNumLinks; ++i) {
     os << (i ? ";" : "") << linkName(static_cast<Link>(i)) << ":" << links[i].alpha << ","
@@ -413,7 +419,10 @@ void Registry::checkRule(const Rule& r) const {
     throw std::invalid_argument(what + "unknown algorithm '" + r.algorithm + "'; use one of " +
                                 names);
   }
-  if (r.world < 1) throw std::invalid_argument(what + "the world size must be at least 1");
+  if (r.world < 1 || r.world > kMaxRuleWorld) {
+    throw std::invalid_argument(what + "the world size must be 1 to " +
+                                std::to_string(kMaxRuleWorld));
+  }
   if (!(r.fromBytes >= 0) || !(r.toBytes > r.fromBytes)) {
     throw std::invalid_argument(what + "needs 0 <= from_bytes < to_bytes, got " +
                                 formatDouble(r.fromBytes) + " and " + formatDouble(r.toBytes));

@@ -736,8 +736,12 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   if (choice.algorithm->link != algorithms::Link::Net) {
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
+      // Without the window the group runs as one whose windows are off: the rules
+      // measured that way apply, and only message algorithms can run.
       const algorithms::Link net = algorithms::Link::Net;
-      choice = reg.cheapest(c, bytes, size_, placement_, costModel_, &net);
+      algorithms::Placement noWindows = placement_;
+      noWindows.windows = false;
+      choice = reg.cheapest(c, bytes, size_, noWindows, costModel_, &net);
     } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
       algorithms::Placement noCrossMemory = placement_;
       noCrossMemory.crossMemory = false;

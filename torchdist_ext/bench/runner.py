@@ -579,7 +579,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                     row.update(ran.get(lb.label, {}))
                     row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
                                rounds=opts.rounds, host=meta["host"],
-                               one_host=one_host, crowded=crowded,
+                               one_host=one_host, windows=same_host, crowded=crowded,
                                torch_version=meta["torch_version"],
                                tdx_version=meta["tdx_version"],
                                ucx_version=meta["ucx_version"], date=meta["date"])

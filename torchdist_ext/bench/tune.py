@@ -17,6 +17,9 @@ Adjacent sizes with the same winner share one rule. ``auto`` takes a rule whenev
 matches the op's collective, byte count, group size and placement and its algorithm can
 run the op; rules travel with rank 0's cost model, so every rank of a group agrees.
 
+A row with a wrong element fails the run (exit 1, nothing saved). all_to_all cannot be
+tuned: it picks its algorithm before the ranks know each other's byte counts.
+
 The rules go to the host's calibration file (:func:`torchdist_ext.calibration.save`),
 replacing those of the same collective, world size and placement and keeping the rest,
 and its links. ``--dry-run`` saves nothing.
@@ -41,11 +44,18 @@ from typing import Any, Iterable, Sequence
 import torchdist_ext
 from torchdist_ext import _C, calibration
 
-from .calibrate import DEFAULT_OPS, DEFAULT_SIZES, _sizes
+from .calibrate import DEFAULT_SIZES, _sizes
 from .core import COLLECTIVES, OPS, Options, canonical_op
 from .runner import run
 
-__all__ = ["build_parser", "main", "rules_from_rows", "tune"]
+__all__ = ["DEFAULT_OPS", "build_parser", "main", "rules_from_rows", "tune", "wrong_rows"]
+
+DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce")
+# all_to_all picks its algorithm before its byte count is known on every rank (each rank's
+# splits are its own), so a rule by size cannot apply to it.
+UNTUNABLE = {"all_to_all": "all_to_all picks its algorithm before the ranks know each "
+                           "other's byte counts (their splits differ), so no rule by size "
+                           "can apply to it"}
 
 
 def _labels(ops: Sequence[str]) -> list[str]:
@@ -60,16 +70,30 @@ def _labels(ops: Sequence[str]) -> list[str]:
 
 
 def _placement(row: dict[str, Any]) -> str:
-    if not row.get("one_host", True):
+    if not row["one_host"]:
         return "hosts"
-    return "windows" if row.get("same_host") else "host"
+    return "windows" if row["windows"] else "host"
+
+
+def _prefix(row: dict[str, Any]) -> str:
+    """The form ``--check-auto`` judges: in place where the op has that form."""
+    return "ip_" if OPS[row["op"]].in_place else "oop_"
 
 
 def _time_us(row: dict[str, Any]) -> float | None:
-    """The row's time as ``--check-auto`` judges it: in place where the op has that form."""
-    prefix = "ip_" if OPS[row["op"]].in_place else "oop_"
+    """The row's time, or None when it failed or gave a wrong element (a fast wrong
+    answer must never become a rule)."""
+    prefix = _prefix(row)
     t = row.get(f"{prefix}time_us")
-    return None if row.get(f"{prefix}error") or not t else float(t)
+    if row.get(f"{prefix}error") or row.get(f"{prefix}wrong") or not t:
+        return None
+    return float(t)
+
+
+def wrong_rows(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """``op size algorithm`` of every pinned row that gave a wrong element."""
+    return [f"{r['op']} {r['size']} B {r['algo']}: {r[_prefix(r) + 'wrong']} wrong"
+            for r in rows if r.get("pinned") and r.get(_prefix(r) + "wrong")]
 
 
 def rules_from_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]],
@@ -96,7 +120,8 @@ def rules_from_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]
             winners.append({"op": op, "size": s, "algorithm": ranked[0][0], "us": ranked[0][1],
                             "runner_up": ranked[1][0] if len(ranked) > 1 else None,
                             "runner_up_us": ranked[1][1] if len(ranked) > 1 else None})
-        bounds = [0.0] + [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])] + [2.0 * sizes[-1]]
+        bounds = [0.0] + [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])] + \
+            [max(2.0 * sizes[-1], 1.0)]  # a barrier's 0 bytes still get [0, 1)
         for i, algo in enumerate(best):
             lo, hi = bounds[i], bounds[i + 1]
             if rules and rules[-1]["algorithm"] == algo and rules[-1]["max_bytes"] == lo and \
@@ -117,6 +142,9 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     ``rounds`` > 1 lets the algorithms take turns each round and keeps each one's median,
     so a slow spell of a shared machine lands on all of them."""
     ops = [canonical_op(o) for o in ops]
+    for o in ops:
+        if o in UNTUNABLE:
+            raise ValueError(f"cannot tune {o}: {UNTUNABLE[o]}")
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops)), world=world,
                    sizes=tuple(sizes), iters=iters, warmup=warmup, stat="median",
                    timeout=timeout, quiet=True, progress=progress, rounds=rounds)
@@ -124,6 +152,7 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     rules, winners = rules_from_rows(rows)
     tuning = {
         "winners": winners,
+        "wrong": wrong_rows(rows),
         "host": socket.gethostname(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "world": rows[0]["world"] if rows else world,
@@ -203,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
     except ValueError as exc:
         parser.error(str(exc))
+    for o in ops:
+        if o in UNTUNABLE:
+            parser.error(f"--ops {o}: {UNTUNABLE[o]}")
     if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
         parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
     data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
@@ -213,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line)
     if a.json_path:
         Path(a.json_path).write_text(json.dumps(data, indent=1) + "\n")
+    if data["tuning"]["wrong"]:
+        # Something computed a wrong answer: that wants a bug report, not a rule.
+        print("# wrong results, nothing saved:\n" +
+              "\n".join(f"#   {w}" for w in data["tuning"]["wrong"]), file=sys.stderr)
+        return 1
     if not data["rules"]:
         print("# nothing measured: no algorithm ran", file=sys.stderr)
         return 1
