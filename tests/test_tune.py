@@ -163,7 +163,7 @@ def test_rules_from_rows_take_the_fastest_per_size_and_merge_neighbours() -> Non
     rows.append(_row("broadcast", 16 * k, "chain", 1.0, ip_wrong=3))  # wrong: ignored
     rows.append(_row("broadcast", 4 * k, None, 1.0, pinned=False))  # auto's row: ignored
     rows += [_row("all_gather", 4 * k, "ring", 5, windows=False, crowded=False)]
-    rules, winners = tune.rules_from_rows(rows)
+    rules, winners = tune.rules_from_rows(rows, model=lambda *a: "nothing-timed")
     assert rules == [
         rule("allgather", 4, "host", False, 0, 8 * k, "ring"),
         rule("broadcast", 4, "windows", True, 0, 8 * k, "shm"),
@@ -185,6 +185,38 @@ def test_rules_from_rows_take_the_fastest_per_size_and_merge_neighbours() -> Non
         _C._set_cost_rules(before)
 
 
+def test_rules_only_where_the_model_loses_by_more_than_the_margin() -> None:
+    """Sizes where the model's own pick is within the margin of the fastest keep the
+    model: no rule, so near-ties do not flip from one tuning to the next."""
+    k = 1 << 10
+    rows = []
+    for size, times in ((4 * k, {"shm": 100, "tree": 95}), (16 * k, {"shm": 100, "tree": 80}),
+                        (64 * k, {"shm": 100, "tree": 111})):
+        rows += [_row("broadcast", size, a, t) for a, t in times.items()]
+    asked = []
+
+    def model(op: str, size: int, world: int, placement: str, crowded: bool) -> str:
+        asked.append((op, size, world, placement, crowded))
+        return "shm"
+
+    rules, winners = tune.rules_from_rows(rows, margin=0.1, model=model)
+    assert rules == [rule("broadcast", 4, "windows", True, 8 * k, 32 * k, "tree")]
+    assert [w["ruled"] for w in winners] == [False, True, False]
+    assert [w["model_us"] for w in winners] == [100, 100, 100]
+    assert asked[0] == ("broadcast", 4 * k, 4, "windows", True)
+    # With no margin every size the model does not win gets a rule.
+    rules, _ = tune.rules_from_rows(rows, margin=0.0, model=model)
+    assert [r["algorithm"] for r in rules] == ["tree"] and rules[0]["min_bytes"] == 0
+    # The real model answers without the rules in force.
+    before = _C._cost_rules()
+    try:
+        _C._set_cost_rules([rule(world=4, algorithm="chain", hi=1e12, crowded=True)])
+        assert tune.model_pick("broadcast", 4096, 4, "windows", True) != "chain"
+        assert _C._cost_rules() == [rule(world=4, algorithm="chain", hi=1e12, crowded=True)]
+    finally:
+        _C._set_cost_rules(before)
+
+
 def test_saved_rules_merge_by_key_and_keep_the_terms(tmp_path: Path) -> None:
     path = tmp_path / "cal.json"
     links = {"shm": {"alpha": 1e-6, "beta": 1e-10, "gamma": 2e-10}}
@@ -198,6 +230,13 @@ def test_saved_rules_merge_by_key_and_keep_the_terms(tmp_path: Path) -> None:
     # A later calibration keeps the rules.
     calibration.save({"links": links}, path)
     assert calibration.load(path)["rules"] == data["rules"]
+    # A tuning that measured world 3 and found the model right there removes its rule.
+    calibration.save({"rules": []}, path, replaces=[calibration.rule_key(rule(world=3))])
+    assert calibration.load(path)["rules"] == [rule(world=4, algorithm="chain")]
+    only_rules = tmp_path / "only-rules.json"
+    calibration.save({"rules": [rule()]}, only_rules)
+    calibration.save({}, only_rules, replaces=[calibration.rule_key(rule())])
+    assert not only_rules.exists()  # nothing left to hold
     with pytest.raises(ValueError, match="nothing to save"):
         calibration.save({"rules": []}, tmp_path / "empty.json")
     with pytest.raises(ValueError, match="each measured rule needs"):
@@ -247,34 +286,42 @@ def test_tune_refuses_all_to_all() -> None:
 
 
 def test_tune_end_to_end(tmp_path: Path) -> None:
-    """``bench tune`` at 2 ranks: every algorithm of broadcast timed, a rule per winning
-    range saved beside the file's terms, and the report names each size's fastest."""
+    """``bench tune`` at 2 ranks with no margin: every algorithm of broadcast timed, a rule
+    wherever the model's pick was not the fastest, saved beside the file's terms; a fresh
+    process then picks the fastest at each measured size."""
     out = tmp_path / "cal.json"
     calibration.save({"links": {"shm": {"alpha": 3e-6, "beta": 2e-10, "gamma": 3e-10}}}, out)
     proc = subprocess.run(
         [sys.executable, "-m", "torchdist_ext.bench", "tune", "--world", "2", "--ops",
          "broadcast", "--sizes", "4K,64K", "-n", "2", "-w", "1", "--rounds", "1",
-         "--out", str(out), "--json", str(tmp_path / "tune.json"), "--no-progress"],
+         "--margin", "0", "--out", str(out), "--json", str(tmp_path / "tune.json"),
+         "--no-progress"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# saved to" in proc.stdout
     data = calibration.load(out)
     assert data["links"]["shm"]["alpha"] == 3e-6
-    rules = data["rules"]
-    assert rules and all(r["collective"] == "broadcast" and r["world"] == 2 for r in rules)
-    assert rules[0]["min_bytes"] == 0 and rules[-1]["max_bytes"] == 2 * 65536
-    assert all(r["placement"] == "windows" for r in rules)  # spawned ranks share a host
     names = set(torchdist_ext.algorithms()["broadcast"])
-    assert {r["algorithm"] for r in rules} <= names
-    winners = json.loads((tmp_path / "tune.json").read_text())["tuning"]["winners"]
+    tuning = json.loads((tmp_path / "tune.json").read_text())["tuning"]
+    winners = tuning["winners"]
     assert [w["size"] for w in winners] == [4096, 65536]
+    crowded = tuning["keys"][0][3]
+    assert tuning["keys"] == [["broadcast", 2, "windows", crowded]]  # spawned: one host
     for w in winners:
-        assert w["us"] <= w["runner_up_us"]
-        assert "broadcast" in proc.stdout and w["algorithm"] in proc.stdout
-    assert "# saved to" in proc.stdout
-    # A fresh process loads them: auto at 4 KiB follows the first rule.
-    first = rules[0]
-    code = ("import torchdist_ext; print(torchdist_ext.predict('broadcast', 4096, 2, "
-            f"crowded={first['crowded']})[0])")
+        assert w["algorithm"] in names and w["model"] in names
+        assert w["runner_up_us"] is None or w["us"] <= w["runner_up_us"]
+        assert w["ruled"] == (w["model_us"] is None or w["model_us"] > w["us"])
+        assert f"{w['algorithm']}" in proc.stdout
+    rules = data.get("rules", [])
+    assert all(r["collective"] == "broadcast" and r["world"] == 2 and
+               r["placement"] == "windows" and r["crowded"] == crowded and
+               r["algorithm"] in names for r in rules)
+    assert len(rules) == (sum(w["ruled"] for w in winners) -
+                          (winners[0]["ruled"] and winners[1]["ruled"] and
+                           winners[0]["algorithm"] == winners[1]["algorithm"]))
+    # A fresh process loads them: auto picks each measured size's fastest.
+    code = ("import torchdist_ext; print(' '.join(torchdist_ext.predict('broadcast', s, 2, "
+            f"crowded={crowded})[0] for s in (4096, 65536)))")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "TDX_CALIBRATION": str(out)})
-    assert got.stdout.strip() == first["algorithm"], got.stdout + got.stderr
+    assert got.stdout.split() == [w["algorithm"] for w in winners], got.stdout + got.stderr

@@ -20,7 +20,7 @@ import socket
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from . import _C
 
@@ -127,12 +127,14 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
     return data
 
 
-def save(data: dict[str, Any], path: Path | None = None) -> Path:
+def save(data: dict[str, Any], path: Path | None = None,
+         replaces: Iterable[tuple[str, int, str, bool]] = ()) -> Path:
     """Write a calibration (its ``links``, its ``rules`` or both) atomically; returns the
     path. Links the file already holds and ``data`` does not (``net`` from a run across
     hosts, when this one ran on one host) are kept, their names listed in
     ``data["kept_from_file"]``; so are rules for keys (:func:`rule_key`) that ``data`` has
-    none for."""
+    none for, unless ``replaces`` names the key (a tuning that measured it and found the
+    model right). A file left with neither links nor rules is removed."""
     if not isinstance(data, dict):
         raise ValueError("a calibration is a dict with links and/or rules")
     data = {**data, "links": data.get("links") or {}, "rules": data.get("rules") or []}
@@ -143,7 +145,8 @@ def save(data: dict[str, Any], path: Path | None = None) -> Path:
         raise ValueError(f"each measured rule needs exactly {', '.join(RULE_KEYS)}: a world "
                          f">= 1, a placement of {', '.join(_PLACEMENTS)}, crowded true or "
                          f"false and 0 <= min_bytes < max_bytes")
-    if not (data["links"] or data["rules"]):
+    replaces = {tuple(k) for k in replaces}
+    if not (data["links"] or data["rules"] or replaces):
         raise ValueError("nothing to save: the calibration has neither links nor rules")
     path = path or calibration_path()
     before = load(path) if path.exists() else None
@@ -154,12 +157,16 @@ def save(data: dict[str, Any], path: Path | None = None) -> Path:
         warnings.warn(f"torchdist_ext: moved the unreadable calibration {path} to {aside}")
     if before is not None:
         kept = sorted(set(before["links"]) - set(data["links"]))
-        fresh = {rule_key(r) for r in data["rules"]}
+        fresh = {rule_key(r) for r in data["rules"]} | replaces
         rules = [r for r in before["rules"] if rule_key(r) not in fresh] + data["rules"]
         # The file's other entries (a calibration's points, a tuning's winners) stay
         # unless this one has its own.
         data = {**before, **data, "links": {**before["links"], **data["links"]},
                 "rules": rules, "kept_from_file": kept}
+    if not (data["links"] or data["rules"]):
+        if path.exists():
+            path.unlink()
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     # A temporary file of its own in the same directory: two saves at once never write
     # into one file, and the rename is atomic.

@@ -11,7 +11,10 @@ and records the fastest at each size as a rule::
      "min_bytes": 0, "max_bytes": 32768, "algorithm": "shm_direct"}
 
 The latest run's details (every size's fastest and runner-up) are kept under ``tuning``.
-A measured size's rule reaches halfway (geometrically) to the next measured size, the
+A size gets a rule only where the model's own pick ran more than ``--margin`` (10%)
+slower than the fastest: elsewhere the model stays, so two algorithms within the timing
+noise of each other do not trade places from one tuning to the next. A measured size's
+rule reaches halfway (geometrically) to the next measured size, the
 smallest down to 0 and the largest up to twice itself; beyond that the model decides.
 Adjacent sizes with the same winner share one rule. ``auto`` takes a rule whenever one
 matches the op's collective, byte count, group size and placement and its algorithm can
@@ -39,7 +42,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torchdist_ext
 from torchdist_ext import _C, calibration
@@ -48,8 +51,10 @@ from .calibrate import DEFAULT_SIZES, _sizes
 from .core import COLLECTIVES, OPS, Options, canonical_op
 from .runner import run
 
-__all__ = ["DEFAULT_OPS", "build_parser", "main", "rules_from_rows", "tune", "wrong_rows"]
+__all__ = ["DEFAULT_MARGIN", "DEFAULT_OPS", "build_parser", "main", "model_pick",
+           "rules_from_rows", "tune", "wrong_rows"]
 
+DEFAULT_MARGIN = 0.1  # a rule only where the model's pick loses by more than this
 DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce")
 # all_to_all picks its algorithm before its byte count is known on every rank (each rank's
 # splits are its own), so a rule by size cannot apply to it.
@@ -96,10 +101,30 @@ def wrong_rows(rows: Iterable[dict[str, Any]]) -> list[str]:
             for r in rows if r.get("pinned") and r.get(_prefix(r) + "wrong")]
 
 
-def rules_from_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]],
-                                                            list[dict[str, Any]]]:
+ModelPick = Callable[[str, int, int, str, bool], str]
+
+
+def model_pick(op: str, size: int, world: int, placement: str, crowded: bool) -> str:
+    """What the cost model alone (no rules) picks for ``op`` at ``size`` bytes."""
+    saved = _C._cost_rules()
+    _C._set_cost_rules([])
+    try:
+        return torchdist_ext.predict(COLLECTIVES[op], size, world,
+                                     same_host=placement == "windows",
+                                     one_host=placement != "hosts", crowded=crowded)[0]
+    finally:
+        _C._set_cost_rules(saved)
+
+
+def rules_from_rows(rows: Iterable[dict[str, Any]], margin: float = DEFAULT_MARGIN,
+                    model: ModelPick = model_pick) -> tuple[list[dict[str, Any]],
+                                                           list[dict[str, Any]]]:
     """The rules that the pinned rows of a benchmark run support, and per (op, size) the
-    winner (``op``, ``size``, ``algorithm``, ``us``, ``runner_up``, ``runner_up_us``)."""
+    winner (``op``, ``size``, ``algorithm``, ``us``, ``runner_up``, ``runner_up_us``,
+    ``model``: what ``model`` picks there, ``model_us``: its time, ``ruled``: whether a
+    rule overrides it). A size gets a rule only where the model's pick ran more than
+    ``margin`` (a fraction) slower than the fastest; elsewhere the model stays, so two
+    algorithms within the timing noise of each other do not flip from run to run."""
     times: dict[tuple[str, int, str, bool], dict[int, dict[str, float]]] = {}
     for r in rows:
         if not r.get("pinned") or not r.get("algo"):
@@ -113,16 +138,22 @@ def rules_from_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]
     winners: list[dict[str, Any]] = []
     for (op, world, placement, crowded), by_size in sorted(times.items()):
         sizes = sorted(by_size)
-        best = []
+        best: list[str | None] = []
         for s in sizes:
             ranked = sorted(by_size[s].items(), key=lambda kv: kv[1])
-            best.append(ranked[0][0])
+            pick = model(op, s, world, placement, crowded)
+            pick_us = by_size[s].get(pick)
+            ruled = pick_us is None or pick_us > (1.0 + margin) * ranked[0][1]
+            best.append(ranked[0][0] if ruled else None)
             winners.append({"op": op, "size": s, "algorithm": ranked[0][0], "us": ranked[0][1],
                             "runner_up": ranked[1][0] if len(ranked) > 1 else None,
-                            "runner_up_us": ranked[1][1] if len(ranked) > 1 else None})
+                            "runner_up_us": ranked[1][1] if len(ranked) > 1 else None,
+                            "model": pick, "model_us": pick_us, "ruled": ruled})
         bounds = [0.0] + [math.sqrt(a * b) for a, b in zip(sizes, sizes[1:])] + \
             [max(2.0 * sizes[-1], 1.0)]  # a barrier's 0 bytes still get [0, 1)
         for i, algo in enumerate(best):
+            if algo is None:
+                continue
             lo, hi = bounds[i], bounds[i + 1]
             if rules and rules[-1]["algorithm"] == algo and rules[-1]["max_bytes"] == lo and \
                     calibration.rule_key(rules[-1]) == (COLLECTIVES[op], world, placement, crowded):
@@ -136,7 +167,8 @@ def rules_from_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict[str, Any]
 
 def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
          ops: Sequence[str] = DEFAULT_OPS, iters: int = 10, warmup: int = 2,
-         rounds: int = 3, timeout: float = 300.0, progress: bool = True) -> dict[str, Any]:
+         rounds: int = 5, timeout: float = 300.0, progress: bool = True,
+         margin: float = DEFAULT_MARGIN) -> dict[str, Any]:
     """Time every algorithm of ``ops`` pinned in turn and derive the rules; returns what
     :func:`calibration.save` takes (``rules``) with the winners and the run's settings.
     ``rounds`` > 1 lets the algorithms take turns each round and keeps each one's median,
@@ -149,7 +181,7 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                    sizes=tuple(sizes), iters=iters, warmup=warmup, stat="median",
                    timeout=timeout, quiet=True, progress=progress, rounds=rounds)
     rows = run(opts)
-    rules, winners = rules_from_rows(rows)
+    rules, winners = rules_from_rows(rows, margin)
     tuning = {
         "winners": winners,
         "wrong": wrong_rows(rows),
@@ -161,6 +193,10 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "iters": iters,
         "rounds": rounds,
         "warmup": warmup,
+        "margin": margin,
+        # what this run measured: a later save replaces the stored rules of these keys
+        "keys": sorted({(COLLECTIVES[r["op"]], r["world"], _placement(r), bool(r["crowded"]))
+                        for r in rows if r.get("pinned")}),
         "tdx_version": torchdist_ext.__version__,
     }
     return {"rules": rules, "tuning": tuning}
@@ -177,12 +213,15 @@ def report_lines(data: dict[str, Any]) -> list[str]:
     t = data["tuning"]
     out = [f"# tdx tune on {t['host']}, {t['date']}: world {t['world']}, "
            f"{t['iters']} iterations x {t['rounds']} rounds, median"]
-    out.append(f"# {'op':<15}{'size':>8}  {'fastest':<12}{'us':>10}  {'next':<12}{'us':>10}")
+    out.append(f"# {'op':<15}{'size':>8}  {'fastest':<12}{'us':>10}  {'next':<12}{'us':>10}"
+               f"  {'model':<12}{'us':>10}  rule")
     for w in t["winners"]:
         nxt = w["runner_up"] or "-"
         nxt_us = f"{w['runner_up_us']:.1f}" if w["runner_up_us"] is not None else "-"
+        model_us = f"{w['model_us']:.1f}" if w["model_us"] is not None else "-"
         out.append(f"  {w['op']:<15}{_size_text(w['size']):>8}  {w['algorithm']:<12}"
-                   f"{w['us']:>10.1f}  {nxt:<12}{nxt_us:>10}")
+                   f"{w['us']:>10.1f}  {nxt:<12}{nxt_us:>10}  {w['model']:<12}{model_us:>10}"
+                   f"  {'yes' if w['ruled'] else '-'}")
     out.append("# rules:")
     for r in data["rules"]:
         out.append(f"  {r['collective']:<15} world {r['world']} {r['placement']}"
@@ -208,9 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"ops to time (default {','.join(DEFAULT_OPS)})")
     p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations (default 10)")
     p.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations (default 2)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--rounds", type=int, default=5,
                    help="time every size this many times, the algorithms taking turns, and "
-                        "keep each one's median round (default 3)")
+                        "keep each one's median round (default 5)")
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                   help="a rule only where the cost model's pick ran more than this fraction "
+                        f"slower than the fastest (default {DEFAULT_MARGIN})")
     p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
     p.add_argument("--json", dest="json_path", metavar="PATH",
                    help="also write the rules and every winner here (even with --dry-run)")
@@ -235,10 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     for o in ops:
         if o in UNTUNABLE:
             parser.error(f"--ops {o}: {UNTUNABLE[o]}")
-    if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
-        parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1 or \
+            not a.margin >= 0:
+        parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1, "
+                     "--margin >= 0")
     data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
-                rounds=a.rounds, timeout=a.timeout, progress=a.progress)
+                rounds=a.rounds, timeout=a.timeout, progress=a.progress, margin=a.margin)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
         return 0
     for line in report_lines(data):
@@ -250,13 +294,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("# wrong results, nothing saved:\n" +
               "\n".join(f"#   {w}" for w in data["tuning"]["wrong"]), file=sys.stderr)
         return 1
-    if not data["rules"]:
+    if not data["tuning"]["winners"]:
         print("# nothing measured: no algorithm ran", file=sys.stderr)
         return 1
+    if not data["rules"]:
+        print(f"# no rules: the cost model's pick was within {a.margin:.0%} of the fastest "
+              "at every size")
     target = Path(a.out) if a.out else calibration.calibration_path()
     if a.dry_run:
         print(f"# dry run: nothing saved (would write {target})")
     else:
-        path = calibration.save(data, target)
+        path = calibration.save(data, target, replaces=data["tuning"]["keys"])
         print(f"# saved to {path}; processes that import torchdist_ext from now on use it")
     return 0
