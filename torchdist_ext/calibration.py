@@ -136,8 +136,9 @@ def save(data: dict[str, Any], path: Path | None = None,
     none for, unless ``replaces`` names the key (a tuning that measured it and found the
     model right). A file left with neither links nor rules is removed."""
     if not isinstance(data, dict):
-        raise ValueError("a calibration is a dict with links and/or rules")
-    data = {**data, "links": data.get("links") or {}, "rules": data.get("rules") or []}
+        raise ValueError("a calibration is a dict with links {net|local|shm|cma: {alpha, "
+                         "beta, gamma}}, each a finite number >= 0, and/or rules")
+    data = {**data, "links": data.get("links", {}), "rules": data.get("rules", [])}
     if not _valid(data["links"]):
         raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}}, "
                          "each a finite number >= 0")
