@@ -665,3 +665,40 @@ def test_ranks_that_disagree_on_tdx_shm_agree_on_no_windows() -> None:
         for op, (ok, path) in res.items():
             assert ok, (rank, op, path)
             assert path not in window, (rank, op, path)
+
+
+def _refused_pin(rank: int, n: int) -> dict:
+    out: dict = {}
+    for collective, name in (("allgather", "rd"), ("allreduce", "shm")):
+        torchdist_ext.set_algorithm(collective, name)
+        try:
+            t = torch.full((5,), float(rank))
+            if collective == "allgather":
+                dist.all_gather([torch.empty(5) for _ in range(n)], t)
+            else:
+                dist.all_reduce(t)
+            out[name] = "ran"
+        except dist.DistBackendError as exc:
+            out[name] = str(exc)
+        finally:
+            torchdist_ext.set_algorithm(collective, "auto")
+    got = [torch.empty(5) for _ in range(n)]
+    dist.all_gather(got, torch.full((5,), float(rank)))
+    out["after"] = [g[0].item() for g in got]
+    out["flight"] = [(e["state"], e["op"]) for e in torchdist_ext.flight_recorder()[-3:]]
+    return out
+
+
+def test_a_pin_that_cannot_run_fails_its_op_and_not_the_group() -> None:
+    """Pinning rd at 3 ranks, or a window algorithm with TDX_SHM=0, is bad input that
+    every rank refuses before any transfer: that op fails naming why and the fix, and the
+    group's next op runs."""
+    results = run_ranks(_refused_pin, 3, timeout=120, env={"TDX_SHM": "0"})
+    for rank, res in enumerate(results):
+        assert f"r{rank}/3" in res["rd"] and "all_gather" in res["rd"], res
+        assert "pinned to 'rd', which needs a power-of-two world size" in res["rd"], res
+        assert "set it back to 'auto'" in res["rd"], res
+        assert "pinned to 'shm'" in res["shm"] and "TDX_SHM=0" in res["shm"], res
+        assert res["after"] == [0.0, 1.0, 2.0], res
+        states = [s for s, _ in res["flight"]]
+        assert states[-1] == "done" and "done" not in states[:2], res

@@ -336,7 +336,7 @@ Choice Registry::choose(Collective c, double bytes, int n, const Placement& p,
   const Algorithm* a = find(c, pinned);
   const std::string why = unusable(*a, bytes, n, p);
   if (!why.empty()) {
-    throw std::invalid_argument(std::string(collectiveName(c)) + " is pinned to '" + pinned +
+    throw PinRefused(std::string(collectiveName(c)) + " is pinned to '" + pinned +
                                 "', which " + why +
                                 "; pin another (torchdist_ext.algorithms() lists them) or "
                                 "set it back to 'auto'");

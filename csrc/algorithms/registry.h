@@ -21,6 +21,7 @@
 #include <cstddef>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -141,6 +142,13 @@ struct Algorithm {
 // with the pins in force when it was issued, which every rank issued in the same order.
 using Pins = std::array<std::string, kNumCollectives>;
 
+// A pinned algorithm that cannot run an op. Every rank of a group refuses alike (same
+// pins by contract, same bytes, same placement) before any of the op's transfers, so the
+// op fails and the group stays usable.
+struct PinRefused : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 struct Choice {
   const Algorithm* algorithm = nullptr;
   double predicted = 0;  // seconds
@@ -164,8 +172,8 @@ class Registry {
   double predict(const Algorithm& a, double bytes, int n, const Placement& p,
                  const CostModel& model) const;
 
-  // The algorithm for an op; throws std::invalid_argument when a pinned algorithm cannot
-  // run it (naming why and what can).
+  // The algorithm for an op; throws PinRefused when a pinned algorithm cannot run it
+  // (naming why and what can).
   // `pins`: the pins to obey (an op's snapshot); null for the ones in force now.
   Choice choose(Collective c, double bytes, int n, const Placement& p, const CostModel& model,
                 const Pins* pins = nullptr) const;

@@ -706,6 +706,15 @@ void ProcessGroupTDX::runTask(Task& task) {
         path = "staged " + path;
       }
       flight_.finish(task.flightId, true, steps, path, "");
+    } catch (const algorithms::PinRefused& e) {
+      // Bad input, refused by every rank before any transfer: this op fails, the group
+      // goes on.
+      const std::string why = e.what();
+      error = wrapError(what, why);
+      flight_.finish(task.flightId, false, steps, path, why);
+      const std::string pre = prefix() + " ";
+      TDX_LOG(Warn, prefix()) << (what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what)
+                              << " refused: " << why;
     } catch (const std::exception& e) {
       std::string why = errorText(e);
       if (fault_->cutShort.load()) {
