@@ -702,3 +702,39 @@ def test_a_pin_that_cannot_run_fails_its_op_and_not_the_group() -> None:
         assert res["after"] == [0.0, 1.0, 2.0], res
         states = [s for s, _ in res["flight"]]
         assert states[-1] == "done" and "done" not in states[:2], res
+
+
+def _pinned_on_one_rank(rank: int, n: int) -> dict:
+    """Rank 0 alone pins rd (which 3 ranks cannot run): it refuses op #1 while the others
+    run it through the window, then its op #2 meets their op #1 there."""
+    if rank == 0:
+        torchdist_ext.set_algorithm("allgather", "rd")
+    out: dict = {}
+    for i in (1, 2):
+        got = [torch.empty(4) for _ in range(n)]
+        try:
+            dist.all_gather(got, torch.full((4,), float(10 * i + rank)))
+            out[i] = [g[0].item() for g in got]
+        except dist.DistBackendError as exc:
+            out[i] = str(exc)
+        if rank == 0:
+            torchdist_ext.set_algorithm("allgather", "auto")
+    return out
+
+
+def test_a_rank_that_skipped_an_op_is_caught_at_the_next_window_op() -> None:
+    """The window stamps each op with the group's sequence number: ops that agree on
+    kind and size but not on which op this is fail on every rank, naming both numbers,
+    instead of pairing rank 0's second all_gather with the others' first."""
+    results = run_ranks(_pinned_on_one_rank, 3, timeout=60)
+    assert "pinned to 'rd'" in results[0][1], results
+    for rank, res in enumerate(results):
+        for i in (1, 2):
+            # Nobody returns a gather that mixes the two ops.
+            assert isinstance(res[i], str) or res[i] == [10.0 * i + q for q in range(3)], \
+                (rank, res)
+    # Rank 0's second op meets the others' first: all three say so, naming both numbers.
+    for rank, i in ((0, 2), (1, 1), (2, 1)):
+        msg = results[rank][i]
+        assert "op #1" in msg and "op #2" in msg and "skipped on only some ranks" in msg, \
+            (rank, msg)

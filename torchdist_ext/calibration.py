@@ -157,7 +157,9 @@ def save(data: dict[str, Any], path: Path | None = None,
         os.replace(path, aside)
         warnings.warn(f"torchdist_ext: moved the unreadable calibration {path} to {aside}")
     if before is not None:
-        kept = sorted(set(before["links"]) - set(data["links"]))
+        # (a file of rules alone keeps no links on anyone's behalf)
+        kept = sorted(set(before["links"]) - set(data["links"])) if data["links"] else \
+            before.get("kept_from_file", [])
         fresh = {rule_key(r) for r in data["rules"]} | replaces
         rules = [r for r in before["rules"] if rule_key(r) not in fresh] + data["rules"]
         # The file's other entries (a calibration's points, a tuning's winners) stay

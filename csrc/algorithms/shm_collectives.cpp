@@ -73,6 +73,16 @@ void verify(HostWindow& w, int h, int only = -1) {
   for (int q = 0; q < w.size(); ++q) {
     if (q == w.rank() || (only >= 0 && q != only)) continue;
     const HostWindow::OpInfo theirs = w.opInfo(q, h);
+    if (theirs.seq != mine.seq) {
+      throw std::runtime_error(
+          "collective mismatch: rank " + std::to_string(q) + " is at op #" +
+          std::to_string(theirs.seq) + " of this group (" + describe(theirs) +
+          ") but this rank (" + std::to_string(w.rank()) + ") at op #" +
+          std::to_string(mine.seq) + " (" + describe(mine) +
+          "): an op failed or was skipped on only some ranks, e.g. one pinned an algorithm "
+          "the others did not. Every rank must issue the same collectives in the same "
+          "order, with the same pins");
+    }
     if (theirs.kind != mine.kind || theirs.bytes != mine.bytes || theirs.root != mine.root) {
       throw std::runtime_error("collective mismatch: rank " + std::to_string(q) + " called " +
                                describe(theirs) + " but this rank (" +

@@ -56,6 +56,10 @@ class GroupChannel final : public algorithms::Channel {
   // Cancels whatever is still in flight (an op that threw part way).
   ~GroupChannel() override;
 
+  // The op's sequence number in its group (the same on every rank for one collective).
+  uint64_t seq() const {
+    return seq_;
+  }
   int rank() const override {
     return rank_;
   }

@@ -50,6 +50,7 @@ class ShmSteps {
 template <class F>
 void onWindow(GroupChannel& ch, transport::HostWindow& w, F&& op) {
   ShmSteps steps(ch, w);
+  w.setOpSeq(ch.seq());
   try {
     op();
   } catch (const std::exception& e) {

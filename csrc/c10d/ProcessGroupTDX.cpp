@@ -750,6 +750,16 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
       const algorithms::Link net = algorithms::Link::Net;
       algorithms::Placement noWindows = placement_;
       noWindows.windows = false;
+      if (choice.pinned) {
+        // Every rank learns alike that the window is missing: refuse the pin as any
+        // other that cannot run, rather than run something else under its name.
+        throw algorithms::PinRefused(
+            std::string(algorithms::collectiveName(c)) + " is pinned to '" +
+            choice.algorithm->name +
+            "', which needs the group's shared-memory window, and it could not be made "
+            "(the log says why); pin another (torchdist_ext.algorithms() lists them) or "
+            "set it back to 'auto'");
+      }
       choice = reg.cheapest(c, bytes, size_, noWindows, costModel_, &net);
     } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
       algorithms::Placement noCrossMemory = placement_;

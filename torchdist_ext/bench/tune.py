@@ -105,14 +105,17 @@ ModelPick = Callable[[str, int, int, str, bool], str]
 
 
 def model_pick(op: str, size: int, world: int, placement: str, crowded: bool) -> str:
-    """What the cost model alone (no rules) picks for ``op`` at ``size`` bytes."""
-    saved = _C._cost_rules()
+    """What the cost model alone (no rules, no pins such as ``TDX_ALGO``) picks for ``op``
+    at ``size`` bytes."""
+    collective = COLLECTIVES[op]
+    saved, pin = _C._cost_rules(), torchdist_ext.get_algorithm(collective)
     _C._set_cost_rules([])
+    torchdist_ext.set_algorithm(collective, "auto")
     try:
-        return torchdist_ext.predict(COLLECTIVES[op], size, world,
-                                     same_host=placement == "windows",
+        return torchdist_ext.predict(collective, size, world, same_host=placement == "windows",
                                      one_host=placement != "hosts", crowded=crowded)[0]
     finally:
+        torchdist_ext.set_algorithm(collective, pin)
         _C._set_cost_rules(saved)
 
 
@@ -195,8 +198,9 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "warmup": warmup,
         "margin": margin,
         # what this run measured: a later save replaces the stored rules of these keys
+        # (only those with a timed row: an op that failed everywhere keeps its rules)
         "keys": sorted({(COLLECTIVES[r["op"]], r["world"], _placement(r), bool(r["crowded"]))
-                        for r in rows if r.get("pinned")}),
+                        for r in rows if r.get("pinned") and _time_us(r) is not None}),
         "tdx_version": torchdist_ext.__version__,
     }
     return {"rules": rules, "tuning": tuning}
@@ -281,6 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             not a.margin >= 0:
         parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1, "
                      "--margin >= 0")
+    if a.out:
+        # Price the model's picks with the file the rules go to, in this process and in
+        # the ranks it spawns.
+        os.environ["TDX_CALIBRATION"] = a.out
+        if not calibration.load_into_backend(Path(a.out)):
+            _C._set_cost_rules([])
     data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
                 rounds=a.rounds, timeout=a.timeout, progress=a.progress, margin=a.margin)
     if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
@@ -305,5 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"# dry run: nothing saved (would write {target})")
     else:
         path = calibration.save(data, target, replaces=data["tuning"]["keys"])
-        print(f"# saved to {path}; processes that import torchdist_ext from now on use it")
+        if path.exists():
+            print(f"# saved to {path}; processes that import torchdist_ext from now on use it")
+        else:
+            print(f"# removed {path}: it held only rules this run replaced with none")
     return 0

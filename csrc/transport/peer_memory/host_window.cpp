@@ -196,7 +196,9 @@ void HostWindow::checkFailed(int r, const WaitContext& wc) const {
 
 void HostWindow::setOpInfo(int h, const OpInfo& info) {
   // Published by the post() that follows (a seq_cst store of the counter).
-  *opInfoSlot(rank_, h) = info;
+  OpInfo stamped = info;
+  stamped.seq = opSeq_;
+  *opInfoSlot(rank_, h) = stamped;
 }
 
 HostWindow::OpInfo HostWindow::opInfo(int r, int h) const {

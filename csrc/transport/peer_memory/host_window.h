@@ -80,8 +80,15 @@ class HostWindow {
     int64_t root = -1;
     uint64_t bytes = 0;
     uint64_t address = 0;  // the rank's buffer, for algorithms that read it in place
+    uint64_t seq = 0;      // the op's sequence number in its group (setOpSeq), stamped
   };
+  // Stamps `info` with the op sequence number last set.
   void setOpInfo(int h, const OpInfo& info);
+  // The group's sequence number of the op about to run: ranks that agree on kind and
+  // size but not on which op this is (one skipped an op the others ran) are told apart.
+  void setOpSeq(uint64_t seq) {
+    opSeq_ = seq;
+  }
   OpInfo opInfo(int r, int h) const;
 
   // Cross-memory attach (process_vm_readv): whether this rank can read every peer's
@@ -144,6 +151,7 @@ class HostWindow {
   std::vector<int> pidfds_;  // per rank; -1: not open, -2: unavailable, kExited
   static constexpr int kExited = -3;  // the rank was gone when its pidfd was opened
   int64_t spinUs_ = 0;
+  uint64_t opSeq_ = 0;
   bool crossMemory_ = false;
 };
 
