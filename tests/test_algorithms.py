@@ -738,3 +738,34 @@ def test_a_rank_that_skipped_an_op_is_caught_at_the_next_window_op() -> None:
         msg = results[rank][i]
         assert "op #1" in msg and "op #2" in msg and "skipped on only some ranks" in msg, \
             (rank, msg)
+
+
+def _refused_mid_coalesced(rank: int, n: int) -> dict:
+    """direct holds every rank's buffer in scratch, up to 64 MiB x world: the first entry
+    fits and runs, the second does not and is refused after it."""
+    pg = dist.distributed_c10d._get_default_group()
+    torchdist_ext.set_algorithm("allreduce", "direct")
+    out: dict = {}
+    small, big = torch.ones(4), torch.ones((64 << 20) // 4 // n + 1)
+    try:
+        pg.allreduce_coalesced([small, big]).wait()
+        out["coalesced"] = "ran"
+    except dist.DistBackendError as exc:
+        out["coalesced"] = str(exc)
+    torchdist_ext.set_algorithm("allreduce", "auto")
+    out["small"] = small.tolist()
+    try:
+        dist.all_reduce(torch.ones(2))
+        out["next"] = "ran"
+    except dist.DistBackendError as exc:
+        out["next"] = str(exc)
+    return out
+
+
+def test_a_pin_refused_after_part_of_a_coalesced_op_breaks_the_group() -> None:
+    """A refusal after earlier entries ran leaves written outputs behind, so unlike a
+    refusal before any step it breaks the group: a retry must not reduce twice."""
+    for rank, res in enumerate(run_ranks(_refused_mid_coalesced, 2, timeout=120)):
+        assert "pinned to 'direct'" in res["coalesced"], (rank, res)
+        assert res["small"] == [2.0] * 4, (rank, res)  # the first entry ran
+        assert "unusable after an earlier failure" in res["next"], (rank, res)

@@ -241,6 +241,14 @@ def test_saved_rules_merge_by_key_and_keep_the_terms(tmp_path: Path) -> None:
         calibration.save({"rules": []}, tmp_path / "empty.json")
     with pytest.raises(ValueError, match="each measured rule needs"):
         calibration.save({"rules": [rule(hi=math.nan)]}, tmp_path / "nan.json")
+    # A rule edited by hand into a shape the backend refuses is skipped, and kept aside.
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps({"rules": [rule(), {**rule(world=2), "note": "mine"}]}))
+    with pytest.warns(UserWarning, match="ignoring 1 malformed rule"):
+        calibration.save({"rules": [rule(world=5)]}, edited)
+    kept = calibration.load(edited)  # once set aside, no longer a warning
+    assert kept["rules"] == [rule(), rule(world=5)]
+    assert kept["ignored_rules"] == [{**rule(world=2), "note": "mine"}]
     # A file that does not load is moved aside, not overwritten.
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")

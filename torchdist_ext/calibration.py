@@ -117,8 +117,10 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
     if bad:
         # A rule edited by hand may be wrong; the terms and the other rules still hold.
         warnings.warn(f"torchdist_ext: ignoring {len(bad)} malformed rule(s) of {path} "
-                      f"(each needs exactly {', '.join(RULE_KEYS)}): {bad[0]!r}")
+                      f"(each needs exactly {', '.join(RULE_KEYS)}): {bad[0]!r}; a later "
+                      f"save keeps them under 'ignored_rules'")
         data["rules"] = [r for r in data["rules"] if _valid_rule(r)]
+        data["ignored_rules"] = list(data.get("ignored_rules") or []) + bad
     links = data["links"]
     if "net" in links and "local" not in links:
         # Written before same-host messages had a link of their own: its `net` priced

@@ -65,11 +65,20 @@ std::string formatDouble(double v) {
 }
 
 double parseDouble(const std::string& text, const std::string& entry) {
-  // strtod, not stod: stod throws on the ERANGE that strtod reports for subnormal values,
-  // which the serializing rank wrote and accepted.
-  char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
-  if (!text.empty() && end == text.c_str() + text.size()) return v;
+  // The classic locale, as serialize() writes: a rank whose program set a decimal-comma
+  // locale must read what rank 0 wrote. A stream, not stod: stod throws on the ERANGE
+  // of subnormal values, which the writing rank accepted.
+  if (text == "inf") return std::numeric_limits<double>::infinity();
+  std::istringstream is(text);
+  is.imbue(std::locale::classic());
+  double v = 0;
+  is >> v;
+  if (!text.empty() && !is.fail() && is.eof()) return v;
+  if (is.fail() && !text.empty() && text.find_first_not_of("0123456789.e-+") == std::string::npos) {
+    // Out of range (a subnormal, or beyond double) sets failbit: every rank parses the
+    // same text here, so any fixed answer agrees; an underflow is as good as zero.
+    return text.find("e-") != std::string::npos ? 0.0 : std::numeric_limits<double>::infinity();
+  }
   throw std::invalid_argument("bad cost model entry '" + entry + "': '" + text +
                               "' is not a number");
 }
@@ -167,7 +176,8 @@ CostModel CostModel::parse(const std::string& text) {
     if (colon == std::string::npos) continue;
     const std::string link = part.substr(0, colon);
     if (link == "wake") {
-      if (std::sscanf(part.c_str() + colon + 1, "%lf", &m.wake) != 1 || !(m.wake >= 0)) {
+      m.wake = parseDouble(part.substr(colon + 1), part);
+      if (!(m.wake >= 0)) {
         throw std::invalid_argument("bad cost model entry '" + part + "'");
       }
       continue;
@@ -178,10 +188,13 @@ CostModel CostModel::parse(const std::string& text) {
       m.rules.push_back(std::move(r));
       continue;
     }
-    double a, b, g;
-    if (std::sscanf(part.c_str() + colon + 1, "%lf,%lf,%lf", &a, &b, &g) != 3) {
-      throw std::invalid_argument("bad cost model entry '" + part + "'");
-    }
+    std::vector<std::string> terms;
+    std::stringstream fields(part.substr(colon + 1));
+    std::string field;
+    while (std::getline(fields, field, ',')) terms.push_back(field);
+    if (terms.size() != 3) throw std::invalid_argument("bad cost model entry '" + part + "'");
+    const double a = parseDouble(terms[0], part), b = parseDouble(terms[1], part),
+                 g = parseDouble(terms[2], part);
     for (int i = 0; i < kNumLinks; ++i) {
       if (link == linkName(static_cast<Link>(i))) m.links[i] = {a, b, g};
     }

@@ -706,34 +706,43 @@ void ProcessGroupTDX::runTask(Task& task) {
         path = "staged " + path;
       }
       flight_.finish(task.flightId, true, steps, path, "");
-    } catch (const algorithms::PinRefused& e) {
-      // Bad input, refused by every rank before any transfer: this op fails, the group
-      // goes on.
-      const std::string why = e.what();
-      error = wrapError(what, why);
-      flight_.finish(task.flightId, false, steps, path, why);
-      const std::string pre = prefix() + " ";
-      TDX_LOG(Warn, prefix()) << (what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what)
-                              << " refused: " << why;
     } catch (const std::exception& e) {
-      std::string why = errorText(e);
-      if (fault_->cutShort.load()) {
-        why = fault_->read() + " (this op was cut short by it)";
+      if (dynamic_cast<const algorithms::PinRefused*>(&e) != nullptr && steps == 0) {
+        // Bad input, refused by every rank before any of the op's steps: this op fails,
+        // the group goes on. (A coalesced op refused after earlier entries ran breaks
+        // the group below: those entries' outputs are already written.)
+        handleFailure(task, what, e.what(), steps, path, /*refused=*/true, error);
+      } else {
+        std::string why = errorText(e);
+        if (fault_->cutShort.load()) {
+          why = fault_->read() + " (this op was cut short by it)";
+        }
+        handleFailure(task, what, why, steps, path, /*refused=*/false, error);
       }
-      markBroken(what + ": " + why);
-      error = wrapError(what, why);
-      flight_.finish(task.flightId, false, steps, path, why);
-      // `what` starts with this group's prefix, which the log line already carries.
-      const std::string pre = prefix() + " ";
-      const std::string op = what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what;
-      TDX_LOG(Error, prefix()) << op << " failed: " << why;
-      dumpFlightRecord(op + " failed");
     }
   }
   taskPins_ = nullptr;  // the task's snapshot dies with it
   // Not running from here on: the caller may destroy the group as soon as it hears.
   running_.store(false);
   task.work->finishPart(error);
+}
+
+void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
+                                    const std::string& why, uint32_t steps,
+                                    const std::string& path, bool refused,
+                                    std::exception_ptr& error) {
+  if (!refused) markBroken(what + ": " + why);
+  error = wrapError(what, why);
+  flight_.finish(task.flightId, false, steps, path, why);
+  // `what` starts with this group's prefix, which the log line already carries.
+  const std::string pre = prefix() + " ";
+  const std::string op = what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what;
+  if (refused) {
+    TDX_LOG(Warn, prefix()) << op << " refused: " << why;
+    return;
+  }
+  TDX_LOG(Error, prefix()) << op << " failed: " << why;
+  dumpFlightRecord(op + " failed");
 }
 
 ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, double bytes,

@@ -196,6 +196,12 @@ class ProcessGroupTDX : public c10d::Backend {
   void registerWork(const c10::intrusive_ptr<WorkTDX>& work);
   void runLoop();
   void runTask(Task& task);
+  // Records a failed op: its error, the flight record and the log. `refused`: a pin that
+  // cannot run, refused by every rank before any step, which leaves the group usable;
+  // anything else marks the group broken and dumps the flight record.
+  void handleFailure(Task& task, const std::string& what, const std::string& why,
+                     uint32_t steps, const std::string& path, bool refused,
+                     std::exception_ptr& error);
   void checkFingerprint(GroupChannel& ch, const std::string& mine);
   // Root (-1: none) and reduce op (null: none) for the fingerprint of the next enqueue()
   // on this thread; costs nothing unless fingerprints are checked.
