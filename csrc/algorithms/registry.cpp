@@ -1,7 +1,5 @@
 #include "algorithms/registry.h"
 
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <locale>
 #include <sstream>

@@ -62,7 +62,7 @@ struct LinkCost {
   double gamma = 0;  // seconds per byte reduced
 };
 
-// Where a group's ranks are, as a measured rule names it (Placement::key()).
+// Where a group's ranks are, as a measured rule names it (Placement::spread()).
 enum class Spread : uint8_t {
   Hosts,    // ranks on several hosts
   Host,     // one host, shared-memory windows off

@@ -4,28 +4,29 @@ The cost model (``calibrate``) prices each algorithm from a few terms per link. 
 those terms cannot describe the time, as on a host whose ranks outnumber its CPUs (each
 step then waits for the scheduler to run a peer, and how long depends on how many ranks
 the algorithm keeps busy at once), ``auto`` can lose to a fixed algorithm. Tuning times
-every algorithm of each collective pinned in turn, at this world size and placement,
-and records the fastest at each size as a rule::
+every algorithm of each collective pinned in turn, at this world size and placement.
+Where the model's own pick ran more than ``--margin`` (10%) slower than the fastest, it
+records the fastest at that size as a rule::
 
     {"collective": "reduce", "world": 4, "placement": "windows", "crowded": true,
-     "min_bytes": 0, "max_bytes": 32768, "algorithm": "shm_direct"}
+     "min_bytes": 0, "max_bytes": 32768, "algorithm": "tree"}
 
-The latest run's details (every size's fastest and runner-up) are kept under ``tuning``.
-A size gets a rule only where the model's own pick ran more than ``--margin`` (10%)
-slower than the fastest: elsewhere the model stays, so two algorithms within the timing
-noise of each other do not trade places from one tuning to the next. A measured size's
-rule reaches halfway (geometrically) to the next measured size, the
-smallest down to 0 and the largest up to twice itself; beyond that the model decides.
-Adjacent sizes with the same winner share one rule. ``auto`` takes a rule whenever one
-matches the op's collective, byte count, group size and placement and its algorithm can
-run the op; rules travel with rank 0's cost model, so every rank of a group agrees.
+Elsewhere the model stays, so two algorithms within the timing noise of each other do
+not trade places from one tuning to the next. A measured size's rule reaches halfway
+(geometrically) to the next measured size, the smallest down to 0 and the largest up to
+twice itself; beyond that the model decides. Adjacent sizes with the same winner share
+one rule. ``auto`` takes a rule whenever one matches the op's collective, byte count,
+group size and placement and its algorithm can run the op; rules travel with rank 0's
+cost model, so every rank of a group agrees. The latest run's details (each size's
+fastest, runner-up and the model's pick) are kept under ``tuning``.
 
 A row with a wrong element fails the run (exit 1, nothing saved). all_to_all cannot be
 tuned: it picks its algorithm before the ranks know each other's byte counts.
 
-The rules go to the host's calibration file (:func:`torchdist_ext.calibration.save`),
-replacing those of the same collective, world size and placement and keeping the rest,
-and its links. ``--dry-run`` saves nothing.
+The rules go to the host's calibration file (:func:`torchdist_ext.calibration.save`), or
+to ``--out``, whose terms then price the model's picks: they replace the stored rules of
+every collective, world size and placement this run measured and keep the rest, and the
+links. ``--dry-run`` saves nothing.
 
 Usage::
 
