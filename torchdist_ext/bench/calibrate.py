@@ -341,6 +341,33 @@ def _sizes(text: str) -> tuple[int, ...]:
     return out
 
 
+def add_run_args(p: argparse.ArgumentParser, ops: Sequence[str], iters: int, warmup: int,
+                 rounds: int) -> None:
+    """The measuring flags ``calibrate`` and ``tune`` share, with their own defaults."""
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
+                   help="comma-separated sizes, K/M/G allowed (default 4K,16K,64K,256K,1M,4M,16M)")
+    p.add_argument("--ops", default=",".join(ops), help=f"ops to time (default {','.join(ops)})")
+    p.add_argument("-n", "--iters", type=int, default=iters,
+                   help=f"timed iterations (default {iters})")
+    p.add_argument("-w", "--warmup", type=int, default=warmup,
+                   help=f"untimed iterations (default {warmup})")
+    p.add_argument("--rounds", type=int, default=rounds,
+                   help="time every size this many times, the algorithms taking turns, and "
+                        f"keep each one's median round (default {rounds})")
+
+
+def add_output_args(p: argparse.ArgumentParser, json_help: str, dry_run_help: str) -> None:
+    """Where the result goes, and the run's own settings, as both commands take them."""
+    p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help=json_help)
+    p.add_argument("--dry-run", action="store_true", help=dry_run_help)
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress indicator on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchdist_ext.bench calibrate",
@@ -350,29 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Saved to {calibration.calibration_path()} (TDX_CALIBRATION overrides); "
                "every later 'import torchdist_ext' loads it.",
     )
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
-                   help="comma-separated sizes, K/M/G allowed (default 4K,16K,64K,256K,1M,4M,16M)")
-    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
-                   help=f"ops to time (default {','.join(DEFAULT_OPS)})")
+    add_run_args(p, DEFAULT_OPS, iters=20, warmup=3, rounds=1)
     p.add_argument("--links", default=",".join(LINKS),
                    help="links to fit, any of net, local, shm, cma (default all)")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
-    p.add_argument("-w", "--warmup", type=int, default=3, help="untimed iterations (default 3)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="time every size this many times, the algorithms taking turns, and "
-                        "keep each one's median round (default 1)")
     p.add_argument("--stat", choices=("mean", "median"), default="median",
                    help="per-op time of a point: median of the iterations (default), or "
                         "their mean")
-    p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
-    p.add_argument("--json", dest="json_path", metavar="PATH",
-                   help="also write the fit with every point here (even with --dry-run)")
-    p.add_argument("--dry-run", action="store_true", help="fit and print, save nothing")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="process-group timeout in seconds (default 300)")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress indicator on stderr")
+    add_output_args(p, "also write the fit with every point here (even with --dry-run)",
+                    "fit and print, save nothing")
     return p
 
 

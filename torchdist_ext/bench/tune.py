@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torchdist_ext
 from torchdist_ext import _C, calibration
 
-from .calibrate import DEFAULT_SIZES, _sizes
+from .calibrate import DEFAULT_SIZES, add_output_args, add_run_args
 from .core import COLLECTIVES, OPS, Options, canonical_op
 from .runner import run
 
@@ -240,32 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchdist_ext.bench tune",
         description="Time every tdx algorithm of a few collectives pinned in turn at one "
-                    "world size and record the fastest per size as rules that auto "
-                    "follows (for that world size and placement) instead of the cost model.",
+                    "world size and, at sizes where the cost model's pick lost by more than "
+                    "--margin, record the fastest as a rule that auto follows (for that "
+                    "world size and placement) instead of the model.",
         epilog=f"Saved to {calibration.calibration_path()} (TDX_CALIBRATION overrides), "
                "beside the calibrated terms; every later 'import torchdist_ext' loads them.",
     )
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
-                   help="comma-separated sizes, K/M/G allowed (default 4K,16K,64K,256K,1M,4M,16M)")
-    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
-                   help=f"ops to time (default {','.join(DEFAULT_OPS)})")
-    p.add_argument("-n", "--iters", type=int, default=10, help="timed iterations (default 10)")
-    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed iterations (default 2)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="time every size this many times, the algorithms taking turns, and "
-                        "keep each one's median round (default 5)")
+    add_run_args(p, DEFAULT_OPS, iters=10, warmup=2, rounds=5)
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help="a rule only where the cost model's pick ran more than this fraction "
                         f"slower than the fastest (default {DEFAULT_MARGIN})")
-    p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
-    p.add_argument("--json", dest="json_path", metavar="PATH",
-                   help="also write the rules and every winner here (even with --dry-run)")
-    p.add_argument("--dry-run", action="store_true", help="measure and print, save nothing")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="process-group timeout in seconds (default 300)")
-    p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress indicator on stderr")
+    add_output_args(p, "also write the rules and every winner here (even with --dry-run)",
+                    "measure and print, save nothing")
     return p
 
 
