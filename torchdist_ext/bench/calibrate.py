@@ -357,6 +357,18 @@ def add_run_args(p: argparse.ArgumentParser, ops: Sequence[str], iters: int, war
                         f"keep each one's median round (default {rounds})")
 
 
+def run_args(parser: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
+    """The ``--ops`` of ``add_run_args`` as canonical op names, after checking the counts;
+    a bad value exits through ``parser.error``."""
+    try:
+        ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
+        parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    return ops
+
+
 def add_output_args(p: argparse.ArgumentParser, json_help: str, dry_run_help: str) -> None:
     """Where the result goes, and the run's own settings, as both commands take them."""
     p.add_argument("--out", metavar="PATH", help="where to save (default: calibration_path())")
@@ -397,12 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     links = [x.strip() for x in a.links.split(",") if x.strip()]
     if not links or any(x not in LINKS for x in links):
         parser.error(f"--links takes net, local, shm and/or cma, not {a.links!r}")
-    try:
-        ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
-    except ValueError as exc:
-        parser.error(str(exc))
-    if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
-        parser.error("need --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    ops = run_args(parser, a)
     cpus = _C._usable_cpus()  # affinity mask and cgroup quota, as tdx counts them
     if "RANK" not in os.environ and a.world > cpus:
         parser.error(f"--world {a.world} spawns more ranks than the {cpus} CPUs this process "

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torchdist_ext
 from torchdist_ext import _C, calibration
 
-from .calibrate import DEFAULT_SIZES, add_output_args, add_run_args
+from .calibrate import DEFAULT_SIZES, add_output_args, add_run_args, run_args
 from .core import COLLECTIVES, OPS, Options, canonical_op
 from .runner import run
 
@@ -261,17 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_parser()
     a = parser.parse_args(argv)
-    try:
-        ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
-    except ValueError as exc:
-        parser.error(str(exc))
+    ops = run_args(parser, a)
     for o in ops:
         if o in UNTUNABLE:
             parser.error(f"--ops {o}: {UNTUNABLE[o]}")
-    if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1 or \
-            not a.margin >= 0:
-        parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1, "
-                     "--margin >= 0")
+    if not a.margin >= 0:
+        parser.error(f"need --margin >= 0, got {a.margin}")
     if a.out:
         # Price the model's picks with the file the rules go to, in this process and in
         # the ranks it spawns.
