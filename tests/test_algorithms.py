@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import defaultdict
 
 import pytest
@@ -769,3 +770,63 @@ def test_a_pin_refused_after_part_of_a_coalesced_op_breaks_the_group() -> None:
         assert "pinned to 'direct'" in res["coalesced"], (rank, res)
         assert res["small"] == [2.0] * 4, (rank, res)  # the first entry ran
         assert "unusable after an earlier failure" in res["next"], (rank, res)
+
+
+WINDOW_REDUCTIONS = [("allreduce", "shm"), ("allreduce", "shm_direct"), ("reduce", "shm"),
+                     ("reduce", "shm_direct"), ("reduce_scatter", "shm")]
+
+
+def _window_reductions_by_arrival(rank: int, n: int, count: int) -> dict:
+    """Every window reduction on float32 values whose sums round differently in different
+    orders, run with the ranks arriving in order, in reverse order and together. Returns
+    each result's bytes per (algorithm, arrival) and the worst error against float64."""
+    g = torch.Generator().manual_seed(1234)
+    inputs = [(torch.rand(n * count, generator=g, dtype=torch.float64) - 0.5)
+              * torch.pow(10.0, torch.randint(-4, 5, (n * count,), generator=g).double())
+              for _ in range(n)]
+    exact = torch.stack(inputs).sum(0)
+    mine = inputs[rank].float()
+    out: dict = {"bytes": {}, "err": 0.0}
+    delays = {"in order": 0.03 * rank, "reversed": 0.03 * (n - 1 - rank), "together": 0.0}
+    for coll, name in WINDOW_REDUCTIONS:
+        torchdist_ext.set_algorithm(coll, name)
+        for arrival, delay in delays.items():
+            dist.barrier()
+            time.sleep(delay)
+            if coll == "allreduce":
+                t, want = mine[:count].clone(), exact[:count]
+                dist.all_reduce(t)
+            elif coll == "reduce":
+                t, want = mine[:count].clone(), exact[:count]
+                dist.reduce(t, dst=n - 1)
+                if rank != n - 1:
+                    continue
+            else:
+                t, want = torch.empty(count), exact.chunk(n)[rank]
+                dist.reduce_scatter_tensor(t, mine.clone())
+            scale = want.abs().max().item() or 1.0
+            out["err"] = max(out["err"], ((t.double() - want).abs().max().item()) / scale)
+            out["bytes"][(coll, name, arrival)] = t.numpy().tobytes()
+        torchdist_ext.set_algorithm(coll, "auto")
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_window_reductions_do_not_depend_on_arrival_order(world: int) -> None:
+    """A rank folds peers' pieces in as they become ready, several at once a block at a
+    time, but always in the same order per element: the result's bits must not depend
+    on which ranks arrive first. 300,007 floats: two window chunks, many blocks each."""
+    count = 300_007
+    results = run_ranks(_window_reductions_by_arrival, world, args=(count,), timeout=240)
+    for rank, res in enumerate(results):
+        assert res["err"] < 1e-5, (rank, res["err"])
+        for coll, name in WINDOW_REDUCTIONS:
+            got = {a: b for (c, nm, a), b in res["bytes"].items() if (c, nm) == (coll, name)}
+            if coll == "reduce" and rank != world - 1:
+                assert not got
+                continue
+            assert len(set(got.values())) == 1, (rank, coll, name, "bits differ by arrival")
+    # all_reduce: every rank holds the same bits.
+    for name in ("shm", "shm_direct"):
+        key = ("allreduce", name, "together")
+        assert len({res["bytes"][key] for res in results}) == 1, name

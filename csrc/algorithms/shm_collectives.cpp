@@ -6,8 +6,9 @@
 // rank is at least where I am", and the ranks never need to agree on anything else.
 //
 // Memory traffic per rank for all_reduce of S bytes (shm): copy in the (N-1)/N S others
-// reduce, reduce (N-1)/N S of theirs into this rank's own piece in place and publish it
-// (S/N), copy out (N-1)/N S; signals: 3 per chunk of half a slot. The direct
+// reduce, reduce (N-1)/N S of theirs into this rank's own piece and publish it (S/N),
+// copy out (N-1)/N S; signals: 3 per chunk of half a slot. Reductions go a 16 KiB block
+// at a time across every ready peer, so the piece is written once, not once per peer. The direct
 // variant reduces all N slots (N-1) S but needs a single signal per chunk on its
 // critical path, which wins for small messages.
 #include "algorithms/shm_collectives.h"
@@ -98,6 +99,50 @@ size_t chunkElems(const HostWindow& w, size_t elemSize) {
   return std::max<size_t>(1, w.halfBytes() / elemSize);
 }
 
+// Reduction blocks: small enough that a block of the result stays in L1 while every
+// ready peer's block is folded into it, so a run of peers costs one pass over memory
+// instead of one per peer.
+constexpr size_t kReduceBlockBytes = 16 << 10;
+
+// dst = own (through `load`, which scales where the op does) reduced with each peer's
+// data, `bytes` of it, in the fixed order (r + 1) % n, (r + 2) % n, ..., so the result's
+// bits do not depend on timing. Peers are taken as they become ready (with more ranks
+// than cores, whoever runs makes progress): wait for the next one in order, then take
+// every following one that has posted `target` as well, and fold that run in a block at
+// a time. `publish`, when set, receives a copy of the result block by block during the
+// last run, while each block is still in cache. `verifyPeers`: on the op's first chunk.
+template <class PeerData>
+void reduceAsReady(HostWindow& w, const WaitContext& wc, int h, uint64_t target,
+                   bool verifyPeers, const char* own, char* dst, size_t bytes,
+                   size_t elemSize, kernels::ReduceFn reduce, const kernels::Load& load,
+                   const PeerData& peerData, char* publish) {
+  const int n = w.size(), r = w.rank();
+  const size_t block = std::max(elemSize, kReduceBlockBytes / elemSize * elemSize);
+  bool loaded = false;
+  for (int next = 1; next < n || !loaded;) {
+    int end = next;  // this run: peers (r + k) % n for k in [next, end)
+    if (next < n) {
+      w.waitRank((r + next) % n, target, wc);
+      for (end = next + 1; end < n && w.reached((r + end) % n, target); ++end) {
+      }
+      if (verifyPeers) {
+        for (int k = next; k < end; ++k) verify(w, h, (r + k) % n);
+      }
+    }
+    const bool last = end == n;
+    for (size_t off = 0; off < bytes; off += block) {
+      const size_t b = std::min(block, bytes - off);
+      if (!loaded) load(dst + off, own + off, b);
+      for (int k = next; k < end; ++k) {
+        reduce(dst + off, peerData((r + k) % n) + off, b / elemSize);
+      }
+      if (last && publish != nullptr) std::memcpy(publish + off, dst + off, b);
+    }
+    loaded = true;
+    next = end;
+  }
+}
+
 } // namespace
 
 void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
@@ -119,19 +164,12 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char*
     for (int q = 0; q < n; ++q) {
       if (q != r) load(mine + at(q), src + at(q), len(q));
     }
-    load(dst + at(r), src + at(r), len(r));
     w.post();
-    // Each peer is taken as soon as it has signalled, not after all have: with more
-    // ranks than cores, whoever is running makes progress.
+    // This rank's piece: its own input reduced with the peers' as they become ready,
+    // and published for the others (the slot's piece r is read by no one until then).
     const uint64_t copied = w.posted();
-    for (int k = 1; k < n; ++k) {
-      const int q = (r + k) % n;
-      w.waitRank(q, copied, wc);
-      if (first == 0) verify(w, h, q);
-      if (len(r) > 0) reduce(dst + at(r), w.half(q, h) + at(r), len(r) / elemSize);
-    }
-    // Published for the others; the slot's piece r is not read by anyone until now.
-    std::memcpy(mine + at(r), dst + at(r), len(r));
+    reduceAsReady(w, wc, h, copied, first == 0, src + at(r), dst + at(r), len(r), elemSize,
+                  reduce, load, [&](int q) { return w.half(q, h) + at(r); }, mine + at(r));
     w.post();
     const uint64_t reduced = w.posted();
     for (int k = 1; k < n; ++k) {
@@ -164,9 +202,14 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
       w.releaseHalf(h);
       continue;
     }
-    // Rank order, from slot 0, on every rank: the same bits everywhere.
-    std::memcpy(dst, w.half(0, h), cnt * elemSize);
-    for (int q = 1; q < n; ++q) reduce(dst, w.half(q, h), cnt);
+    // Rank order, from slot 0, on every rank: the same bits everywhere. A block at a
+    // time, so it stays in L1 across the slots.
+    const size_t block = std::max<size_t>(1, kReduceBlockBytes / elemSize);
+    for (size_t e = 0; e < cnt; e += block) {
+      const size_t b = std::min(block, cnt - e);
+      std::memcpy(dst + e * elemSize, w.half(0, h) + e * elemSize, b * elemSize);
+      for (int q = 1; q < n; ++q) reduce(dst + e * elemSize, w.half(q, h) + e * elemSize, b);
+    }
     w.post();
     w.releaseHalf(h);
   }
@@ -248,8 +291,13 @@ void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* ou
     if (first == 0) verify(w, h);
     const size_t off = pieceBegin(cnt, n, r) * elemSize;
     const size_t mine = pieceCount(cnt, n, r);
-    for (int q = 0; q < n; ++q) {
-      if (q != r && mine > 0) reduce(w.half(r, h) + off, w.half(q, h) + off, mine);
+    const size_t block = std::max<size_t>(1, kReduceBlockBytes / elemSize);
+    for (size_t e = 0; e < mine; e += block) {  // a block at a time, in L1 across the slots
+      const size_t b = std::min(block, mine - e);
+      const size_t o = off + e * elemSize;
+      for (int q = 0; q < n; ++q) {
+        if (q != r) reduce(w.half(r, h) + o, w.half(q, h) + o, b);
+      }
     }
     w.post();
     if (r == root) {
@@ -268,7 +316,7 @@ void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* ou
 void shmDirectReduce(HostWindow& w, const WaitContext& wc, const char* input, char* output,
                      size_t count, size_t elemSize, kernels::ReduceFn reduce, int root,
                      const kernels::Load& load) {
-  const int n = w.size(), r = w.rank();
+  const int r = w.rank();
   const size_t per = chunkElems(w, elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
@@ -281,16 +329,11 @@ void shmDirectReduce(HostWindow& w, const WaitContext& wc, const char* input, ch
       load(w.half(r, h), src, cnt * elemSize);
       w.post();
     } else {
-      char* dst = output + first * elemSize;
-      load(dst, src, cnt * elemSize);
       w.post();
       const uint64_t copied = w.posted();
-      for (int k = 1; k < n; ++k) {  // each peer as soon as it is ready, in a fixed order
-        const int q = (r + k) % n;
-        w.waitRank(q, copied, wc);
-        if (first == 0) verify(w, h, q);
-        if (cnt > 0) reduce(dst, w.half(q, h), cnt);
-      }
+      reduceAsReady(w, wc, h, copied, first == 0, src, output + first * elemSize,
+                    cnt * elemSize, elemSize, reduce, load,
+                    [&](int q) { return w.half(q, h); }, nullptr);
     }
     w.post();
     w.releaseHalf(h);
@@ -338,16 +381,10 @@ void shmReduceScatter(HostWindow& w, const WaitContext& wc, const std::vector<Bl
     }
     w.post();
     // The output may be this rank's own input block (in place): start from it.
-    char* out = output + first * elemSize;
-    const char* own = inputs[r].data + first * elemSize;
-    load(out, own, len);
     const uint64_t copied = w.posted();
-    for (int k = 1; k < n; ++k) {  // each peer as soon as it is ready
-      const int q = (r + k) % n;
-      w.waitRank(q, copied, wc);
-      if (first == 0) verify(w, h, q);
-      if (cnt > 0) reduce(out, w.half(q, h) + r * len, cnt);
-    }
+    reduceAsReady(w, wc, h, copied, first == 0, inputs[r].data + first * elemSize,
+                  output + first * elemSize, len, elemSize, reduce, load,
+                  [&](int q) { return w.half(q, h) + r * len; }, nullptr);
     w.post();
     w.releaseHalf(h);
   }

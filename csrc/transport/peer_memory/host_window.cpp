@@ -380,6 +380,10 @@ void HostWindow::waitRank(int r, uint64_t target, const WaitContext& wc) {
   if (r != rank_) waitFor(r, target, wc);
 }
 
+bool HostWindow::reached(int r, uint64_t target) const {
+  return counter(r).load(std::memory_order_acquire) >= target;
+}
+
 int HostWindow::acquireHalf(const WaitContext& wc) {
   const int h = nextHalf_;
   nextHalf_ ^= 1;

@@ -66,6 +66,8 @@ class HostWindow {
   // Blocks until every rank's counter (or rank r's) reaches `target`.
   void waitAll(uint64_t target, const WaitContext& wc);
   void waitRank(int r, uint64_t target, const WaitContext& wc);
+  // Whether rank r's counter has reached `target` already (no waiting, no checks).
+  bool reached(int r, uint64_t target) const;
 
   // Alternating halves: the next half to use, waiting until every rank is done with its
   // previous use; release() marks the current counter as the point it is free again.
