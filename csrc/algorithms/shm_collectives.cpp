@@ -7,8 +7,9 @@
 //
 // Memory traffic per rank for all_reduce of S bytes (shm): copy in the (N-1)/N S others
 // reduce, reduce (N-1)/N S of theirs into this rank's own piece and publish it (S/N),
-// copy out (N-1)/N S; signals: 3 per chunk of half a slot. Reductions go a 16 KiB block
-// at a time across every ready peer, so the piece is written once, not once per peer. The direct
+// copy out (N-1)/N S; signals: 3 per chunk of half a slot. Reductions go a 16 KiB
+// block at a time across every peer ready by then, so the piece is written once per
+// run of ready peers (once when all are ready), not once per peer. The direct
 // variant reduces all N slots (N-1) S but needs a single signal per chunk on its
 // critical path, which wins for small messages.
 #include "algorithms/shm_collectives.h"
@@ -123,8 +124,8 @@ void reduceAsReady(HostWindow& w, const WaitContext& wc, int h, uint64_t target,
     int end = next;  // this run: peers (r + k) % n for k in [next, end)
     if (next < n) {
       w.waitRank((r + next) % n, target, wc);
-      for (end = next + 1; end < n && w.reached((r + end) % n, target); ++end) {
-      }
+      end = next + 1;
+      while (end < n && w.reached((r + end) % n, target)) ++end;
       if (verifyPeers) {
         for (int k = next; k < end; ++k) verify(w, h, (r + k) % n);
       }

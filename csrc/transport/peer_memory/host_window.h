@@ -66,7 +66,8 @@ class HostWindow {
   // Blocks until every rank's counter (or rank r's) reaches `target`.
   void waitAll(uint64_t target, const WaitContext& wc);
   void waitRank(int r, uint64_t target, const WaitContext& wc);
-  // Whether rank r's counter has reached `target` already (no waiting, no checks).
+  // Whether rank r's counter has reached `target` already (no waiting, no checks). An
+  // acquire load: when true, what r wrote before that post() is visible here.
   bool reached(int r, uint64_t target) const;
 
   // Alternating halves: the next half to use, waiting until every rank is done with its
