@@ -49,6 +49,11 @@ def sources(pattern):
 
 
 ucx_include, ucx_lib, rpaths = ucx_paths()
+# The package preloads the wheel's UCX at import, which would take the place of a UCX of
+# one's own (both are libucp.so.0): it needs to know which one the build linked.
+with open(os.path.join(ROOT, "torchdist_ext", "_build_info.py"), "w") as _f:
+    _f.write('"""Written by setup.py: how this build of the extension was made."""\n\n'
+             f"UCX_HOME = {os.environ.get('TDX_UCX_HOME') or None!r}\n")
 cpp_sources = sources("*.cpp")
 cu_sources = sources("*.cu")
 with_cuda = (

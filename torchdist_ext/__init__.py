@@ -24,12 +24,20 @@ os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
 # UCX's TCP settings (whether it loads at all, its segment sizes) are made by the
 # transport when it starts, from where the ranks run: see TDX_UCX_TCP.
 
-try:  # UCX from the libucx-cu13 wheel; a system UCX (TDX_UCX_HOME) is found by rpath.
-    import libucx
+try:
+    from ._build_info import UCX_HOME as _UCX_HOME
+except ImportError:  # pragma: no cover - a tree not built by setup.py
+    _UCX_HOME = None
+# UCX from the libucx-cu13 wheel, loaded before the extension so that the extension's
+# libucp.so.0 resolves to it. A build against a UCX of one's own (TDX_UCX_HOME) finds
+# that one by rpath instead, which a preloaded wheel would shadow.
+if not _UCX_HOME:
+    try:
+        import libucx
 
-    libucx.load_library()
-except ImportError:  # pragma: no cover - depends on how UCX was provided
-    pass
+        libucx.load_library()
+    except ImportError:  # pragma: no cover - depends on how UCX was provided
+        pass
 
 from . import _C  # noqa: E402
 
