@@ -3,6 +3,13 @@
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host").
 # Writes logs and results under $OUT (default: ./device-out). Stages, each optional:
 #   TDX_STAGES="build smoke bench cuda cpu"   (default: all, in that order)
+# Other settings:
+#   TDX_KEEP_CXX=1          keep $CXX/$CC instead of the system compiler (see below)
+#   TDX_BENCH_ARGS="..."    the GPU bench's size and iteration flags
+#                           (default: -b 4K -e 256M -f 4 -n 20 -w 5)
+#   TDX_CUDA_TESTS=PATHS    what the cuda stage passes to pytest (default: tests)
+#   TDX_CUDA_TIMEOUT=S      the cuda stage's time limit in seconds (default: 300)
+#   PY, MAX_JOBS            the Python to use (python3), build jobs (16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}

@@ -38,7 +38,8 @@ const std::vector<Knob>& knobs() {
       {"TDX_CUDA_PEER_SYNC", "auto",
        "how ranks of the CUDA peer path wait for each other: gpu (flags in device memory, "
        "awaited by the stream; no host sync), host (the backend's thread synchronises), "
-       "auto (host when ranks share a GPU, else gpu)"},
+       "auto (host when ranks share a GPU, else gpu; decided from the previous op's "
+       "exchange, so a group's first peer op uses gpu)"},
       {"TDX_ALGO", "",
        "pin algorithms per collective, e.g. allreduce:ring,broadcast:tree (names: "
        "torchdist_ext.algorithms()); unset: the cost model picks"},

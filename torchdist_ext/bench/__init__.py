@@ -61,8 +61,9 @@ From Python::
 
 Out-of-place and in-place: torch's all_reduce, broadcast and reduce only work in place, so
 their out-of-place columns time a copy of the input into a separate output buffer plus the
-in-place call (as torch's functional collectives do); the in-place columns time the call
-alone. all_gather's in-place form passes this rank's chunk of the output as the input;
+in-place call (as torch's functional collectives do), except tdx's all_reduce on CPU,
+which is one op, ``torchdist_ext.all_reduce_into`` (the table's header says which); the
+in-place columns time the call alone. all_gather's in-place form passes this rank's chunk of the output as the input;
 reduce_scatter's passes this rank's chunk of the input as the output. all_to_all has no
 in-place form. Out-of-place ops also count elements of their input that changed as wrong.
 
