@@ -3,6 +3,10 @@ keeps working afterwards."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -337,3 +341,35 @@ def test_tuning_that_ranks_must_share_is_compared_at_creation() -> None:
     msg = str(info.value)
     assert "TDX_SEGMENT_BYTES is" in msg and "131072" in msg, msg
     assert "same value on every rank" in msg, msg
+
+
+_ENV_PROBE = """
+import os, sys, tempfile, torch, torch.distributed as dist, torchdist_ext
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+try:
+    dist.init_process_group("tdx", store=store, rank=0, world_size=1)
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    print("ran", t.tolist())
+except Exception as e:  # noqa: BLE001 - the message is what is checked
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("var, value, ok", [
+    ("TDX_FLIGHT_OPS", "100ops", False),  # a number followed by a unit
+    ("TDX_SPIN_US", "50us", False),
+    ("TDX_SHM", "yes", False),  # no number at all
+    ("TDX_SPIN_US", " 50 ", True),  # spaces around a number are fine
+])
+def test_a_knob_that_is_not_a_whole_number_is_an_error_naming_it(var: str, value: str,
+                                                                  ok: bool) -> None:
+    """A leading number is not enough: "50us" read as 50 would run with a setting
+    nobody asked for. The error names the variable and its value."""
+    out = subprocess.run([sys.executable, "-c", _ENV_PROBE], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, var: value})
+    assert out.returncode == 0, out.stderr[-2000:]
+    if ok:
+        assert out.stdout.startswith("ran [1.0, 1.0, 1.0]"), out.stdout
+    else:
+        assert f"{var}={value} is not an integer" in out.stdout, out.stdout

@@ -1,5 +1,6 @@
 #include "common/env.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
@@ -84,13 +85,25 @@ std::string get(const char* name) {
 }
 
 int64_t getInt(const char* name) {
-  std::string v = get(name);
+  const std::string v = get(name);
+  // The whole value, not a leading number: "64K" or "50us" read as 64 or 50 would run
+  // with a setting nobody asked for.
+  size_t used = 0;
+  int64_t n = 0;
   try {
-    return std::stoll(v);
+    n = std::stoll(v, &used);
   } catch (const std::exception&) {
-    throw std::invalid_argument(
-        std::string(name) + "=" + v + " is not an integer; unset it or give a number");
+    used = 0;
   }
+  while (used > 0 && used < v.size() && std::isspace(static_cast<unsigned char>(v[used]))) {
+    ++used;
+  }
+  if (used == 0 || used != v.size()) {
+    throw std::invalid_argument(std::string(name) + "=" + v +
+                                " is not an integer; unset it or give a whole number "
+                                "(no units or suffixes)");
+  }
+  return n;
 }
 
 std::string describe() {
