@@ -867,3 +867,35 @@ def test_window_reductions_fold_in_a_fixed_order_whatever_arrives_first(world: i
     assert not bad, "\n".join(bad[:10])
     for res in results:
         assert res["paths"] == {(c, nm, nm) for c, nm in WINDOW_REDUCTIONS}, res["paths"]
+
+
+def _predict_after_the_window_failed(rank: int, n: int) -> dict:
+    out: dict = {"before": torchdist_ext.predict("allreduce", 4096)[0]}
+    t = torch.full((1024,), float(rank))
+    dist.all_reduce(t)  # tries the window, which cannot be made, and runs messages
+    out["sum"] = t[0].item()
+    out["ran"] = torchdist_ext.flight_recorder()[-1]["path"]
+    out["after"] = torchdist_ext.predict("allreduce", 4096)[0]
+    torchdist_ext.set_algorithm("allreduce", "shm")
+    try:
+        torchdist_ext.predict("allreduce", 4096)
+        out["pinned"] = "no error"
+    except (ValueError, RuntimeError) as exc:
+        out["pinned"] = str(exc)
+    finally:
+        torchdist_ext.set_algorithm("allreduce", "auto")
+    return out
+
+
+def test_predict_for_a_group_whose_window_could_not_be_made() -> None:
+    """A slot no /dev/shm can hold: the group's window fails at its first op, which runs
+    a message algorithm instead. From then on predict(group) answers what the group
+    runs, and refuses a pinned window algorithm as the op would."""
+    results = run_ranks(_predict_after_the_window_failed, 2, timeout=120,
+                        env={"TDX_SHM_SLOT_BYTES": str(1 << 44)})
+    window_algos = {"shm", "shm_direct", "cma"}
+    for res in results:
+        assert res["before"] in window_algos, res
+        assert res["sum"] == 1.0, res
+        assert res["ran"] not in window_algos and res["after"] == res["ran"], res
+        assert "pinned to 'shm'" in res["pinned"] and "could not be made" in res["pinned"], res

@@ -745,6 +745,19 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
   dumpFlightRecord(op + " failed");
 }
 
+namespace {
+
+algorithms::PinRefused windowPinRefused(algorithms::Collective c, const char* algorithm) {
+  return algorithms::PinRefused(std::string(algorithms::collectiveName(c)) + " is pinned to '" +
+                                algorithm +
+                                "', which needs the group's shared-memory window, and it "
+                                "could not be made (the log says why); pin another "
+                                "(torchdist_ext.algorithms() lists them) or set it back to "
+                                "'auto'");
+}
+
+} // namespace
+
 ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, double bytes,
                                                   GroupChannel& ch, const char* what) {
   auto& reg = algorithms::Registry::get();
@@ -762,12 +775,7 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
       if (choice.pinned) {
         // Every rank learns alike that the window is missing: refuse the pin as any
         // other that cannot run, rather than run something else under its name.
-        throw algorithms::PinRefused(
-            std::string(algorithms::collectiveName(c)) + " is pinned to '" +
-            choice.algorithm->name +
-            "', which needs the group's shared-memory window, and it could not be made "
-            "(the log says why); pin another (torchdist_ext.algorithms() lists them) or "
-            "set it back to 'auto'");
+        throw windowPinRefused(c, choice.algorithm->name);
       }
       choice = reg.cheapest(c, bytes, size_, noWindows, costModel_, &net);
     } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
@@ -790,7 +798,26 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
 }
 
 algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double bytes) const {
-  return algorithms::Registry::get().choose(c, bytes, size_, placement_, costModel_);
+  // What select() would run, without making the window: once it is known that the
+  // window could not be made, or that peers' memory cannot be read in place, the
+  // choice changes as it does there.
+  auto& reg = algorithms::Registry::get();
+  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_);
+  if (choice.algorithm->link == algorithms::Link::Net) return choice;
+  const int outcome = windowOutcome_.load();
+  if (outcome == -1) {
+    if (choice.pinned) throw windowPinRefused(c, choice.algorithm->name);
+    const algorithms::Link net = algorithms::Link::Net;
+    algorithms::Placement noWindows = placement_;
+    noWindows.windows = false;
+    return reg.cheapest(c, bytes, size_, noWindows, costModel_, &net);
+  }
+  if (outcome == 2 && choice.algorithm->needsCrossMemory) {
+    algorithms::Placement noCrossMemory = placement_;
+    noCrossMemory.crossMemory = false;
+    return reg.choose(c, bytes, size_, noCrossMemory, costModel_);
+  }
+  return choice;
 }
 
 std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key,
@@ -864,6 +891,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
   if (window_ && all) window_->watchPeers();
   if (!all) {
     window_.reset();
+    windowOutcome_.store(-1);
     TDX_LOG(Warn, prefix()) << "shared-memory window unavailable"
                             << (error.empty() ? std::string(" on another rank") : ": " + error)
                             << "; using message algorithms for this group";
@@ -879,6 +907,7 @@ transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext&
   }
   window_->setCrossMemory(cma);
   windowState_ = 1;
+  windowOutcome_.store(cma ? 1 : 2);
   TDX_LOG(Info, prefix()) << "shared-memory window ready (" << window_->halfBytes() * 2
                           << " bytes per rank; cross-memory reads "
                           << (cma ? "available" : "unavailable") << ")";

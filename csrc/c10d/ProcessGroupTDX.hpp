@@ -244,6 +244,9 @@ class ProcessGroupTDX : public c10d::Backend {
   std::vector<uint8_t> storeGetWithin(const std::string& key, const transport::WaitContext& wc);
   std::unique_ptr<transport::HostWindow> window_;
   int windowState_ = 0;  // 0: not tried, 1: ready, -1: unavailable
+  // What the window turned out to be, for predict() on other threads: 0 not known yet,
+  // 1 ready, 2 ready without cross-memory reads, -1 could not be made.
+  std::atomic<int> windowOutcome_{0};
 
   // Lent to each op's channel in turn; ops run one at a time, on the worker thread.
   ScratchBuffer scratch_;

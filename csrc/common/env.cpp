@@ -12,11 +12,13 @@ namespace env {
 const std::vector<Knob>& knobs() {
   static const std::vector<Knob> kKnobs = {
       {"TDX_DEBUG", "WARN",
-       "log level: ERROR, WARN, INFO (init, algorithm choices), DETAIL (every op)"},
+       "log level: ERROR, WARN, INFO (init, algorithm choices), DETAIL or DEBUG (every op, "
+       "and the cross-rank check of each op's arguments); any other value means WARN"},
       {"TDX_SPIN_US", "50",
        "microseconds a waiting thread polls (UCX, a group's queue, an op's completion) "
        "before sleeping; lower it when ranks outnumber cores"},
-      {"TDX_FLIGHT_OPS", "64", "how many recent ops of each group the flight recorder keeps"},
+      {"TDX_FLIGHT_OPS", "64",
+       "how many recent ops of each group the flight recorder keeps (at least 1)"},
       {"TDX_DUMP_DIR", "",
        "directory where a failed or timed-out op writes its group's flight record "
        "(tdx_flight_<group>_r<rank>.txt); empty: log only"},
@@ -45,22 +47,24 @@ const std::vector<Knob>& knobs() {
        "pin algorithms per collective, e.g. allreduce:ring,broadcast:tree (names: "
        "torchdist_ext.algorithms()); unset: the cost model picks"},
       {"TDX_SEGMENT_BYTES", "1048576",
-       "transfers that the receiver reduces as they land (RecvReduce) are cut into segments "
-       "of this size, all in flight at once, so reducing one overlaps receiving the next; "
+       "(at least 4096) transfers that the receiver reduces as they land (RecvReduce) are "
+       "cut into segments of this size, all in flight at once, so reducing one overlaps receiving the next; "
        "other transfers move as one message; the same on every rank (checked when a group "
        "is created)"},
       {"TDX_SHM", "1",
        "1: ranks of one host may use shared-memory windows (POSIX shm) for collectives; "
        "0: messages only"},
       {"TDX_SHM_SLOT_BYTES", "2097152",
-       "bytes of a rank's shared-memory slot (two halves used alternately); larger slots "
+       "bytes of a rank's shared-memory slot (two halves used alternately; at least 8192, "
+       "rounded up to 8 KiB; a half holding less than 64 bytes per rank means no windows); "
+       "larger slots "
        "mean fewer signals per op, smaller ones stay in cache; the same on every rank "
        "(checked when a group is created)"},
       {"TDX_CROWDED_STEP_US", "200",
        "microseconds the cost model adds to each step of a message algorithm when a "
        "group's ranks, all on one host, outnumber the CPUs they may run on together (a "
        "step then waits for a peer to be scheduled); rank 0's value counts; 0 prices such "
-       "groups as uncrowded"},
+       "groups as uncrowded; negative is an error"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
        "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs they may run on "
