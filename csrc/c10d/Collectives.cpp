@@ -89,12 +89,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
                                                           const c10d::AllreduceOptions& opts) {
   const std::string ctx = prefix() + " all_reduce";
   checkSingle(ctx, tensors);
-  at::Tensor t = tensors[0];
+  const at::Tensor user = tensors[0];
+  at::Tensor t = reducibleView(ctx, user, "the tensor", opts.reduceOp);
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type(), size_);
   auto host = [this, t, red](GroupChannel& ch) { runAllreduce(*this, ch, t, t, red); };
   noteFingerprint(-1, &red);
   // CUDA: ranks of one host reduce through each other's memory when they all can.
-  return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, {t}, host,
+  return enqueue(OpType::ALLREDUCE, "all_reduce", {user}, {user}, host,
                  [t, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
                    return pm.allreduce(ch, t, red, ctx);
                  });
@@ -109,30 +110,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduceInto(
   const bool sameMemory = input.is_contiguous() && output.is_contiguous() &&
                           input.data_ptr() == output.data_ptr();
   if (!sameMemory) checkDisjointOrSame(ctx, output, input);
-  Reduction red = makeReduction(ctx, opts.reduceOp, input.scalar_type(), size_);
-  at::Tensor out = output, in = sameMemory ? output : input;
+  at::Tensor out = reducibleView(ctx, output, "the output", opts.reduceOp);
+  at::Tensor in = sameMemory ? out : reducibleView(ctx, input, "the input", opts.reduceOp);
+  Reduction red = makeReduction(ctx, opts.reduceOp, in.scalar_type(), size_);
   auto host = [this, out, in, red](GroupChannel& ch) { runAllreduce(*this, ch, out, in, red); };
   // Same fingerprint as all_reduce: ranks may mix the two forms of one reduction.
   noteFingerprint(-1, &red);
   // CUDA tensors take the staged host path here; torchdist_ext.all_reduce_into sends them
   // to the in-place op instead, whose peer-memory path works in place.
-  return enqueue(OpType::ALLREDUCE, "all_reduce", {out}, {in}, host);
+  return enqueue(OpType::ALLREDUCE, "all_reduce", {output}, {sameMemory ? output : input},
+                 host);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const std::string ctx = prefix() + " all_reduce_coalesced";
   std::vector<Reduction> reds;
+  std::vector<at::Tensor> ts;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    checkTensor(ctx, tensors[i], "tensor " + std::to_string(i));
-    reds.push_back(makeReduction(ctx, opts.reduceOp, tensors[i].scalar_type(), size_));
+    const std::string name = "tensor " + std::to_string(i);
+    checkTensor(ctx, tensors[i], name);
+    ts.push_back(reducibleView(ctx, tensors[i], name, opts.reduceOp));
+    reds.push_back(makeReduction(ctx, opts.reduceOp, ts[i].scalar_type(), size_));
   }
-  std::vector<at::Tensor> ts = tensors, ins = tensors;
+  std::vector<at::Tensor> ins = ts;
   // Tensors that share memory (views of one buffer) are each reduced from the values
   // they had at the call, not from a neighbour's result.
   prepareCoalescedInputs(ctx, ins, ts, /*outputsMayOverlap=*/true);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
-  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", ts, ins,
+  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors, tensors,
                  [this, ts, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ins[i], reds[i]);
                  });
@@ -143,12 +149,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   const std::string ctx = prefix() + " reduce";
   checkSingle(ctx, tensors);
   checkRank(ctx, opts.rootRank, size_, "root rank");
-  at::Tensor t = tensors[0];
+  const at::Tensor user = tensors[0];
+  at::Tensor t = reducibleView(ctx, user, "the tensor", opts.reduceOp);
   Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type(), size_);
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
   noteFingerprint(root, &red);
-  return enqueue(OpType::REDUCE, "reduce", {t}, {t}, [this, t, red, root, isRoot](GroupChannel& ch) {
+  return enqueue(OpType::REDUCE, "reduce", {user}, {user}, [this, t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(t, true);
     // The root reduces into its own tensor; other ranks leave theirs untouched.
     host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,
@@ -346,11 +353,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
       checkDisjoint(ctx, output, inputs[0][r], name);
     }
   }
-  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type(), size_);
-  std::vector<at::Tensor> ins = inputs[0];
+  at::Tensor out = reducibleView(ctx, output, "the output", opts.reduceOp);
+  std::vector<at::Tensor> ins;
+  for (int r = 0; r < size_; ++r) {
+    ins.push_back(reducibleView(ctx, inputs[0][r], "input_list[" + std::to_string(r) + "]",
+                                opts.reduceOp));
+  }
+  Reduction red = makeReduction(ctx, opts.reduceOp, out.scalar_type(), size_);
   noteFingerprint(-1, &red);
-  return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, ins,
-                 [this, output, ins, red](GroupChannel& ch) {
+  return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, inputs[0],
+                 [this, output = out, ins, red](GroupChannel& ch) {
                    std::vector<HostImage> images;
                    std::vector<Block> blocks;
                    for (const auto& i : ins) images.emplace_back(i, true);
@@ -372,13 +384,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
                     " elements but must have output.numel() * world_size = ",
                     output.numel() * size_);
   checkOwnBlockOrDisjoint(ctx, output, input, rank_);
-  Reduction red = makeReduction(ctx, opts.reduceOp, output.scalar_type(), size_);
-  at::Tensor in = input, out = output;
+  at::Tensor out = reducibleView(ctx, output, "the output", opts.reduceOp);
+  at::Tensor in = reducibleView(ctx, input, "the input", opts.reduceOp);
+  Reduction red = makeReduction(ctx, opts.reduceOp, out.scalar_type(), size_);
   auto host = [this, out, in, red](GroupChannel& ch) {
     runReduceScatterInto(*this, ch, out, in, red);
   };
   noteFingerprint(-1, &red);
-  return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {out}, {in}, host,
+  return enqueue(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", {output}, {input}, host,
                  [out, in, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
                    return pm.reduceScatter(ch, out, in, red, ctx);
                  });
@@ -397,12 +410,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
                       " has ", inputs[i].numel(), " elements but must have ",
                       outputs[i].numel() * size_);
     checkOwnBlockOrDisjoint(ctx, outputs[i], inputs[i], rank_);
-    reds.push_back(makeReduction(ctx, opts.reduceOp, outputs[i].scalar_type(), size_));
   }
-  std::vector<at::Tensor> outs = outputs, ins = inputs;
+  std::vector<at::Tensor> outs, ins;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    outs.push_back(reducibleView(ctx, outputs[i], "output " + std::to_string(i), opts.reduceOp));
+    ins.push_back(reducibleView(ctx, inputs[i], "input " + std::to_string(i), opts.reduceOp));
+    reds.push_back(makeReduction(ctx, opts.reduceOp, outs[i].scalar_type(), size_));
+  }
   prepareCoalescedInputs(ctx, ins, outs, false);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
-  return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outs, ins,
+  return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs, inputs,
                  [this, outs, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
                      runReduceScatterInto(*this, ch, outs[i], ins[i], reds[i]);

@@ -284,6 +284,29 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
   return r;
 }
 
+at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std::string& name,
+                         const c10d::ReduceOp& op) {
+  if (!t.defined() || !t.is_complex()) return t;
+  const bool sumLike = op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG ||
+                       op.op_ == c10d::ReduceOp::PREMUL_SUM;
+  TORCH_CHECK_TYPE(sumLike, ctx, ": ", name, " is complex (", t.scalar_type(),
+                   "), which reduces with SUM, AVG or PREMUL_SUM only; this op's reduce op "
+                   "is not defined on complex numbers. Reduce the real and imaginary parts "
+                   "(torch.view_as_real) yourself if that is what you mean");
+  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
+    auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+    TORCH_CHECK_TYPE(sup == nullptr || !sup->tensor_factor.defined() ||
+                         !sup->tensor_factor.is_complex(),
+                     ctx, ": ", name, " is complex and the PREMUL_SUM factor is a complex "
+                     "tensor, which would mix the real and imaginary parts; multiply the "
+                     "tensor by it before the op and use SUM");
+  }
+  TORCH_CHECK_VALUE(!t.is_conj(), ctx, ": ", name, " is a conjugate view (its conj bit is "
+                    "set), whose memory holds the unconjugated values; call "
+                    ".resolve_conj() on it first");
+  return at::view_as_real(t);
+}
+
 HostImage::HostImage(const at::Tensor& t, bool copyIn) : user_(t) {
   if (t.is_cpu() && t.is_contiguous()) {
     host_ = t;

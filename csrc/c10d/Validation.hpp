@@ -72,6 +72,12 @@ struct Reduction {
 // divided afterwards (`average`).
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op, at::ScalarType dtype,
                         int groupSize);
+// What a reduction runs on: a complex tensor as its real and imaginary parts
+// (view_as_real, the same memory), where SUM, AVG and PREMUL_SUM by a real factor act on
+// each part alone, as they do on complex numbers; any other tensor as it is. Other ops
+// are not defined on complex numbers and are refused, naming `name` and the op.
+at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std::string& name,
+                         const c10d::ReduceOp& op);
 
 // A contiguous host image of a tensor for the duration of one op: the tensor itself when
 // it is a contiguous CPU tensor, otherwise a staged copy that copyOut() writes back.
