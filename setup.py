@@ -50,10 +50,16 @@ def sources(pattern):
 
 ucx_include, ucx_lib, rpaths = ucx_paths()
 # The package preloads the wheel's UCX at import, which would take the place of a UCX of
-# one's own (both are libucp.so.0): it needs to know which one the build linked.
-with open(os.path.join(ROOT, "torchdist_ext", "_build_info.py"), "w") as _f:
-    _f.write('"""Written by setup.py: how this build of the extension was made."""\n\n'
-             f"UCX_HOME = {os.environ.get('TDX_UCX_HOME') or None!r}\n")
+# one's own (both are libucp.so.0): it needs to know which one the build linked. Written
+# only when it changes, and a dependency of the extension, so that switching UCX relinks
+# the extension instead of leaving it linked to the other one.
+BUILD_INFO = os.path.join("torchdist_ext", "_build_info.py")
+_info = ('"""Written by setup.py: how this build of the extension was made."""\n\n'
+         f"UCX_HOME = {os.environ.get('TDX_UCX_HOME') or None!r}\n")
+_path = os.path.join(ROOT, BUILD_INFO)
+if not os.path.exists(_path) or open(_path).read() != _info:
+    with open(_path, "w") as _f:
+        _f.write(_info)
 cpp_sources = sources("*.cpp")
 cu_sources = sources("*.cu")
 with_cuda = (
@@ -69,6 +75,7 @@ common = dict(
     library_dirs=[ucx_lib],
     libraries=["ucp", "ucs"],
     extra_link_args=[f"-Wl,-rpath,{p}" for p in rpaths],
+    depends=[BUILD_INFO],
 )
 cxx_flags = ["-O3", "-Wall", "-Wno-unused-parameter"]
 if with_cuda:

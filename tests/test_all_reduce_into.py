@@ -152,7 +152,11 @@ def _bad(rank: int, n: int) -> list[str]:
         (lambda: torchdist_ext.all_reduce_into(x[1:], x[:-1]), ValueError),  # partial overlap
         (lambda: torchdist_ext.all_reduce_into([x], x), TypeError),
         (lambda: torchdist_ext.all_reduce_into(torch.empty(10, dtype=torch.complex64),
-                                               torch.ones(10, dtype=torch.complex64)),
+                                               torch.ones(10, dtype=torch.complex64),
+                                               op=dist.ReduceOp.MAX),
+         TypeError),
+        (lambda: torchdist_ext.all_reduce_into(torch.empty(10, dtype=torch.uint32),
+                                               torch.ones(10, dtype=torch.uint32)),
          TypeError),
     ]
     for call, kind in cases:
@@ -178,7 +182,8 @@ def test_bad_arguments_raise_clearly() -> None:
         assert "number of elements" in m[0] and "dtype" in m[1], m
         assert "share part of their memory" in m[2], m[2]
         assert "tensors" in m[3], m[3]
-        assert "cannot reduce" in m[4], m[4]
+        assert "is complex" in m[4] and "MAX" in m[4], m[4]
+        assert "cannot reduce" in m[5], m[5]
 
 
 def _shapes_apart(rank: int, n: int) -> list[str]:

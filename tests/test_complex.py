@@ -151,3 +151,50 @@ def test_complex_reduce_ops_that_are_not_sums_are_refused_by_name() -> None:
         assert "PREMUL_SUM factor is a complex tensor" in res["complex factor"], res
         assert "resolve_conj()" in res["conj"] and res["conj"].startswith("ValueError"), res
         assert res["after"] == ([2 + 4j] * 4 if rank == 0 else [1 + 2j] * 4), res
+
+
+def _complex_odds_and_ends(rank: int, n: int) -> dict:
+    out: dict = {}
+    # dist.all_reduce hands the backend torch's real view, all_reduce_into the complex
+    # tensor: under DETAIL the two forms are still one op.
+    t = torch.full((6,), 1 + 2j, dtype=torch.complex64)
+    if rank == 0:
+        dist.all_reduce(t)
+    else:
+        o = torch.empty_like(t)
+        torchdist_ext.all_reduce_into(o, t.clone())
+        t = o
+    out["mixed forms"] = t.tolist()
+    # complex32 (its parts are float16), and empty tensors.
+    h = torch.full((5,), 1 - 1j, dtype=torch.complex64).to(torch.chalf) * (rank + 1)
+    dist.reduce(h, dst=0)
+    out["complex32"] = h.to(torch.complex64).tolist()
+    e = torch.empty(0, dtype=torch.complex128)
+    dist.reduce_scatter_tensor(torch.empty(0, dtype=torch.complex128), e)
+    dist.reduce(e, dst=0)
+    out["empty"] = "ran"
+    # A complex factor: refused at the call, where torch hands over a real view too.
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.complex64),
+                        op=dist._make_nccl_premul_sum(torch.tensor([1j], dtype=torch.complex64)))
+        out["factor"] = "ran"
+    except (TypeError, ValueError, RuntimeError) as exc:
+        out["factor"] = str(exc)
+    x = torch.ones(3)
+    dist.all_reduce(x)  # the group still works
+    out["after"] = x.tolist()
+    return out
+
+
+def test_complex_odds_and_ends() -> None:
+    """Under TDX_DEBUG=DETAIL: the in-place and out-of-place all_reduce of one complex
+    op agree; complex32 and empty complex tensors reduce; a complex PREMUL_SUM factor is
+    refused at the call without breaking the group."""
+    results = run_ranks(_complex_odds_and_ends, 2, timeout=60, env={"TDX_DEBUG": "DETAIL"})
+    for rank, res in enumerate(results):
+        assert res["mixed forms"] == [2 + 4j] * 6, res
+        assert res["complex32"] == ([3 - 3j] * 5 if rank == 0 else [2 - 2j] * 5), res
+        assert res["empty"] == "ran", res
+        assert "PREMUL_SUM factor is a complex tensor" in res["factor"], res
+        assert f"r{rank}/2" in res["factor"], res
+        assert res["after"] == [2.0] * 3, res

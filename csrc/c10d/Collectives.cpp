@@ -138,7 +138,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
   // they had at the call, not from a neighbour's result.
   prepareCoalescedInputs(ctx, ins, ts, /*outputsMayOverlap=*/true);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
-  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors, tensors,
+  // The inputs handed over are the copies made above, kept alive with the op: a send UCX
+  // could not cancel after an error may still read them.
+  return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors, ins,
                  [this, ts, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ins[i], reds[i]);
                  });
@@ -419,7 +421,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
   }
   prepareCoalescedInputs(ctx, ins, outs, false);
   if (!reds.empty()) noteFingerprint(-1, &reds[0]);
-  return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs, inputs,
+  return enqueue(OpType::COALESCED, "reduce_scatter_tensor_coalesced", outputs, ins,
                  [this, outs, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
                      runReduceScatterInto(*this, ch, outs[i], ins[i], reds[i]);

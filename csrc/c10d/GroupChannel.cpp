@@ -144,7 +144,7 @@ void GroupChannel::wait(const RequestPtr& r) {
                              lostRanksNote(transport_, endpoints_, rank_));
   }
   if (!r->isSend && r->receivedBytes != r->postedBytes) {
-    throw std::runtime_error(
+    throw PeerMismatch(
         "rank " + std::to_string(p.peer) + " sent " + std::to_string(r->receivedBytes) +
         " bytes where " + std::to_string(r->postedBytes) +
         " were expected (step " + std::to_string(p.step) +

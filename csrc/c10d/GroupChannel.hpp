@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,12 @@ namespace tdx {
 // not be the one with the rank that died first, so errors list every lost rank.
 std::string lostRanksNote(const transport::Transport& transport, const std::vector<int>& endpoints,
                           int self);
+
+// A peer's message did not fit this rank's op (another size or dtype): the peers that
+// finished the op, or wait for this rank in a later one, cannot see that themselves.
+struct PeerMismatch : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // A group's scratch memory, lent to each of its ops in turn. One buffer outlives the ops:
 // a fresh one per op was zeroed and, from 16 MiB up, page-faulted in on every op, which

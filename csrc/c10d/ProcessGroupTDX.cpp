@@ -59,21 +59,24 @@ std::string fingerprintOf(c10d::OpType type, const std::string& what,
                           const std::vector<at::Tensor>& tensors, const std::string& extra) {
   std::ostringstream os;
   os << what;
+  const at::Tensor* first = nullptr;
   for (const auto& t : tensors) {
     if (t.defined()) {
-      os << " dtype=" << t.scalar_type();
+      first = &t;
       break;
     }
+  }
+  // A complex all_reduce reaches the backend as torch's real view from dist.all_reduce,
+  // and as the complex tensor itself from all_reduce_into: the same op, counted alike.
+  const bool asReal = type == c10d::OpType::ALLREDUCE && first && first->is_complex();
+  if (first) {
+    os << " dtype="
+       << (asReal ? c10::toRealValueType(first->scalar_type()) : first->scalar_type());
   }
   if (type == c10d::OpType::ALLREDUCE) {
     // Element-wise over the flat data: only the count must agree, so all_reduce and
     // all_reduce_into (whose output may be shaped apart from its input) can meet.
-    for (const auto& t : tensors) {
-      if (t.defined()) {
-        os << " numel=" << t.numel();
-        break;
-      }
-    }
+    if (first) os << " numel=" << first->numel() * (asReal ? 2 : 1);
   } else if (shapesMustMatch(type)) {
     os << " shapes=";
     for (const auto& t : tensors) {
@@ -211,6 +214,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       globalRanks_(std::move(globalRanks)),
       flight_(static_cast<size_t>(std::max<int64_t>(1, env::getInt("TDX_FLIGHT_OPS")))) {
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
+  // Read only when a window opens, where a bad value would quietly cost the group its
+  // windows: checked now, as the other knobs are.
+  if (env::get("TDX_SHM_SPIN_US") != "auto") (void)env::getInt("TDX_SHM_SPIN_US");
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
   fault_ = std::make_shared<Fault>();
@@ -373,7 +379,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
       logEnabled(LogLevel::Detail) || c10d::debug_level() == c10d::DebugLevel::Detail;
-  if (checkFingerprints_) listenForMismatchNotices();
+  // Always: a member that finds a mismatch on its own (a point-to-point header under
+  // DETAIL, a collective's message of the wrong size in any mode) tells the others here.
+  if (size_ > 1) listenForMismatchNotices();
   worker_ = std::thread([this] { runLoop(); });
   retireOnThrow.armed = false;
   init();
@@ -633,6 +641,17 @@ void ProcessGroupTDX::listenForMismatchNotices() {
       });
 }
 
+void ProcessGroupTDX::tellPeers(const std::string& text) {
+  // Kept by the sends' completions; a notice receive holds 1024 bytes.
+  auto message = std::make_shared<std::string>(text.substr(0, 1000));
+  for (size_t q = 0; q < endpoints_.size(); ++q) {
+    if (static_cast<int>(q) == rank_ || transport_->endpointFailed(endpoints_[q])) continue;
+    transport_->isend(endpoints_[q], tag::pointToPoint(groupId_, rank_, tag::kMismatchTag),
+                      message->data(), message->size(), transport::MemType::Host,
+                      [message](transport::Request&) {});
+  }
+}
+
 void ProcessGroupTDX::markBroken(const std::string& reason) {
   std::lock_guard<std::mutex> lock(brokenMu_);
   if (brokenReason_.empty()) brokenReason_ = reason;
@@ -716,6 +735,11 @@ void ProcessGroupTDX::runTask(Task& task) {
         std::string why = errorText(e);
         if (fault_->cutShort.load()) {
           why = fault_->read() + " (this op was cut short by it)";
+        } else if (dynamic_cast<const PeerMismatch*>(&e) != nullptr) {
+          // The sender finished (a broadcast's root): without a word it would run into
+          // this rank only in its next op, at that op's timeout.
+          tellPeers("rank " + std::to_string(rank_) + " gave up on the group: " + what +
+                    " failed: " + why);
         }
         handleFailure(task, what, why, steps, path, /*refused=*/false, error);
       }
@@ -802,7 +826,9 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
   // window could not be made, or that peers' memory cannot be read in place, the
   // choice changes as it does there.
   auto& reg = algorithms::Registry::get();
-  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_);
+  // One snapshot: set_algorithm on another thread must not mix two pin sets.
+  const auto pins = reg.pins();
+  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_, pins.get());
   if (choice.algorithm->link == algorithms::Link::Net) return choice;
   const int outcome = windowOutcome_.load();
   if (outcome == -1) {
@@ -815,7 +841,7 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
   if (outcome == 2 && choice.algorithm->needsCrossMemory) {
     algorithms::Placement noCrossMemory = placement_;
     noCrossMemory.crossMemory = false;
-    return reg.choose(c, bytes, size_, noCrossMemory, costModel_);
+    return reg.choose(c, bytes, size_, noCrossMemory, costModel_, pins.get());
   }
   return choice;
 }

@@ -317,6 +317,9 @@ class ProcessGroupTDX : public c10d::Backend {
   // later ones with that text.
   transport::RequestPtr noticeRecv_;
   void listenForMismatchNotices();
+  // Sends `text` to every other member's notice receive: they give the group up at once,
+  // with this as the reason, instead of waiting for this rank until their timeout.
+  void tellPeers(const std::string& text);
 
   std::mutex enqueueMu_;  // held from taking a sequence number to queueing the op
   std::mutex queueMu_;

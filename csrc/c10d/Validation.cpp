@@ -223,7 +223,8 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
   Reduction r;
   auto dt = toDType(scalar);
   TORCH_CHECK_TYPE(dt.has_value(), ctx, ": cannot reduce tensors of dtype ", scalar,
-                   "; tdx reduces float32/64, float16, bfloat16, int8/16/32/64, uint8 and bool");
+                   "; tdx reduces float32/64, float16, bfloat16, int8/16/32/64, uint8, bool "
+                   "and complex (as its real and imaginary parts)");
   r.dtype = *dt;
   const bool floating = isFloating(r.dtype);
   switch (op.op_) {
@@ -262,6 +263,12 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
         TORCH_CHECK_VALUE(sup->tensor_factor.numel() == 1, ctx,
                           ": the PREMUL_SUM factor tensor must have one element, got ",
                           sup->tensor_factor.numel());
+        // Refused here, at the call: read when the op runs it would fail on the worker
+        // thread and break the group. (torch hands complex tensors over as real views.)
+        TORCH_CHECK_TYPE(!sup->tensor_factor.is_complex(), ctx,
+                         ": the PREMUL_SUM factor is a complex tensor, which would mix the real "
+                         "and imaginary parts; multiply the tensor by it before the op and use "
+                         "SUM");
         r.premulTensor = sup->tensor_factor;
       } else {
         r.premulFactor = sup->double_factor;
@@ -284,14 +291,34 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
   return r;
 }
 
+namespace {
+
+const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM: return "SUM";
+    case c10d::ReduceOp::AVG: return "AVG";
+    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
+    case c10d::ReduceOp::MIN: return "MIN";
+    case c10d::ReduceOp::MAX: return "MAX";
+    case c10d::ReduceOp::BAND: return "BAND";
+    case c10d::ReduceOp::BOR: return "BOR";
+    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "this reduce op";
+  }
+}
+
+} // namespace
+
 at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std::string& name,
                          const c10d::ReduceOp& op) {
   if (!t.defined() || !t.is_complex()) return t;
   const bool sumLike = op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG ||
                        op.op_ == c10d::ReduceOp::PREMUL_SUM;
   TORCH_CHECK_TYPE(sumLike, ctx, ": ", name, " is complex (", t.scalar_type(),
-                   "), which reduces with SUM, AVG or PREMUL_SUM only; this op's reduce op "
-                   "is not defined on complex numbers. Reduce the real and imaginary parts "
+                   "), which reduces with SUM, AVG or PREMUL_SUM only; ",
+                   reduceOpName(op.op_),
+                   " is not defined on complex numbers. Reduce the real and imaginary parts "
                    "(torch.view_as_real) yourself if that is what you mean");
   if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
     auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
