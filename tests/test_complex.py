@@ -48,7 +48,8 @@ def _complex_reductions(rank: int, n: int) -> list:
             out.append((label + " reduce_scatter_tensor", o.to(torch.complex128)))
             inp = full.clone()
             dist.reduce_scatter_tensor(inp.chunk(n)[rank], inp, op=op)
-            out.append((label + " reduce_scatter_tensor in place", inp.chunk(n)[rank].to(torch.complex128)))
+            out.append((label + " reduce_scatter_tensor in place",
+                        inp.chunk(n)[rank].to(torch.complex128)))
             o = torch.empty(COUNT, dtype=dtype)
             dist.reduce_scatter(o, [c.clone() for c in full.chunk(n)], op=op)
             out.append((label + " reduce_scatter", o.to(torch.complex128)))
@@ -67,7 +68,8 @@ def _complex_reductions(rank: int, n: int) -> list:
                 copts = dist.AllreduceCoalescedOptions()
                 copts.reduceOp = op
                 pg.allreduce_coalesced([a, b], copts).wait()
-                out.append((label + " all_reduce_coalesced", torch.cat([a, b]).to(torch.complex128)))
+                out.append((label + " all_reduce_coalesced",
+                            torch.cat([a, b]).to(torch.complex128)))
                 outs = [torch.empty(COUNT, dtype=dtype), torch.empty(3, dtype=dtype)]
                 ins = [full.clone(), full[:3 * n].clone()]
                 ropts = dist.ReduceScatterOptions()

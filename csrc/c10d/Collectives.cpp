@@ -157,7 +157,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
   noteFingerprint(root, &red);
-  return enqueue(OpType::REDUCE, "reduce", {user}, {user}, [this, t, red, root, isRoot](GroupChannel& ch) {
+  return enqueue(OpType::REDUCE, "reduce", {user}, {user},
+                 [this, t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(t, true);
     // The root reduces into its own tensor; other ranks leave theirs untouched.
     host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,

@@ -218,6 +218,25 @@ kernels::Load Reduction::load() const {
   return l;
 }
 
+namespace {
+
+const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM: return "SUM";
+    case c10d::ReduceOp::AVG: return "AVG";
+    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
+    case c10d::ReduceOp::MIN: return "MIN";
+    case c10d::ReduceOp::MAX: return "MAX";
+    case c10d::ReduceOp::BAND: return "BAND";
+    case c10d::ReduceOp::BOR: return "BOR";
+    case c10d::ReduceOp::BXOR: return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
+    default: return "this reduce op";
+  }
+}
+
+} // namespace
+
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                         at::ScalarType scalar, int groupSize) {
   Reduction r;
@@ -226,20 +245,20 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                    "; tdx reduces float32/64, float16, bfloat16, int8/16/32/64, uint8, bool "
                    "and complex (as its real and imaginary parts)");
   r.dtype = *dt;
+  r.name = reduceOpName(op.op_);
   const bool floating = isFloating(r.dtype);
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: r.kind = ReduceKind::Sum; r.name = "SUM"; break;
-    case c10d::ReduceOp::PRODUCT: r.kind = ReduceKind::Product; r.name = "PRODUCT"; break;
-    case c10d::ReduceOp::MIN: r.kind = ReduceKind::Min; r.name = "MIN"; break;
-    case c10d::ReduceOp::MAX: r.kind = ReduceKind::Max; r.name = "MAX"; break;
-    case c10d::ReduceOp::BAND: r.kind = ReduceKind::BitAnd; r.name = "BAND"; break;
-    case c10d::ReduceOp::BOR: r.kind = ReduceKind::BitOr; r.name = "BOR"; break;
-    case c10d::ReduceOp::BXOR: r.kind = ReduceKind::BitXor; r.name = "BXOR"; break;
+    case c10d::ReduceOp::SUM: r.kind = ReduceKind::Sum; break;
+    case c10d::ReduceOp::PRODUCT: r.kind = ReduceKind::Product; break;
+    case c10d::ReduceOp::MIN: r.kind = ReduceKind::Min; break;
+    case c10d::ReduceOp::MAX: r.kind = ReduceKind::Max; break;
+    case c10d::ReduceOp::BAND: r.kind = ReduceKind::BitAnd; break;
+    case c10d::ReduceOp::BOR: r.kind = ReduceKind::BitOr; break;
+    case c10d::ReduceOp::BXOR: r.kind = ReduceKind::BitXor; break;
     case c10d::ReduceOp::AVG:
       TORCH_CHECK_TYPE(r.dtype != DType::Bool, ctx,
                        ": AVG is not defined for bool tensors; use SUM (logical or) or MIN");
       r.kind = ReduceKind::Sum;
-      r.name = "AVG";
       if (floating) {
         // Each rank scales its share by 1/size before the sum (as NCCL does): a sum of
         // float16 values each within range can overflow, their average cannot.
@@ -254,7 +273,6 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                        ": PREMUL_SUM is not defined for bool tensors; use SUM");
       r.kind = ReduceKind::Sum;
       r.premul = true;
-      r.name = "PREMUL_SUM";
       auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
       TORCH_CHECK_VALUE(sup != nullptr, ctx,
                         ": PREMUL_SUM needs a factor; build the op with "
@@ -291,25 +309,6 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
   return r;
 }
 
-namespace {
-
-const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
-  switch (op) {
-    case c10d::ReduceOp::SUM: return "SUM";
-    case c10d::ReduceOp::AVG: return "AVG";
-    case c10d::ReduceOp::PRODUCT: return "PRODUCT";
-    case c10d::ReduceOp::MIN: return "MIN";
-    case c10d::ReduceOp::MAX: return "MAX";
-    case c10d::ReduceOp::BAND: return "BAND";
-    case c10d::ReduceOp::BOR: return "BOR";
-    case c10d::ReduceOp::BXOR: return "BXOR";
-    case c10d::ReduceOp::PREMUL_SUM: return "PREMUL_SUM";
-    default: return "this reduce op";
-  }
-}
-
-} // namespace
-
 at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std::string& name,
                          const c10d::ReduceOp& op) {
   if (!t.defined() || !t.is_complex()) return t;
@@ -320,14 +319,7 @@ at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std:
                    reduceOpName(op.op_),
                    " is not defined on complex numbers. Reduce the real and imaginary parts "
                    "(torch.view_as_real) yourself if that is what you mean");
-  if (op.op_ == c10d::ReduceOp::PREMUL_SUM) {
-    auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-    TORCH_CHECK_TYPE(sup == nullptr || !sup->tensor_factor.defined() ||
-                         !sup->tensor_factor.is_complex(),
-                     ctx, ": ", name, " is complex and the PREMUL_SUM factor is a complex "
-                     "tensor, which would mix the real and imaginary parts; multiply the "
-                     "tensor by it before the op and use SUM");
-  }
+  // A complex PREMUL_SUM factor is refused by makeReduction, for every dtype.
   TORCH_CHECK_VALUE(!t.is_conj(), ctx, ": ", name, " is a conjugate view (its conj bit is "
                     "set), whose memory holds the unconjugated values; call "
                     ".resolve_conj() on it first");

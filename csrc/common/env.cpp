@@ -48,9 +48,9 @@ const std::vector<Knob>& knobs() {
        "torchdist_ext.algorithms()); unset: the cost model picks"},
       {"TDX_SEGMENT_BYTES", "1048576",
        "(at least 4096) transfers that the receiver reduces as they land (RecvReduce) are "
-       "cut into segments of this size, all in flight at once, so reducing one overlaps receiving the next; "
-       "other transfers move as one message; the same on every rank (checked when a group "
-       "is created)"},
+       "cut into segments of this size, all in flight at once, so reducing one overlaps "
+       "receiving the next; other transfers move as one message; the same on every rank "
+       "(checked when a group is created)"},
       {"TDX_SHM", "1",
        "1: ranks of one host may use shared-memory windows (POSIX shm) for collectives; "
        "0: messages only"},
