@@ -206,11 +206,14 @@ def _one_sided_mismatches(rank: int, n: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("shm", ["1", "0"])
-def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str) -> None:
-    """Through the windows (a failure notice in shared memory) and through messages (a
-    notice sent to every member, as across hosts)."""
-    r0, r1 = run_ranks(_one_sided_mismatches, 2, timeout=30, env={"TDX_SHM": shm})
+@pytest.mark.parametrize("shm,algo", [("1", ""), ("0", ""), ("1", "allreduce:ring")],
+                         ids=["windows", "messages", "window-then-message"])
+def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str, algo: str) -> None:
+    """Through the windows (a failure notice in shared memory), through messages (a
+    notice sent to every member, as across hosts), and from a failed window op to a
+    message op (which no window notice reaches: the failing rank tells its peers)."""
+    env = {"TDX_SHM": shm} | ({"TDX_ALGO": algo} if algo else {})
+    r0, r1 = run_ranks(_one_sided_mismatches, 2, timeout=30, env=env)
     if shm == "1":
         assert "split sizes do not match" in r1["all_to_all"], r1
         assert "rank 1 gave up" in r0["all_to_all"] and "split sizes" in r0["all_to_all"], r0

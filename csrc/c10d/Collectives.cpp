@@ -1,5 +1,6 @@
 // The collectives of ProcessGroupTDX: validate on the caller's thread, then queue a body
 // that stages tensors into contiguous host images and runs an algorithm on them.
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <cstring>
@@ -27,8 +28,8 @@ void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
 void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                   const at::Tensor& input, const Reduction& red) {
   const bool inPlace = input.is_same(output);
-  HostImage out(output, /*copyIn=*/inPlace);
-  HostImage in = inPlace ? out : HostImage(input, /*copyIn=*/true);
+  HostImage out(ch, output, /*copyIn=*/inPlace);
+  HostImage in = inPlace ? out : HostImage(ch, input, /*copyIn=*/true);
   host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn,
                   red.load());
   finishAverage(out.data(), out.numel(), red, ch.size());
@@ -37,8 +38,8 @@ void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& outpu
 
 void runAllgatherInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                       const at::Tensor& input) {
-  HostImage in(input, true);
-  HostImage out(output, false);
+  HostImage in(ch, input, true);
+  HostImage out(ch, output, false);
   const size_t block = in.bytes();
   std::vector<Block> blocks;
   for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{out.data() + r * block, block});
@@ -51,8 +52,8 @@ void runAllgatherInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& o
 
 void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                           const at::Tensor& input, const Reduction& red) {
-  HostImage in(input, true);
-  HostImage out(output, false);
+  HostImage in(ch, input, true);
+  HostImage out(ch, output, false);
   const size_t block = out.bytes();
   std::vector<Block> blocks;
   for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{in.data() + r * block, block});
@@ -73,7 +74,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
   const int root = static_cast<int>(opts.rootRank);
   const bool isRoot = root == rank_;
   auto host = [this, t, root, isRoot](GroupChannel& ch) {
-    HostImage img(t, isRoot);
+    HostImage img(ch, t, isRoot);
     host::broadcast(*this, ch, img.data(), img.bytes(), root);
     if (!isRoot) img.copyOut();
   };
@@ -159,7 +160,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
   noteFingerprint(root, &red);
   return enqueue(OpType::REDUCE, "reduce", {user}, {user},
                  [this, t, red, root, isRoot](GroupChannel& ch) {
-    HostImage img(t, true);
+    HostImage img(ch, t, true);
     // The root reduces into its own tensor; other ranks leave theirs untouched.
     host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,
                  red.load());
@@ -181,12 +182,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
   for (int r = 0; r < size_; ++r) {
     checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r), true);
   }
+  checkEntriesDisjoint(ctx, outputs[0], "the output list");
   std::vector<at::Tensor> outs = outputs[0];
   return enqueue(OpType::ALLGATHER, "all_gather", outs, {input}, [this, input, outs](GroupChannel& ch) {
-    HostImage in(input, true);
+    HostImage in(ch, input, true);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
-    for (const auto& o : outs) images.emplace_back(o, false);
+    for (const auto& o : outs) images.emplace_back(ch, o, false);
     for (const auto& img : images) blocks.push_back(blockOf(img));
     Block& mine = blocks[ch.rank()];
     if (mine.bytes > 0 && mine.data != in.data()) std::memmove(mine.data, in.data(), mine.bytes);
@@ -255,10 +257,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
   return enqueue(OpType::ALLGATHER_COALESCED, "all_gather_coalesced", flatOuts, ins,
                  [this, lists, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
-                     HostImage in(ins[i], true);
+                     HostImage in(ch, ins[i], true);
                      std::vector<HostImage> images;
                      std::vector<Block> blocks;
-                     for (const auto& o : lists[i]) images.emplace_back(o, false);
+                     for (const auto& o : lists[i]) images.emplace_back(ch, o, false);
                      for (const auto& img : images) blocks.push_back(blockOf(img));
                      if (in.bytes() > 0) std::memmove(blocks[ch.rank()].data, in.data(), in.bytes());
                      host::allgather(*this, ch, blocks);
@@ -280,8 +282,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
     checkListSize(ctx, outputs.size(), 1, "the root's output list of lists");
     checkListSize(ctx, outputs[0].size(), size_, "the root's gather list");
     for (int r = 0; r < size_; ++r) {
-      checkSameLayout(ctx, input, outputs[0][r], "gather_list[" + std::to_string(r) + "]", true);
+      const std::string name = "gather_list[" + std::to_string(r) + "]";
+      checkSameLayout(ctx, input, outputs[0][r], name, true);
+      // The root's own entry may be its input (gathered in place); another rank's entry
+      // is written while the input may still be read.
+      if (r != root) checkDisjoint(ctx, outputs[0][r], input, "the input");
     }
+    checkEntriesDisjoint(ctx, outputs[0], "the gather list");
     outs = outputs[0];
   } else {
     TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), ctx,
@@ -290,14 +297,61 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
   }
   noteFingerprint(root, nullptr);
   return enqueue(OpType::GATHER, "gather", outs, {input}, [this, input, outs, root](GroupChannel& ch) {
-    HostImage in(input, true);
+    HostImage in(ch, input, true);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
-    for (const auto& o : outs) images.emplace_back(o, false);
+    for (const auto& o : outs) images.emplace_back(ch, o, false);
     for (const auto& img : images) blocks.push_back(blockOf(img));
     host::gather(*this, ch, blockOf(in), blocks, root);
     for (auto& img : images) img.copyOut();
   });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather_single(
+    at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) {
+  const std::string ctx = prefix() + " gather_single";
+  checkTensor(ctx, input, "input");
+  checkRank(ctx, opts.rootRank, size_, "root rank");
+  const int root = static_cast<int>(opts.rootRank);
+  const bool isRoot = rank_ == root;
+  at::Tensor in = input, out = output;
+  // Ranks other than the root receive nothing: torch hands them an empty tensor.
+  if (isRoot) {
+    checkSameLayout(ctx, input, output, "output", false);
+    TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, ctx, ": output has ",
+                      output.numel(), " elements but must have input.numel() * world_size = ",
+                      input.numel() * size_, "; allocate the output as world_size inputs");
+    // In place, the input is the root's block of the output. Copies staged for
+    // non-contiguous tensors are read before, and written back after, the op.
+    if (input.numel() > 0 && input.is_contiguous() && output.is_contiguous()) {
+      const auto overlap = at::get_overlap_status(input, output);
+      const char* own = static_cast<const char*>(output.data_ptr()) +
+                        root * input.numel() * input.element_size();
+      TORCH_CHECK_VALUE(overlap == at::MemOverlapStatus::No ||
+                            overlap == at::MemOverlapStatus::TooHard || input.data_ptr() == own,
+                        ctx, ": the input shares memory with the output but is not the "
+                        "root's block of it, which other ranks' blocks would overwrite; pass "
+                        "an input of its own, or gather in place with input = "
+                        "output.view(-1).chunk(world_size)[", root, "]");
+    }
+  }
+  noteFingerprint(root, nullptr);
+  std::vector<at::Tensor> outs;
+  if (isRoot) outs.push_back(out);
+  return enqueue(OpType::GATHER, "gather_single", outs, {in},
+                 [this, in, out, root, isRoot](GroupChannel& ch) {
+                   HostImage inImg(ch, in, true);
+                   HostImage outImg;
+                   std::vector<Block> blocks;
+                   if (isRoot) {
+                     outImg = HostImage(ch, out, false);
+                     for (int r = 0; r < ch.size(); ++r) {
+                       blocks.push_back(Block{outImg.data() + r * inImg.bytes(), inImg.bytes()});
+                     }
+                   }
+                   host::gather(*this, ch, blockOf(inImg), blocks, root);
+                   if (isRoot) outImg.copyOut();
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
@@ -313,7 +367,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
     checkListSize(ctx, inputs.size(), 1, "the root's input list of lists");
     checkListSize(ctx, inputs[0].size(), size_, "the root's scatter list");
     for (int r = 0; r < size_; ++r) {
-      checkSameLayout(ctx, output, inputs[0][r], "scatter_list[" + std::to_string(r) + "]", true);
+      const std::string name = "scatter_list[" + std::to_string(r) + "]";
+      checkSameLayout(ctx, output, inputs[0][r], name, true);
+      // The root's own entry may be its output (scattered in place); another rank's
+      // entry is still to be sent when the output is written.
+      if (r != root) checkDisjoint(ctx, output, inputs[0][r], name);
     }
     ins = inputs[0];
   } else {
@@ -323,10 +381,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
   }
   noteFingerprint(root, nullptr);
   return enqueue(OpType::SCATTER, "scatter", {output}, ins, [this, output, ins, root](GroupChannel& ch) {
-    HostImage out(output, false);
+    HostImage out(ch, output, false);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
-    for (const auto& i : ins) images.emplace_back(i, true);
+    for (const auto& i : ins) images.emplace_back(ch, i, true);
     for (const auto& img : images) blocks.push_back(blockOf(img));
     host::scatter(*this, ch, blocks, blockOf(out), root);
     out.copyOut();
@@ -368,9 +426,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
                  [this, output = out, ins, red](GroupChannel& ch) {
                    std::vector<HostImage> images;
                    std::vector<Block> blocks;
-                   for (const auto& i : ins) images.emplace_back(i, true);
+                   for (const auto& i : ins) images.emplace_back(ch, i, true);
                    for (const auto& img : images) blocks.push_back(blockOf(img));
-                   HostImage out(output, false);
+                   HostImage out(ch, output, false);
                    host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
                                        red.fn, red.load());
                    finishAverage(out.data(), out.numel(), red, ch.size());
@@ -450,6 +508,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
       int64_t sum = 0;
       for (int64_t s : splits) {
         TORCH_CHECK_VALUE(s >= 0, ctx, ": ", name, " has a negative split size ", s);
+        // Checked before adding: a sum past int64's range would wrap and could match.
+        TORCH_CHECK_VALUE(s <= t.size(0) - sum, ctx, ": ", name, " sum to more than the ",
+                          t.size(0), " rows the tensor has along dim 0");
         sum += s;
       }
       TORCH_CHECK_VALUE(sum == t.size(0), ctx, ": ", name, " sum to ", sum, " but the tensor has ",
@@ -469,13 +530,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
   at::Tensor in = input, out = output;
   return enqueue(OpType::ALLTOALL_BASE, "all_to_all_single", {out}, {in},
                  [this, in, out, inRows, outRows, row](GroupChannel& ch) {
-                   HostImage inImg(in, true);
-                   HostImage outImg(out, false);
+                   HostImage inImg(ch, in, true);
+                   HostImage outImg(ch, out, false);
                    at::Tensor src = inImg.host();
                    // In place (output aliases input): send from a private copy.
                    if (inImg.bytes() > 0 && outImg.data() < inImg.data() + inImg.bytes() &&
                        inImg.data() < outImg.data() + outImg.bytes()) {
                      src = src.clone();
+                     ch.keep(std::make_shared<at::Tensor>(src));  // sends read it
                    }
                    const size_t rowBytes = row * in.element_size();
                    std::vector<Block> sends, recvs;
@@ -507,8 +569,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
     std::vector<HostImage> inImgs, outImgs;
     std::vector<at::Tensor> srcs;
     std::vector<Block> sends, recvs;
-    for (const auto& t : ins) inImgs.emplace_back(t, true);
-    for (const auto& t : outs) outImgs.emplace_back(t, false);
+    for (const auto& t : ins) inImgs.emplace_back(ch, t, true);
+    for (const auto& t : outs) outImgs.emplace_back(ch, t, false);
     for (int r = 0; r < ch.size(); ++r) {
       // Outputs may alias inputs; send from private copies when they do.
       at::Tensor src = inImgs[r].host();
@@ -516,6 +578,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
         if (src.numel() > 0 && o.data() < inImgs[r].data() + inImgs[r].bytes() &&
             inImgs[r].data() < o.data() + o.bytes()) {
           src = src.clone();
+          ch.keep(std::make_shared<at::Tensor>(src));  // sends read it
           break;
         }
       }

@@ -21,12 +21,6 @@ namespace tdx {
 std::string lostRanksNote(const transport::Transport& transport, const std::vector<int>& endpoints,
                           int self);
 
-// A peer's message did not fit this rank's op (another size or dtype): the peers that
-// finished the op, or wait for this rank in a later one, cannot see that themselves.
-struct PeerMismatch : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 // A group's scratch memory, lent to each of its ops in turn. One buffer outlives the ops:
 // a fresh one per op was zeroed and, from 16 MiB up, page-faulted in on every op, which
 // on the development VM cost more than the transfer it staged (a 16 MiB message reduced
@@ -84,6 +78,14 @@ class GroupChannel final : public algorithms::Channel {
   // and the caller keeps the op's tensors alive.
   bool quiesce();
 
+  // Keeps `owner` (memory that this op's transfers read or write, such as a staged copy
+  // of a tensor) alive as long as the channel. An error unwinds the op's frames before
+  // quiesce() runs, so a buffer owned only by a frame would be freed while a transfer
+  // UCX has not stopped yet still uses it; one that cannot be stopped leaks it instead.
+  void keep(std::shared_ptr<const void> owner) {
+    held_.push_back(std::move(owner));
+  }
+
   transport::Clock::time_point deadline() const {
     return deadline_;
   }
@@ -124,6 +126,7 @@ class GroupChannel final : public algorithms::Channel {
   std::vector<Posted> posted_;
   ScratchBuffer& scratch_;
   bool scratchUsed_ = false;  // this op took the scratch (so an unclean end abandons it)
+  std::vector<std::shared_ptr<const void>> held_;  // see keep()
   bool quiesced_ = false;
   bool clean_ = true;
   uint32_t stepsDone_ = 0;

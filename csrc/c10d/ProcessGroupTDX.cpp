@@ -2,6 +2,7 @@
 // The collectives themselves are in Collectives.cpp.
 #include "c10d/ProcessGroupTDX.hpp"
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -679,6 +680,11 @@ std::string ProcessGroupTDX::brokenReason() {
 }
 
 void ProcessGroupTDX::runTask(Task& task) {
+  // The op writes its outputs as a backend does, below autograd: this thread has none of
+  // the caller's no_grad or inference mode, and a copy back into a leaf that requires
+  // grad, or into an inference tensor, would be refused here though the caller's call
+  // was right.
+  at::AutoDispatchBelowADInplaceOrView belowAutograd;
   const std::string& what = task.work->description();
   std::exception_ptr error;
   uint32_t steps = 0;
@@ -735,9 +741,12 @@ void ProcessGroupTDX::runTask(Task& task) {
         std::string why = errorText(e);
         if (fault_->cutShort.load()) {
           why = fault_->read() + " (this op was cut short by it)";
-        } else if (dynamic_cast<const PeerMismatch*>(&e) != nullptr) {
-          // The sender finished (a broadcast's root): without a word it would run into
-          // this rank only in its next op, at that op's timeout.
+        } else {
+          // This rank gives the group up. Peers that finished the op without it (a
+          // broadcast root, window ranks that wait for nobody, ranks that reached the op
+          // while this one timed out on another) would otherwise run into it only in a
+          // later op, at that op's timeout. A notice that cut this op short came from a
+          // peer that has told everyone already.
           tellPeers("rank " + std::to_string(rank_) + " gave up on the group: " + what +
                     " failed: " + why);
         }
@@ -1121,6 +1130,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
             guard.reset_stream(stream);
             if (ready) ready->block(stream);
           }
+          at::AutoDispatchBelowADInplaceOrView belowAutograd;  // as in runTask
           t.copy_(host);
           if (!t.is_cpu()) syncCurrentStream(t.device());
         } catch (const std::exception& e) {

@@ -78,6 +78,11 @@ class ProcessGroupTDX : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
+  // The single-tensor gather (dist.gather_single): the root's output holds world_size
+  // inputs back to back. Declared without `override`: the virtual is newer than some of
+  // the torch releases this source builds against, where it is simply never called.
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input,
+                                               const c10d::GatherOptions& opts);
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override;

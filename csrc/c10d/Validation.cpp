@@ -85,6 +85,22 @@ void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::T
                     "output of its own");
 }
 
+void checkEntriesDisjoint(const std::string& ctx, const std::vector<at::Tensor>& list,
+                          const std::string& what) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    if (list[i].numel() == 0) continue;
+    for (size_t j = i + 1; j < list.size(); ++j) {
+      if (list[j].numel() == 0) continue;
+      const auto overlap = at::get_overlap_status(list[i], list[j]);
+      TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full &&
+                            overlap != at::MemOverlapStatus::Partial,
+                        ctx, ": entries ", i, " and ", j, " of ", what,
+                        " share memory, so their elements would be written twice with "
+                        "different values; pass a tensor of its own for each entry");
+    }
+  }
+}
+
 void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
                              const at::Tensor& input, int rank) {
   // A non-contiguous tensor is staged through a copy of its own (and the GPU path takes
@@ -326,13 +342,14 @@ at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std:
   return at::view_as_real(t);
 }
 
-HostImage::HostImage(const at::Tensor& t, bool copyIn) : user_(t) {
+HostImage::HostImage(GroupChannel& ch, const at::Tensor& t, bool copyIn) : user_(t) {
   if (t.is_cpu() && t.is_contiguous()) {
-    host_ = t;
+    host_ = t;  // the caller's tensor, which the op's task keeps alive
     return;
   }
   staged_ = true;
   host_ = at::empty(t.sizes(), t.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
+  ch.keep(std::make_shared<at::Tensor>(host_));
   if (copyIn) host_.copy_(t);
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "c10d/GroupChannel.hpp"
 #include "common/types.h"
 #include "kernels/reduce.h"
 
@@ -31,6 +32,11 @@ void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
 // `output` shares no memory with `input` (`name` in the message).
 void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::Tensor& input,
                    const std::string& name);
+// The tensors of one output list (all_gather's, gather's) share no memory with each
+// other: an element written twice would hold whichever write came last, which differs
+// between algorithms and ranks.
+void checkEntriesDisjoint(const std::string& ctx, const std::vector<at::Tensor>& list,
+                          const std::string& what);
 // reduce_scatter_tensor: an output inside the input must be exactly this rank's block
 // (the in-place form); one shifted from it would be overwritten while still being read.
 void checkOwnBlockOrDisjoint(const std::string& ctx, const at::Tensor& output,
@@ -80,11 +86,12 @@ at::Tensor reducibleView(const std::string& ctx, const at::Tensor& t, const std:
                          const c10d::ReduceOp& op);
 
 // A contiguous host image of a tensor for the duration of one op: the tensor itself when
-// it is a contiguous CPU tensor, otherwise a staged copy that copyOut() writes back.
+// it is a contiguous CPU tensor, otherwise a staged copy that copyOut() writes back. The
+// op's channel keeps the copy alive (GroupChannel::keep): its transfers use it.
 class HostImage {
  public:
   HostImage() = default;
-  HostImage(const at::Tensor& t, bool copyIn);
+  HostImage(GroupChannel& ch, const at::Tensor& t, bool copyIn);
   char* data() const {
     return static_cast<char*>(host_.data_ptr());
   }
