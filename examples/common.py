@@ -25,7 +25,8 @@ import torchdist_ext  # noqa: E402,F401  (registers "tdx")
 from data import NUM_CLASSES, NUM_FEATURES, spirals, split  # noqa: E402
 
 __all__ = [
-    "NUM_CLASSES", "NUM_FEATURES", "parse_args", "setup", "make_model", "load_data",
+    "NUM_CLASSES", "NUM_FEATURES", "parse_args", "check_device", "device_name",
+    "positive_int", "setup", "make_model", "load_data",
     "shard", "batches", "mean_over_ranks", "print0", "train",
 ]
 
@@ -45,7 +46,40 @@ def parse_args(doc: str, extra=None, **defaults) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     if extra is not None:
         extra(p)
-    return p.parse_args()
+    args = p.parse_args()
+    check_device(p, args.device)
+    return args
+
+
+def check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Refuse ``--device cuda`` (or ``cuda:N``) where no GPU is visible, before any process
+    group starts (the GPU index would otherwise divide by a device count of 0). The one
+    place the examples say so."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA device is visible to this process; "
+                     "use --device cpu")
+
+
+def device_name(text: str) -> str:
+    """An argparse type: ``cpu``, ``cuda`` or ``cuda:N``."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N")
+    return text
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def setup(args: argparse.Namespace) -> tuple[int, int, torch.device]:

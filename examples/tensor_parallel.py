@@ -24,12 +24,23 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import load_data, make_model, parse_args, print0, setup, shard, train  # noqa: E402
+from common import (  # noqa: E402
+    load_data,
+    make_model,
+    parse_args,
+    positive_int,
+    print0,
+    setup,
+    shard,
+    train,
+)
 
 
 def main() -> None:
+    # --tp 0 would divide by zero below; it is refused as the arguments are parsed.
     args = parse_args(__doc__, extra=lambda p: p.add_argument(
-        "--tp", type=int, default=2, help="tensor-parallel degree; the rest of the ranks is data parallel"))
+        "--tp", type=positive_int, default=2,
+        help="tensor-parallel degree, at least 1; the rest of the ranks is data parallel"))
     rank, world, device = setup(args)
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")

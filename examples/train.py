@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchdist_ext  # noqa: E402,F401  (registers "tdx")
+from common import check_device, device_name  # noqa: E402
 from data import NUM_CLASSES, NUM_FEATURES, spirals, split  # noqa: E402
 
 
@@ -39,8 +40,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args()
+    p.add_argument("--device", type=device_name,
+                   default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default cuda when a GPU is visible); on "
+                        "cuda each rank takes the GPU of its LOCAL_RANK (modulo the GPU "
+                        "count), whatever N says")
+    args = p.parse_args()
+    check_device(p, args.device)
+    return args
 
 
 def main() -> None:

@@ -73,11 +73,9 @@ def test_bench_detects_wrong_results(tmp_path: Path) -> None:
                                  warmup=0, quiet=True, progress=False, _corrupt=True))
     finally:
         dist.destroy_process_group()
-    assert len(rows) == 4 * 2 * 2
+    # sendrecv is skipped at one rank (it has no peer), with a note rather than a row
+    assert len(rows) == 3 * 2 * 2 and "sendrecv" not in {r["op"] for r in rows}
     for r in rows:
-        if r["op"] == "sendrecv":  # one rank has no peer: the row says so
-            assert "needs at least 2 ranks" in r["oop_error"], r
-            continue
         assert r["oop_error"] is None and r["oop_wrong"] == 1, r
         if r["op"] != "all_to_all":
             assert r["ip_wrong"] == 1, r
@@ -640,3 +638,394 @@ def test_spawner_stops_a_rank_that_never_finishes(monkeypatch: pytest.MonkeyPatc
                                            r"of rank\(s\) \[1\]"):
         runner._spawn(Options(world=2, timeout=2.0), child=_lead_that_never_finishes)
     assert time.monotonic() - start < 30
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments refused before any rank starts (no spawn: each test stops the CLI before it
+# would measure, or runs on a one-rank group in this process)
+# ---------------------------------------------------------------------------------------
+
+def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one-line usage error ``bench.main(argv)`` exits with (status 2)."""
+    with pytest.raises(SystemExit) as info:
+        bench.main(argv)
+    assert info.value.code == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "Traceback" not in err, err
+    return err
+
+
+@pytest.fixture
+def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any attempt to measure fails the test: the refusals must come first."""
+    from torchdist_ext.bench import calibrate, cli, runner, tune
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measuring started before the arguments were refused")
+
+    for module, name in ((cli, "run"), (runner, "_spawn"), (calibrate, "calibrate"),
+                         (tune, "tune")):
+        monkeypatch.setattr(module, name, measured)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "tdx,bogus"], "unknown backend(s) bogus in backends (--backends); use "
+                                  "tdx, gloo, nccl"),
+    (["--op", "broadcast", "-r", "2", "--world", "2"],
+     "root 2 (-r) is not a rank of a world of 2, and broadcast take(s) a root"),
+    (["--op", "all", "-r", "-1"], "root must be a rank"),
+    (["--timeout", "0"], "timeout (--timeout) must be a number of seconds > 0"),
+    (["--timeout", "-5"], "timeout (--timeout) must be a number of seconds > 0"),
+    (["--timeout", "nan"], "timeout (--timeout) must be a number of seconds > 0"),
+    (["-o", "band"], "band needs an integer or bool dtype, not float32"),
+    (["-o", "bxor", "-d", "float64"], "bxor needs an integer or bool dtype, not float64"),
+    (["-o", "bor", "-d", "complex64"], "bor needs an integer or bool dtype, not complex64"),
+    (["-o", "premul_sum", "--premul-factor", "nan"], "must be a finite number, got nan"),
+    (["-o", "premul_sum", "--premul-factor", "inf"], "must be a finite number, got inf"),
+    (["--op", "sendrecv", "--world", "1"], "--op sendrecv needs at least 2 ranks"),
+    (["--json", "/nonexistent-dir/rows.json"],
+     "--json /nonexistent-dir/rows.json: directory /nonexistent-dir does not exist"),
+    (["--plot", "/nonexistent-dir/busbw.png"], "directory /nonexistent-dir does not exist"),
+    (["calibrate", "--ops", "sendrecv"], "--ops sendrecv: point-to-point has no algorithms"),
+    (["calibrate", "--ops", "bogus"], "unknown op 'bogus' in --ops; use all or any of "
+                                      "all_reduce, all_gather, broadcast, reduce_scatter, "
+                                      "all_to_all, reduce"),
+    (["calibrate", "--world", "1"], "--world 1: one rank sends no messages"),
+    (["calibrate", "--timeout", "0"], "timeout (--timeout) must be a number of seconds > 0"),
+    (["calibrate", "--json", "/nonexistent-dir/fit.json"], "directory /nonexistent-dir does"),
+    (["calibrate", "--out", "/dev/null/cal.json"], "--out /dev/null/cal.json: /dev/null is "
+                                                   "not a directory"),
+    (["tune", "--ops", "sendrecv"], "--ops sendrecv: point-to-point has no algorithms to pin, "
+                                    "so there is nothing to tune"),
+    (["tune", "--ops", "bogus"], "use all or any of all_reduce, all_gather, broadcast, "
+                                 "reduce_scatter, reduce"),
+    (["tune", "--out", "/dev/null/cal.json"], "/dev/null is not a directory"),
+    (["tune", "--json", "/nonexistent-dir/t.json", "--dry-run"], "does not exist"),
+])
+def test_bad_arguments_are_refused_before_measuring(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
+        no_measuring: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)  # a run of its own, not under torchrun
+    assert message in _refused(argv, capsys)
+
+
+def test_out_that_is_a_directory_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            no_measuring: None) -> None:
+    """A directory is no file to write (--json, --plot) or read (tune --out, even in a dry
+    run, prices its picks with it)."""
+    for argv in (["--json", str(tmp_path)], ["--plot", str(tmp_path)],
+                 ["calibrate", "--out", str(tmp_path)],
+                 ["tune", "--out", str(tmp_path), "--dry-run"]):
+        assert f"{tmp_path}: is a directory" in _refused(argv, capsys), argv
+    assert "cannot write .xyz files" in _refused(["--plot", str(tmp_path / "p.xyz")], capsys)
+
+
+def test_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_measuring: None,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--device cuda: no CUDA device is visible" in _refused(["--device", "cuda"], capsys)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        bench.run(Options(device="cuda", world=2))  # the Python entry point, before spawning
+
+
+def test_arguments_that_are_fine_pass(no_measuring: None) -> None:
+    """What the checks must not refuse: a root beyond the world for ops without one, and
+    the bitwise reductions on integer and bool dtypes."""
+    assert bench.options_from_args(["--op", "all_reduce,all_gather", "-r", "5"]).root == 5
+    assert bench.options_from_args(["-o", "band", "-d", "int32"]).redop == "band"
+    assert bench.options_from_args(["-o", "bxor", "-d", "bool"]).dtype == "bool"
+    assert Options(backends="tdx,nccl", device="cuda").backends == ("tdx", "nccl")
+    # nccl on CPU is no error: the run leaves it out with a note (see below)
+    assert bench.options_from_args(["--backends", "tdx,gloo,nccl"]).backends == (
+        "tdx", "gloo", "nccl")
+
+
+@pytest.mark.parametrize("command, wanted", [
+    ("calibrate", ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all",
+                   "reduce")),
+    ("tune", ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce")),
+])
+def test_ops_all_means_every_op_that_can_be_measured(
+        command: str, wanted: tuple[str, ...], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """``--ops all`` is what the error message offers; it stands for every op with
+    algorithms to pin (and, for tune, a size its rules can go by)."""
+    from torchdist_ext.bench import calibrate, tune
+
+    seen: dict[str, object] = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(**kwargs: object) -> None:
+        seen.update(kwargs)
+        raise Stop
+
+    module = calibrate if command == "calibrate" else tune
+    real = getattr(module, command)
+    monkeypatch.setattr(module, command, fake)
+    monkeypatch.setattr(module, "run", lambda opts: pytest.fail("measured"))
+    monkeypatch.setenv("TDX_CALIBRATION", str(tmp_path / "cal.json"))  # tune --out sets it
+    with pytest.raises(Stop):
+        bench.main([command, "--ops", "all", "--world", "2", "--dry-run",
+                    "--out", str(tmp_path / "cal.json")])
+    assert tuple(seen["ops"]) == wanted  # type: ignore[arg-type]
+    # The Python entry point refuses point-to-point before measuring, too.
+    with pytest.raises(ValueError, match="--ops sendrecv: point-to-point"):
+        real(ops=["sendrecv"])
+
+
+def test_calibrate_refuses_one_rank_from_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchdist_ext.bench import calibrate
+
+    monkeypatch.setattr(calibrate, "run", lambda opts: pytest.fail("measured"))
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="^world=1: one rank sends no messages"):
+        calibrate.calibrate(world=1)
+    # The one rank may come from torchrun's environment: the message says so.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="^WORLD_SIZE=1: one rank sends no messages"):
+        calibrate.calibrate(world=4)
+
+
+def test_calibrate_saves_the_fit_before_the_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--json that turns out unwritable after the measurements (its directory removed
+    meanwhile) costs the --json, never the fit: --out is saved first."""
+    import shutil
+
+    from torchdist_ext import calibration
+    from torchdist_ext.bench import calibrate
+
+    out, gone = tmp_path / "cal.json", tmp_path / "gone"
+    gone.mkdir()
+    local = {"alpha": 1e-6, "beta": 1e-10, "gamma": 1e-10}
+
+    def fake(**kwargs: object) -> dict:
+        shutil.rmtree(gone)  # the --json directory vanishes while "measuring"
+        return {"links": {"local": local}, "points": []}
+
+    monkeypatch.setattr(calibrate, "calibrate", fake)
+    monkeypatch.setattr(calibrate, "report_lines", lambda data: ["# report"])
+    monkeypatch.delenv("RANK", raising=False)
+    rc = bench.main(["calibrate", "--out", str(out), "--json", str(gone / "fit.json")])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert calibration.load(out)["links"]["local"] == local
+    assert f"# saved to {out}" in captured.out
+    assert f"--json {gone / 'fit.json'}: could not write it" in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_no_rows_says_why(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows missing because no backend could run are not blamed on the sweep (-b/-e);
+    with -q the reasons still show. One rank in this process, no spawn."""
+    import torch.distributed as dist
+
+    from torchdist_ext.bench import runner
+
+    monkeypatch.setattr(runner, "_skip_reason",
+                        lambda backend, device, local_world: f"{backend} skipped: test")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        rc = bench.main(["--op", "all_reduce", "--backends", "gloo", "-b", "1K", "-e", "1K",
+                         "-q", "--no-progress"])
+        err = capfd.readouterr().err
+        assert rc == 1
+        assert "no backend under test could run" in err and "widen -b/-e" not in err, err
+        assert "gloo skipped: test" in err, err
+        monkeypatch.undo()
+        # A sweep with no whole element per rank is still told to widen -b/-e.
+        rc = bench.main(["--op", "all_reduce", "--backends", "gloo", "-b", "2", "-e", "2",
+                         "-q", "--no-progress"])
+        assert rc == 1 and "widen -b/-e" in capfd.readouterr().err
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sendrecv_at_one_rank_is_skipped_not_failed(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``--op all`` at one rank: sendrecv (no peer) is left out with a note and the run
+    passes. One rank in this process, no spawn."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        rc = bench.main(["--op", "all", "--backends", "gloo", "-b", "1K", "-e", "1K",
+                         "-n", "1", "-w", "0", "--no-progress"])
+    finally:
+        dist.destroy_process_group()
+    out = capfd.readouterr().out
+    assert rc == 0, out
+    assert "sendrecv skipped: it needs at least 2 ranks, and this run has 1" in out
+    assert "Failed ops" not in out
+
+
+@pytest.fixture
+def backend_model():
+    """The backend's cost model and rules, restored after the test."""
+    from torchdist_ext import _C
+
+    model, rules = torchdist_ext.cost_model(), _C._cost_rules()
+    try:
+        yield
+    finally:
+        _C._set_cost_rules(rules)
+        torchdist_ext.set_cost_model(model)
+
+
+@pytest.mark.parametrize("content", [None, {"rules": [{
+    "collective": "broadcast", "world": 2, "placement": "windows", "crowded": False,
+    "min_bytes": 0, "max_bytes": 1e9, "algorithm": "tree"}]}])
+def test_tune_out_prices_with_what_the_ranks_load(
+        content: dict | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        backend_model: None) -> None:
+    """tune --out FILE, FILE missing or without links: the ranks it spawns load FILE over
+    the defaults, so the parent must price the model's picks with the defaults too, not
+    with the host's calibration it loaded at import."""
+    from torchdist_ext import _C, calibration
+    from torchdist_ext.bench import tune
+
+    host = {link: {"alpha": 1.0, "beta": 1.0, "gamma": 1.0} for link in calibration.LINKS}
+    torchdist_ext.set_cost_model(host)  # as if the host's file had said so
+    out = tmp_path / "tuned.json"
+    if content is not None:
+        out.write_text(json.dumps(content))
+    seen: dict[str, object] = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(**kwargs: object) -> None:
+        seen["model"], seen["rules"] = torchdist_ext.cost_model(), _C._cost_rules()
+        raise Stop
+
+    monkeypatch.setattr(tune, "tune", fake)
+    monkeypatch.setenv("TDX_CALIBRATION", str(tmp_path / "host.json"))  # main changes it
+    with pytest.raises(Stop):
+        tune.main(["--out", str(out), "--ops", "broadcast", "--dry-run"])
+    assert seen["model"] == calibration.DEFAULT_LINKS
+    assert seen["rules"] == (content or {}).get("rules", [])
+    assert os.environ["TDX_CALIBRATION"] == str(out)  # what the ranks will load
+
+
+def test_nccl_without_cuda_is_a_note_not_an_error(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``--backends gloo,nccl`` on CPU runs gloo and leaves nccl out with a note (the
+    run's own skip, not a refusal of the arguments). One rank in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        rc = bench.main(["--op", "all_reduce", "--backends", "gloo,nccl", "-b", "1K",
+                         "-e", "1K", "-n", "1", "-w", "0", "--no-progress"])
+    finally:
+        dist.destroy_process_group()
+    out = capfd.readouterr().out
+    why = "it needs --device cuda" if dist.is_nccl_available() else "this torch has no NCCL"
+    assert rc == 0, out
+    assert f"nccl skipped: {why}" in out, out
+
+
+def test_output_paths_that_exist_and_are_writable_pass(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_measuring: None) -> None:
+    """--json and --plot open their file: one that exists and is writable will do, in a
+    directory this process may not write (/dev/stdout, /dev/null). calibrate and tune
+    save --out through a temporary file renamed over it: there only the directory counts."""
+    from torchdist_ext.bench import report
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    existing = locked / "rows.json"
+    existing.write_text("")
+    real_access = os.access
+    # As if `locked` were read-only (root may write anywhere, so pretend).
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode))
+    assert report.unwritable(existing, "--json") is None
+    assert "directory" in report.unwritable(locked / "new.json", "--json")
+    assert f"directory {locked} is not writable" in report.unwritable(existing, "--out",
+                                                                     replaced=True)
+    monkeypatch.undo()
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.options_from_args(["--json", "/dev/null"]).json_path == "/dev/null"
+    assert report.unwritable("/dev/stdout", "--json") is None
+
+
+def test_bad_json_in_an_initialised_group_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In a group already initialised, rank 0 judges the --json path after the group
+    agrees (every rank learns its answer); the CLI exits with it as a usage error."""
+    import torch.distributed as dist
+
+    from torchdist_ext.bench import runner
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        assert runner.launched()
+        err = _refused(["--json", "/nonexistent-dir/rows.json", "-b", "1K", "-e", "1K"],
+                       capsys)
+    finally:
+        dist.destroy_process_group()
+    assert "rank 0: --json /nonexistent-dir/rows.json: directory /nonexistent-dir" in err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "/nonexistent-dir/rows.json", "-b", "1K", "-e", "1K"],
+     "--json /nonexistent-dir/rows.json: directory /nonexistent-dir does not exist"),
+    (["calibrate", "--dry-run", "--json", "/nonexistent-dir/fit.json"],
+     "--json /nonexistent-dir/fit.json: directory /nonexistent-dir does not exist"),
+    (["tune", "--out", "/dev/null/cal.json"], "--out /dev/null/cal.json: /dev/null is not a "
+                                              "directory"),
+], ids=["bench", "calibrate", "tune"])
+def test_bad_output_under_torchrun_stops_every_rank(argv: list[str], message: str,
+                                                    tmp_path: Path) -> None:
+    """Two ranks launched as torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR/PORT):
+    only rank 0 writes the outputs, so only it can judge the path; both ranks must still
+    exit at once with its usage error, not rank 0 alone while rank 1 waits for it until
+    the group timeout."""
+    import time
+
+    timeout = 60
+    port = _free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "TDX_CALIBRATION": str(tmp_path / "cal.json")}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torchdist_ext.bench", *argv, "--timeout", str(timeout),
+             "--no-progress"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=4 * timeout)
+            results.append((p.returncode, err, time.monotonic() - start))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (rc, err, elapsed) in enumerate(results):
+        assert rc == 2, (rank, err)
+        last = err.strip().splitlines()[-1]
+        assert f"error: rank 0: {message}" in last, (rank, err)
+        assert "Traceback" not in err, (rank, err)
+        assert elapsed < timeout, (rank, elapsed)  # nobody waited out the group timeout
+    assert not (tmp_path / "cal.json").exists()

@@ -9,6 +9,9 @@ Importing this package registers the backend for CPU and CUDA tensors::
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 import os
 from datetime import timedelta
 from typing import Any
@@ -110,8 +113,23 @@ def _tdx_backend_for(pg: Any, device: torch.device) -> Any:
     return backend if isinstance(backend, _C.ProcessGroupTDX) else None
 
 
-def _tdx_backend(group: Any = None) -> Any:
+def _this_rank() -> str:
+    return str(dist.get_rank()) if dist.is_initialized() else "?"
+
+
+def _tdx_backend(group: Any = None, what: str = "this call") -> Any:
+    """``group``'s tdx backend (default: the world's) for a query that ``what`` names."""
+    if dist.distributed_c10d._rank_not_in_group(group):
+        # new_group() hands ranks outside the group a placeholder, not a ProcessGroup:
+        # there is no placement, model or record of it here to answer with.
+        raise ValueError(
+            f"[tdx rank {_this_rank()}] {what}: this rank is not a member of the group "
+            "(new_group returned a non-member placeholder here); call it only on the "
+            "group's own ranks")
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"[tdx rank {_this_rank()}] {what}: group must be a process group "
+                        f"(from new_group), not {type(pg).__name__}")
     for device in ("cpu", "cuda"):
         backend = _tdx_backend_for(pg, torch.device(device))
         if backend is not None:
@@ -182,7 +200,7 @@ def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
     ``failed``), the transfers it completed, its error and its timing. A failed or
     timed-out op also logs this table, and writes it under ``TDX_DUMP_DIR`` when set.
     """
-    return list(_tdx_backend(group).flight_record())
+    return list(_tdx_backend(group, "flight_recorder").flight_record())
 
 
 def algorithms(collective: str | None = None) -> dict[str, list[str]]:
@@ -231,8 +249,52 @@ def cost_model() -> dict[str, dict[str, float]]:
 
 
 def set_cost_model(model: dict[str, dict[str, float]]) -> None:
-    """Replace links of the cost model (for groups created afterwards)."""
-    _C._set_cost_model(model)
+    """Replace links of the cost model (for groups created afterwards): ``{link: {"alpha":
+    a, "beta": b, "gamma": c}}`` for any of the links :func:`cost_model` names, each term
+    a finite number of seconds >= 0 (any real number but a bool: numpy scalars too).
+    Checked as a calibration file's links are, by the same rules: a link missing a term, a
+    term that is not such a number, or an unknown link is a TypeError or ValueError naming
+    the link and term at fault, and nothing changes; keys other than the three terms are
+    ignored, as in a file."""
+    _C._set_cost_model(_calibration.check_links(model, "set_cost_model"))
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is a whole number: an integer (numpy's too) or a real
+    number with no fraction (``4.0``); else None. Never a bool."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    x = _calibration.as_real(value)
+    return int(x) if x is not None and math.isfinite(x) and x.is_integer() else None
+
+
+def _check_predict(collective: Any, nbytes: Any, world: Any) -> tuple[float, int | None]:
+    """``nbytes`` as a float and ``world`` as an int (or None), or a TypeError or
+    ValueError naming the argument: the backend would price a negative or NaN size, or a
+    world of 0, without complaint, and a huge world fails in pybind's conversion."""
+    shown = _calibration._shown  # values cut short: one line per error
+    if not isinstance(collective, str):
+        raise TypeError(f"predict: collective must be a name such as 'allreduce' "
+                        f"(torchdist_ext.algorithms() lists them), not "
+                        f"{type(collective).__name__}")
+    size = _calibration.as_real(nbytes)
+    if size is None:
+        raise TypeError(f"predict: nbytes must be a number of bytes, not "
+                        f"{type(nbytes).__name__} {shown(nbytes)}")
+    if not (math.isfinite(size) and size >= 0):
+        raise ValueError(f"predict: nbytes must be a finite number >= 0, got {shown(nbytes)}")
+    if world is None:
+        return size, None
+    ranks = _whole(world)
+    if ranks is None:
+        raise TypeError(f"predict: world must be a whole number of ranks, not "
+                        f"{type(world).__name__} {shown(world)}")
+    limit = _calibration.MAX_WORLD
+    if not 1 <= ranks <= limit:
+        raise ValueError(f"predict: world must be from 1 to {limit} ranks, got {shown(ranks)}")
+    return size, ranks
 
 
 def predict(collective: str, nbytes: int, world: int | None = None, same_host: bool = True,
@@ -246,19 +308,29 @@ def predict(collective: str, nbytes: int, world: int | None = None, same_host: b
     would run now, from its size, its placement as its ranks agreed, its cost model (its
     rank 0's, which every rank of it uses) and the algorithms pinned at this moment.
 
-    With ``world``: a group of that size, described by the flags and priced with this
-    process's cost model. ``same_host``: every rank on one host with its shared-memory
-    windows; ``one_host`` alone: on one host with ``TDX_SHM=0`` (messages priced as
-    same-host ones, no windows). Both False: ranks on several hosts. ``crowded`` (with
-    one host): the ranks outnumber the host's CPUs, so each message step also pays a
-    wake-up (``TDX_CROWDED_STEP_US``)."""
+    With ``world`` (a whole number from 1 to 2**24: an int, a numpy integer or a float
+    such as ``4.0``): a group of that size, described by the flags and priced
+    with this process's cost model. ``same_host``: every rank on one host with its
+    shared-memory windows; ``one_host`` alone: on one host with ``TDX_SHM=0`` (messages
+    priced as same-host ones, no windows). Both False: ranks on several hosts.
+    ``crowded`` (with one host, so an error when both are False): the ranks outnumber the
+    host's CPUs, so each message step also pays a wake-up (``TDX_CROWDED_STEP_US``).
+
+    ``nbytes`` must be a finite number >= 0; a bad argument is a TypeError or ValueError
+    naming it."""
+    size, world = _check_predict(collective, nbytes, world)
     if group is not None or world is None:
         if world is not None:
             raise ValueError("predict takes a world size or a group, not both: a group's "
                              "size, placement and cost model are its own")
-        name, seconds = _tdx_backend(group).predict(collective, float(nbytes))
+        name, seconds = _tdx_backend(group, "predict").predict(collective, size)
         return name, float(seconds)
-    return tuple(_C._choose_algorithm(collective, float(nbytes), int(world), bool(same_host),
+    if crowded and not (same_host or one_host):
+        # Crowding is a property of one host's CPUs; ranks on several hosts are never
+        # priced as crowded, so the flag would be silently dropped.
+        raise ValueError("predict: crowded=True describes ranks that share one host's CPUs; "
+                         "pass same_host=True or one_host=True with it, or drop it")
+    return tuple(_C._choose_algorithm(collective, size, world, bool(same_host),
                                       bool(one_host), bool(crowded)))
 
 
@@ -269,11 +341,13 @@ def placement(group: Any = None) -> dict[str, bool]:
     ``TDX_SHM`` not 0 on every rank: shared-memory algorithms may run) and ``crowded``
     (one host, and the group's ranks outnumber the CPUs they may run on together: each
     message step is priced with a wake-up, ``TDX_CROWDED_STEP_US``)."""
-    return dict(_tdx_backend(group).placement)
+    return dict(_tdx_backend(group, "placement").placement)
 
 
 from . import calibration as _calibration  # noqa: E402
 
+# A bad or unreadable file is a warning inside (the backend keeps its defaults, or drops
+# the bad rules); anything else that raises here is a bug to see, not a file to blame.
 _calibration.load_into_backend()
 
 if BACKEND_NAME.upper() not in dist.Backend._plugins:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import socket
 import tempfile
@@ -24,7 +25,8 @@ from typing import Any, Iterable
 
 from . import _C
 
-__all__ = ["RULE_KEYS", "calibration_path", "load", "save", "load_into_backend", "rule_key"]
+__all__ = ["DEFAULT_LINKS", "LINKS", "MAX_WORLD", "RULE_KEYS", "TERMS", "as_real",
+           "calibration_path", "check_links", "load", "save", "load_into_backend", "rule_key"]
 
 # The backend's links, in its order: net, local, shm, cma.
 LINKS = tuple(_C._cost_model())
@@ -39,23 +41,88 @@ def calibration_path() -> Path:
     return Path(cache) / "torchdist_ext" / f"calibration-{socket.gethostname()}.json"
 
 
+TERMS = ("alpha", "beta", "gamma")
+# The backend's cost model at import, before any calibration file is applied: what a
+# process prices with when it has no file (tune --out falls back to it, as the ranks it
+# spawns do).
+DEFAULT_LINKS = {name: dict(terms) for name, terms in _C._cost_model().items()}
+
+
+def as_real(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (an int, a float, a numpy scalar, any
+    :class:`numbers.Real`) other than a bool, which is an int to Python but never a size,
+    a count or a cost; else None. An int beyond a double's range is ``inf``. The one test
+    of "a number" behind the cost terms, ``predict``'s arguments and the bench's options."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _number(v: Any) -> bool:
+    # JSON admits NaN and Infinity: neither is a cost. A NaN term would make every
+    # comparison false and auto pick the first algorithm.
+    x = as_real(v)
+    return x is not None and math.isfinite(x) and x >= 0
+
+
+def _plain(v: Any) -> int | float:
+    """A number that passed :func:`_number` as a plain int or float (what JSON writes)."""
+    return v if type(v) in (int, float) else float(v)
+
+
 def _valid(links: Any) -> bool:
     if not isinstance(links, dict):
         return False
     for name, terms in links.items():
         if name not in LINKS or not isinstance(terms, dict):
             return False
-        for key in ("alpha", "beta", "gamma"):
-            v = terms.get(key)
-            # JSON admits NaN and Infinity, and bool is an int: none is a cost. A NaN
-            # term would make every comparison false and auto pick the first algorithm.
-            try:  # a huge JSON integer overflows float()
-                ok = type(v) in (int, float) and math.isfinite(float(v)) and v >= 0
-            except OverflowError:
-                ok = False
-            if not ok:
-                return False
+        if not all(_number(terms.get(key)) for key in TERMS):
+            return False
     return True
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut short: a 400-digit number must not flood a one-line error."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_links(links: Any, where: str = "set_cost_model") -> dict[str, dict[str, float]]:
+    """``links`` (``{link: {alpha, beta, gamma}}``, any of :data:`LINKS`, each term a finite
+    number >= 0, numpy scalars included) with each term a float and nothing else, as the
+    file loader takes a file's links: other keys beside the three terms are ignored, as
+    they are in a file. Anything the loader would refuse is a TypeError or ValueError
+    naming it; ``where`` names the caller in the message."""
+    shape = ("a dict {link: {'alpha': a, 'beta': b, 'gamma': c}} with links among "
+             f"{', '.join(LINKS)}")
+    if not isinstance(links, dict):
+        raise TypeError(f"{where}: the model must be {shape}, not {type(links).__name__}")
+    out: dict[str, dict[str, float]] = {}
+    for name, terms in links.items():
+        if name not in LINKS:
+            raise ValueError(f"{where}: unknown link {name!r}; the links are "
+                             f"{', '.join(LINKS)}")
+        if not isinstance(terms, dict):
+            raise TypeError(f"{where}: link {name!r} must map alpha, beta and gamma to "
+                            f"numbers, not {type(terms).__name__}")
+        missing = [k for k in TERMS if k not in terms]
+        if missing:
+            raise ValueError(f"{where}: link {name!r} needs alpha, beta and gamma; missing "
+                             f"{', '.join(missing)} (torchdist_ext.cost_model() shows the "
+                             "current terms)")
+        for key in TERMS:
+            v = terms[key]
+            if as_real(v) is None:
+                raise TypeError(f"{where}: {name}.{key} must be a number of seconds, not "
+                                f"{type(v).__name__} {_shown(v)}")
+            if not _number(v):
+                raise ValueError(f"{where}: {name}.{key} must be a finite number >= 0, got "
+                                 f"{_shown(v)}")
+        out[name] = {key: float(terms[key]) for key in TERMS}
+    return out
 
 
 # What a measured rule holds; sizes in [min_bytes, max_bytes) of `collective` at `world`
@@ -65,20 +132,15 @@ RULE_KEYS = ("collective", "world", "placement", "crowded", "min_bytes", "max_by
 _PLACEMENTS = ("hosts", "host", "windows")
 
 
-def _number(v: Any) -> bool:
-    try:
-        return type(v) in (int, float) and math.isfinite(float(v)) and v >= 0
-    except OverflowError:
-        return False
-
-
-_MAX_WORLD = 1 << 24  # the backend's limit on a rule's world size
+# The backend's limit on a rule's world size, and the largest world predict() prices: far
+# beyond any job, and pricing a much larger one takes the backend minutes.
+MAX_WORLD = 1 << 24
 
 
 def _valid_rule(r: Any) -> bool:
     return (isinstance(r, dict) and set(r) == set(RULE_KEYS)
             and isinstance(r["collective"], str) and isinstance(r["algorithm"], str)
-            and type(r["world"]) is int and 1 <= r["world"] <= _MAX_WORLD
+            and type(r["world"]) is int and 1 <= r["world"] <= MAX_WORLD
             and r["placement"] in _PLACEMENTS and type(r["crowded"]) is bool
             and _number(r["min_bytes"])
             # the last rule of a range may reach any size
@@ -98,8 +160,20 @@ def rule_key(rule: dict[str, Any]) -> tuple[str, int, str, bool]:
 
 def load(path: Path | None = None) -> dict[str, Any] | None:
     """The stored calibration (``{"links": {...}, "rules": [...], ...}``, either possibly
-    empty), or None when there is none."""
+    empty), or None when there is none. Never raises on a bad file: it warns and returns
+    None (or drops the bad rules), since every ``import torchdist_ext`` calls it."""
     path = path or calibration_path()
+    try:
+        return _load(path)
+    except RecursionError:
+        # json (and repr) recurse per level of nesting: a file nested thousands deep
+        # would otherwise end the import.
+        warnings.warn(f"torchdist_ext: ignoring calibration {path}: nested too deeply to "
+                      "read; rerun `python -m torchdist_ext.bench calibrate` or delete it")
+        return None
+
+
+def _load(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -120,7 +194,11 @@ def load(path: Path | None = None) -> dict[str, Any] | None:
                       f"(each needs exactly {', '.join(RULE_KEYS)}): {bad[0]!r}; a later "
                       f"save keeps them under 'ignored_rules'")
         data["rules"] = [r for r in data["rules"] if _valid_rule(r)]
-        data["ignored_rules"] = list(data.get("ignored_rules") or []) + bad
+        # An earlier save wrote a list here, but the file may have been edited: keep
+        # whatever else stands there as one more entry rather than fail on it.
+        before = data.get("ignored_rules")
+        before = [] if before is None else before if isinstance(before, list) else [before]
+        data["ignored_rules"] = before + bad
     links = data["links"]
     if "net" in links and "local" not in links:
         # Written before same-host messages had a link of their own: its `net` priced
@@ -148,6 +226,12 @@ def save(data: dict[str, Any], path: Path | None = None,
         raise ValueError(f"each measured rule needs exactly {', '.join(RULE_KEYS)}: a world "
                          f">= 1, a placement of {', '.join(_PLACEMENTS)}, crowded true or "
                          f"false and 0 <= min_bytes < max_bytes")
+    # Terms and sizes may be any real numbers (numpy scalars among them); the file holds
+    # plain ints and floats, which JSON can write.
+    data["links"] = {name: {**terms, **{k: _plain(terms[k]) for k in TERMS}}
+                     for name, terms in data["links"].items()}
+    data["rules"] = [{**r, "min_bytes": _plain(r["min_bytes"]),
+                      "max_bytes": _plain(r["max_bytes"])} for r in data["rules"]]
     replaces = {tuple(k) for k in replaces}
     if not (data["links"] or data["rules"] or replaces):
         raise ValueError("nothing to save: the calibration has neither links nor rules")
@@ -193,17 +277,28 @@ def save(data: dict[str, Any], path: Path | None = None,
 
 def load_into_backend(path: Path | None = None) -> bool:
     """Apply the stored calibration to the backend's cost model; False when none."""
+    path = path or calibration_path()  # resolved once: the warnings name this file
     data = load(path)
     if data is None:
         return False
+    # Each rule is tried alone (one naming an algorithm this build lacks drops alone) by
+    # installing it as the backend's only rule; whatever happens meanwhile, the backend
+    # ends with the rules it had or the rules that passed, never with one probe.
+    before = _C._cost_rules()
     rules = []
-    for r in data["rules"]:
-        try:  # each on its own: one naming an algorithm this build lacks drops alone
-            _C._set_cost_rules([r])
-            rules.append(r)
-        except (ValueError, TypeError, RuntimeError) as exc:
-            warnings.warn(f"torchdist_ext: ignoring a measured rule of {path}: {exc}; "
-                          "rerun `python -m torchdist_ext.bench tune` or delete it")
-    _C._set_cost_rules(rules)
+    installed = False
+    try:
+        for r in data["rules"]:
+            try:
+                _C._set_cost_rules([r])
+                rules.append(r)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                warnings.warn(f"torchdist_ext: ignoring a measured rule of {path}: {exc}; "
+                              "rerun `python -m torchdist_ext.bench tune` or delete it")
+        _C._set_cost_rules(rules)
+        installed = True
+    finally:
+        if not installed:
+            _C._set_cost_rules(before)
     _C._set_cost_model(data["links"])
     return True

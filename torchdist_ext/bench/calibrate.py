@@ -34,6 +34,7 @@ existing file that this run did not fit, so the two runs add up.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import itertools
 import math
@@ -41,18 +42,27 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 import torchdist_ext
 from torchdist_ext import _C, calibration
 
-from .core import COLLECTIVES, OPS, Options, canonical_op, parse_size
-from .runner import run
+from . import report
+from .core import COLLECTIVES, OPS, Options, canonical_op, parse_size, timeout_problem
+from .runner import (
+    agree_across_ranks,
+    is_lead,
+    planned_world,
+    run,
+    torchrun_group,
+    world_source,
+)
 
-__all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "build_parser", "calibrate", "fit_link",
-           "main", "nnls", "points_from_rows", "report_lines"]
+__all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "UNCALIBRATABLE", "build_parser",
+           "calibrate", "fit_link", "main", "nnls", "pick_ops", "points_from_rows",
+           "report_lines"]
 
 TERMS = ("alpha", "beta", "gamma")
 _COLUMNS = ("steps", "bytes_moved", "bytes_reduced")  # what each term multiplies
@@ -60,6 +70,48 @@ LINKS = calibration.LINKS
 DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all",
                "reduce")
 DEFAULT_SIZES = tuple(4096 * 4**k for k in range(7))  # 4K, 16K, ..., 16M
+# Point-to-point has no algorithm to pin, so no point to fit: --ops refuses it by name.
+UNCALIBRATABLE = {"sendrecv": "point-to-point has no algorithms to pin, so there is nothing "
+                              "to calibrate"}
+
+
+def _too_few_ranks(world: int, asked: str) -> str | None:
+    """None when a run asked for ``world`` ranks measures with 2 or more; else why it
+    cannot be calibrated, worded by where its size comes from: an initialised group,
+    torchrun's WORLD_SIZE, or else ``asked``, the caller's words (``--world 1``)."""
+    n = planned_world(world)
+    if n >= 2:
+        return None
+    ranks = "one rank sends" if n == 1 else f"{n} ranks send"
+    return (f"{world_source(asked)}: {ranks} no messages, so there is nothing to fit; "
+            "calibrate needs 2 ranks or more")
+
+
+def pick_ops(names: str | Sequence[str], allowed: Sequence[str],
+             refused: dict[str, str]) -> list[str]:
+    """Canonical op names from ``names`` (a comma-separated string or a sequence); ``all``
+    stands for every op of ``allowed``. An op of ``refused`` is a ValueError with its
+    reason, an unknown one a ValueError listing exactly what is accepted."""
+    if isinstance(names, str):
+        names = names.split(",")
+    accepted = f"use all or any of {', '.join(allowed)}"
+    out: list[str] = []
+    for name in (n.strip() for n in names if n.strip()):
+        if name.lower() == "all":
+            out += allowed
+            continue
+        try:
+            op = canonical_op(name)
+        except ValueError:
+            raise ValueError(f"unknown op {name!r} in --ops; {accepted}") from None
+        if op in refused:
+            raise ValueError(f"--ops {op}: {refused[op]}; {accepted}")
+        if op not in allowed:  # pragma: no cover - allowed and refused cover every op
+            raise ValueError(f"--ops {op} cannot be measured here; {accepted}")
+        out.append(op)
+    if not out:
+        raise ValueError(f"--ops names no op; {accepted}")
+    return list(dict.fromkeys(out))
 
 
 # ---------------------------------------------------------------------------------------
@@ -183,7 +235,9 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     one's median round, so a slow spell of a shared machine lands on all of them.
 
     Under torchrun every rank measures; all return the same result."""
-    ops = [canonical_op(o) for o in ops]
+    ops = pick_ops(ops, DEFAULT_OPS, UNCALIBRATABLE)
+    if why := _too_few_ranks(world, f"world={world}"):
+        raise ValueError(why)
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops, links)), world=world,
                    sizes=tuple(sizes), iters=iters, warmup=warmup, stat=stat, timeout=timeout,
                    quiet=True, progress=progress, rounds=rounds)
@@ -347,7 +401,8 @@ def add_run_args(p: argparse.ArgumentParser, ops: Sequence[str], iters: int, war
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--sizes", type=_sizes, default=DEFAULT_SIZES,
                    help="comma-separated sizes, K/M/G allowed (default 4K,16K,64K,256K,1M,4M,16M)")
-    p.add_argument("--ops", default=",".join(ops), help=f"ops to time (default {','.join(ops)})")
+    p.add_argument("--ops", default=",".join(ops),
+                   help=f"ops to time, or all (default {','.join(ops)})")
     p.add_argument("-n", "--iters", type=int, default=iters,
                    help=f"timed iterations (default {iters})")
     p.add_argument("-w", "--warmup", type=int, default=warmup,
@@ -357,15 +412,19 @@ def add_run_args(p: argparse.ArgumentParser, ops: Sequence[str], iters: int, war
                         f"keep each one's median round (default {rounds})")
 
 
-def run_args(parser: argparse.ArgumentParser, a: argparse.Namespace) -> list[str]:
-    """The ``--ops`` of ``add_run_args`` as canonical op names, after checking the counts;
-    a bad value exits through ``parser.error``."""
+def run_args(parser: argparse.ArgumentParser, a: argparse.Namespace,
+             allowed: Sequence[str] = DEFAULT_OPS,
+             refused: dict[str, str] | None = None) -> list[str]:
+    """The ``--ops`` of ``add_run_args`` as canonical op names (``all``: every op of
+    ``allowed``; those of ``refused`` are refused with their reason, by default those
+    without algorithms), after checking the counts; a bad value exits through
+    ``parser.error``."""
     try:
-        ops = [canonical_op(o) for o in a.ops.split(",") if o.strip()]
+        ops = pick_ops(a.ops, allowed, UNCALIBRATABLE if refused is None else refused)
     except ValueError as exc:
         parser.error(str(exc))
-    if not ops or a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
-        parser.error("need --ops, --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
+        parser.error("need --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
     return ops
 
 
@@ -378,6 +437,58 @@ def add_output_args(p: argparse.ArgumentParser, json_help: str, dry_run_help: st
                    help="process-group timeout in seconds (default 300)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress indicator on stderr")
+
+
+@contextlib.contextmanager
+def checked_outputs(parser: argparse.ArgumentParser,
+                    a: argparse.Namespace) -> Iterator[Path]:
+    """Check the flags of ``add_output_args`` before anything is measured (a path that
+    cannot be written would otherwise lose the whole run), and yield where to save; a bad
+    value exits through ``parser.error``. The body measures.
+
+    Under torchrun the group the run measures with is started first (and held for the
+    body): only rank 0 writes, so only rank 0 judges where, and every rank learns its
+    answer at once, so that all exit with the same error and none waits for rank 0
+    until the group timeout."""
+    if why := timeout_problem(a.timeout):  # the same on every rank
+        parser.error(why)
+    target = Path(a.out) if a.out else calibration.calibration_path()
+    with torchrun_group(a.timeout):
+        if why := agree_across_ranks(_output_problem(a, target)):
+            parser.error(why)
+        yield target
+
+
+def _output_problem(a: argparse.Namespace, target: Path) -> str | None:
+    """What is wrong with ``--out`` (saved to ``target``) and ``--json``, as this rank
+    sees it, or None."""
+    if a.out and Path(a.out).is_dir():
+        # Even a dry run reads --out (tune prices its picks with it), on every rank.
+        return f"--out {a.out}: is a directory; name a calibration file"
+    if not is_lead():  # only rank 0 writes
+        return None
+    if not a.dry_run:
+        # calibration.save creates missing directories, as the default path needs, and
+        # renames a temporary file over the target: its directory must be writable.
+        why = report.unwritable(target, "--out" if a.out else "the calibration file "
+                                "(--out, TDX_CALIBRATION)", replaced=True)
+        if why:
+            return why
+    if a.json_path:
+        return report.unwritable(a.json_path, "--json")
+    return None
+
+
+def json_written(path: str, data: dict[str, Any]) -> bool:
+    """Write ``data`` to ``--json path`` (:func:`report.write_json`); False, with a
+    one-line message on stderr, when that fails after all, so that the caller can still
+    report what it saved."""
+    try:
+        report.write_json(path, data)
+    except OSError as exc:
+        print(f"# --json {path}: could not write it: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -401,34 +512,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Calibrate, print, save; 0 on success, 1 when no link could be fitted."""
-    import json
-
+    """Calibrate, print, save; 0 on success, 1 when no link could be fitted (or the fit
+    was saved but ``--json`` could not be written)."""
     parser = build_parser()
     a = parser.parse_args(argv)
     links = [x.strip() for x in a.links.split(",") if x.strip()]
     if not links or any(x not in LINKS for x in links):
         parser.error(f"--links takes net, local, shm and/or cma, not {a.links!r}")
     ops = run_args(parser, a)
+    if why := _too_few_ranks(a.world, f"--world {a.world}"):
+        parser.error(why)
     cpus = _C._usable_cpus()  # affinity mask and cgroup quota, as tdx counts them
     if "RANK" not in os.environ and a.world > cpus:
         parser.error(f"--world {a.world} spawns more ranks than the {cpus} CPUs this process "
                      f"may run on: they would take turns on the cores and the fit would "
                      f"measure the scheduler; use --world {cpus} or less (crowded hosts are "
                      f"priced with TDX_CROWDED_STEP_US instead)")
-    data = calibrate(world=a.world, sizes=a.sizes, ops=ops, links=links, iters=a.iters,
-                     warmup=a.warmup, stat=a.stat, timeout=a.timeout, progress=a.progress,
-                     rounds=a.rounds)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
+    with checked_outputs(parser, a) as target:
+        data = calibrate(world=a.world, sizes=a.sizes, ops=ops, links=links, iters=a.iters,
+                         warmup=a.warmup, stat=a.stat, timeout=a.timeout,
+                         progress=a.progress, rounds=a.rounds)
+    if not is_lead():  # under torchrun (or in a group) only rank 0 reports and saves
         return 0
     for line in report_lines(data):
         print(line)
-    if a.json_path:
-        Path(a.json_path).write_text(json.dumps(data, indent=1) + "\n")
     if not data["links"]:
         print("# nothing fitted: no point ran", file=sys.stderr)
+        if a.json_path:
+            json_written(a.json_path, data)
         return 1
-    target = Path(a.out) if a.out else calibration.calibration_path()
+    # The fit first, the --json after it: a --json that fails after all must not cost
+    # the fit that minutes of measuring produced.
     if a.dry_run:
         print(f"# dry run: nothing saved (would write {target})")
     else:
@@ -438,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept = sorted(set(before["links"]) - set(data["links"])) if before else []
         if kept:
             print(f"# kept from the file, not measured by this run: {', '.join(kept)}")
+    if a.json_path and not json_written(a.json_path, data):
+        return 1
     return 0
 
 

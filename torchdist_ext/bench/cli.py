@@ -8,8 +8,8 @@ import sys
 from typing import Sequence
 
 from . import report
-from .core import ALL_OPS, REDOPS, Options, parse_size
-from .runner import run
+from .core import ALL_OPS, KNOWN_BACKENDS, OPS, REDOPS, Options, parse_size, sizes_for
+from .runner import LaunchError, launch_problem, launched, planned_world, run
 
 __all__ = ["build_parser", "main", "options_from_args"]
 
@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
                         "default all_reduce")
     p.add_argument("--backends", default="tdx,gloo",
-                   help="comma-separated backends under test (tdx, gloo, nccl); tdx:ALGO pins "
+                   help=f"comma-separated backends under test ({', '.join(KNOWN_BACKENDS)}; "
+                        "nccl runs with --device cuda, and is skipped with a note "
+                        "otherwise); tdx:ALGO pins "
                         "a tdx algorithm for each op (tdx:ring, tdx:shm, ...; "
                         "torchdist_ext.algorithms() lists them), tdx:all every algorithm of "
                         "each op; default tdx,gloo")
@@ -102,7 +104,17 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
                        auto_tolerance=a.auto_tolerance / 100.0)
     except ValueError as exc:
         parser.error(str(exc))
-    if opts.plot_path and (why := report.matplotlib_missing()):
+    # Everything that would fail a run only after its ranks start (or after it measured),
+    # refused here with one line instead. Under torchrun (or in a group already
+    # initialised) the ranks and the world come from there, and each rank refuses here
+    # only what every rank sees alike: the output paths, which only rank 0 writes, are
+    # checked once the group is up, every rank learning rank 0's answer (main() turns it
+    # into this same usage error on each), so that no rank waits for one that left.
+    world = planned_world(a.world)
+    if world < 2 and all(op == "sendrecv" for op in opts.ops):
+        parser.error(f"--op sendrecv needs at least 2 ranks (it sends to the next rank), "
+                     f"and this run has {world}; use --world 2 or more")
+    if why := launch_problem(opts, world, lead=not launched()):
         parser.error(why)
     return opts
 
@@ -124,10 +136,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return calibrate.main(argv[1:])
     opts = options_from_args(argv)
-    rows = run(opts)
+    try:
+        rows = run(opts)
+    except LaunchError as exc:  # found by the ranks together: each exits with it alike
+        build_parser().error(str(exc))
     if not rows:
-        print("# no rows: no size in the sweep holds a whole element per rank; widen -b/-e",
-              file=sys.stderr)
+        world = planned_world(opts.world)
+        runnable = [op for op in opts.ops if op != "sendrecv" or world >= 2]
+        if not runnable:
+            print(f"# no rows: sendrecv needs at least 2 ranks, and this run has {world}",
+                  file=sys.stderr)
+        elif any(sizes_for(OPS[op], opts, world) for op in runnable):
+            # There were sizes to run: every backend was skipped or failed to start (the
+            # run's notes say why), not the sweep.
+            print("# no rows: no backend under test could run (the notes above say why); "
+                  "check --backends and --device", file=sys.stderr)
+        else:
+            print("# no rows: no size in the sweep holds a whole element per rank; "
+                  "widen -b/-e", file=sys.stderr)
         return 1
     wrong = sum((r["oop_wrong"] or 0) + (r["ip_wrong"] or 0) for r in rows)
     failed = sum(1 for r in rows for key in ("oop_error", "ip_error")

@@ -7,11 +7,14 @@ collectives themselves.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from torchdist_ext.calibration import as_real
 
 __all__ = [
     "ALL_OPS",
@@ -34,6 +37,7 @@ __all__ = [
     "poison",
     "sizes_for",
     "sweep",
+    "timeout_problem",
     "unusable",
 ]
 
@@ -45,6 +49,9 @@ _REDOP_ALIASES = {"product": "prod", "mean": "avg", "premulsum": "premul_sum"}
 # every reduction that adds.
 _SCALING = ("avg", "premul_sum")
 _SUMS = ("sum",) + _SCALING
+# Reductions on the bits of integers and bools: every backend refuses them on floating
+# and complex tensors, so a run would fail every row.
+_BITWISE = ("band", "bor", "bxor")
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*$")
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -243,6 +250,26 @@ def labels_for_op(op: str, labels: tuple[str, ...], world: int,
     return list(out.values()), notes
 
 
+# The longest group timeout: a year; datetime.timedelta overflows not far beyond 1e13 s.
+_MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not bool) that is neither NaN nor infinite."""
+    x = as_real(value)
+    return x is not None and math.isfinite(x)
+
+
+def timeout_problem(seconds: Any) -> str | None:
+    """Why ``seconds`` is no group timeout (None when it is one): it must be a finite
+    number of seconds > 0, at most a year (a process-group timeout of 0 fails every op,
+    and torch's timedelta overflows far beyond a year)."""
+    if not (_finite(seconds) and 0 < seconds <= _MAX_TIMEOUT_S):
+        return (f"timeout (--timeout) must be a number of seconds > 0 and at most "
+                f"{_MAX_TIMEOUT_S:.0f}, got {seconds!r}")
+    return None
+
+
 def _split(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
@@ -309,6 +336,16 @@ class Options:
             raise ValueError("no op given")
         if not backends:
             raise ValueError("no backend given")
+        unknown = [b for b in backends if parse_backend(b)[0] not in KNOWN_BACKENDS]
+        if unknown:
+            # Refused here rather than as a failed group per rank after the ranks start.
+            raise ValueError(f"unknown backend(s) {', '.join(unknown)} in backends "
+                             f"(--backends); use {', '.join(KNOWN_BACKENDS)}, or "
+                             "tdx:<algorithm> (torchdist_ext.algorithms()), tdx:all")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        # nccl without device="cuda" is no error: the run leaves it out with a note
+        # (runner._skip_reason), so "--backends tdx,gloo,nccl" runs the others on CPU.
         if self.check_auto not in (None, "report", "strict"):
             raise ValueError(f"check_auto must be None, 'report' or 'strict', not "
                              f"{self.check_auto!r}")
@@ -341,8 +378,15 @@ class Options:
         dtype = parse_dtype(self.dtype)
         if redop == "premul_sum" and not (dtype.is_floating_point or dtype.is_complex):
             raise ValueError(f"premul_sum needs a floating dtype, not {dtype_name(dtype)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, not {self.device!r}")
+        if redop in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
+            raise ValueError(f"{redop} needs an integer or bool dtype, not "
+                             f"{dtype_name(dtype)}; pick one with -d (e.g. int32)")
+        if not _finite(self.premul_factor):
+            # A NaN or infinite factor makes every element NaN or inf: no row could pass.
+            raise ValueError(f"premul_factor (--premul-factor) must be a finite number, got "
+                             f"{self.premul_factor!r}")
+        if why := timeout_problem(self.timeout):
+            raise ValueError(why)
         minbytes, maxbytes = parse_size(self.minbytes), parse_size(self.maxbytes)
         if minbytes < 1 or maxbytes < minbytes:
             raise ValueError(f"need 1 <= minbytes <= maxbytes, got {minbytes} and {maxbytes}")

@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
+from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
 from .core import OPS, OpSpec
@@ -26,6 +28,8 @@ __all__ = [
     "matplotlib_missing",
     "ratio_lines",
     "table_header",
+    "plot_unwritable",
+    "unwritable",
     "write_json",
     "write_plot",
 ]
@@ -352,10 +356,65 @@ def check_auto_lines(rows: Sequence[dict[str, Any]], tolerance: float = 0.10) ->
     return out + ["#"] + summary
 
 
-def write_json(path: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]]) -> None:
-    """``{"meta": {...}, "rows": [...]}``; every row also carries the run's metadata."""
+def unwritable(path: str | os.PathLike[str], option: str,
+               replaced: bool = False) -> str | None:
+    """Why ``path`` cannot be written (a message naming ``option``, e.g. ``--json``), or
+    None. Checked before a run starts, so that a typo in a path costs nothing instead of
+    the whole measurement.
+
+    By default the writer opens ``path`` itself (``--json``, ``--plot``): a file that
+    exists and is writable will do, whatever its directory allows (``/dev/stdout``);
+    otherwise its directory must exist and be writable, to create it there.
+
+    ``replaced``: the writer creates missing directories, writes a temporary file beside
+    ``path`` and renames it over (:func:`torchdist_ext.calibration.save`), so only the
+    directory counts: the nearest existing one must be writable, even when the file
+    exists."""
+    target = Path(path)
+    fix = f"choose another {option} path"
+    if target.is_dir():
+        return f"{option} {path}: is a directory; name a file in it, or {fix}"
+    if target.exists() and not replaced:
+        if os.access(target, os.W_OK):
+            return None
+        return f"{option} {path}: the file exists and is not writable; {fix}"
+    parent = target.parent
+    if replaced:
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+    if not parent.exists():
+        return f"{option} {path}: directory {parent} does not exist; create it or {fix}"
+    if not parent.is_dir():
+        return f"{option} {path}: {parent} is not a directory; {fix}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option} {path}: directory {parent} is not writable; {fix}"
+    return None
+
+
+def plot_unwritable(path: str) -> str | None:
+    """Why ``--plot path`` cannot work (no matplotlib, a format it lacks, a path that
+    cannot be written), or None."""
+    why = matplotlib_missing() or unwritable(path, "--plot")
+    if why:
+        return why
+    suffix = Path(path).suffix.lstrip(".").lower()
+    if suffix:
+        # savefig picks the format from the suffix, and fails on one it lacks only after
+        # the measurements; ask matplotlib up front.
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            return (f"--plot {path}: matplotlib cannot write .{suffix} files; use one of "
+                    f"{', '.join('.' + f for f in sorted(formats))}")
+    return None
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` to ``path`` as indented JSON (``--json`` of the bench, calibrate and
+    tune); an OSError when it cannot. The bench writes ``{"meta": {...}, "rows": [...]}``."""
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "rows": list(rows)}, f, indent=1)
+        json.dump(data, f, indent=1)
         f.write("\n")
 
 

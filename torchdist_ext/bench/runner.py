@@ -12,6 +12,7 @@ previous choice (normally auto) right after it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -20,13 +21,14 @@ import queue
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,7 +56,9 @@ from .core import (
     unusable,
 )
 
-__all__ = ["rank_main", "run"]
+__all__ = ["LaunchError", "agree_across_ranks", "is_lead", "launch_problem", "launched",
+           "output_problem", "planned_world", "rank_main", "run", "torchrun_group",
+           "world_source"]
 
 _REDOPS = {
     "sum": dist.ReduceOp.SUM,
@@ -111,16 +115,22 @@ class _Ctx:
 
     def agree(self, error: str | None) -> str | None:
         """Every rank learns whether any rank failed, and the first failing rank's message."""
-        flag = torch.tensor([1 if error else 0], dtype=torch.int64)
-        dist.all_reduce(flag, group=self.side)
-        if not int(flag):
-            return None
-        errors: list[Any] = [None] * self.world
-        dist.all_gather_object(errors, error, group=self.side)
-        for r, e in enumerate(errors):
-            if e:
-                return f"rank {r}: {e}"
-        return "unknown error"  # pragma: no cover
+        return _agree(error, self.side, self.world)
+
+
+def _agree(error: str | None, group: Any, world: int) -> str | None:
+    """Every rank of ``group`` (a gloo group of ``world`` ranks) learns whether any rank's
+    ``error`` was not None, and the first such rank's message."""
+    flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+    dist.all_reduce(flag, group=group)
+    if not int(flag):
+        return None
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error, group=group)
+    for r, e in enumerate(errors):
+        if e:
+            return f"rank {r}: {e}"
+    return "unknown error"  # pragma: no cover
 
 
 def build_case(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx, count: int) -> _Case:
@@ -357,6 +367,11 @@ def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, sam
     return out
 
 
+def _runs_at(op: str, world: int) -> bool:
+    """Whether ``op`` can run at ``world`` ranks: point-to-point needs a peer."""
+    return world >= 2 or op != "sendrecv"
+
+
 def _skip_reason(backend: str, device: str, local_world: int) -> str | None:
     if backend == "nccl":
         if not dist.is_nccl_available():
@@ -423,15 +438,125 @@ def rank_main(rank: int, world: int, opts: Options, local_rank: int | None = Non
         return _rank_main(rank, world, opts, local_rank, local_world)
 
 
+class LaunchError(ValueError):
+    """Arguments that cannot work, found before anything is measured. Every rank of a run
+    raises it with the same message (the command line turns it into a usage error on
+    every rank), so no rank is left waiting for another."""
+
+
+def _torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launched() -> bool:
+    """Whether :func:`run` measures with ranks it does not spawn: a default group already
+    initialised, or torchrun's (``RANK`` and ``WORLD_SIZE`` set). Then a problem that only
+    one rank can see must be agreed on (:func:`agree_across_ranks`) before any rank stops,
+    or the others would wait for it until the group timeout."""
+    return dist.is_initialized() or _torchrun()
+
+
+def is_lead() -> bool:
+    """Whether this process prints and writes the outputs: rank 0 of an initialised
+    default group, torchrun's rank 0, or the one process that spawns the ranks."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0" if _torchrun() else True
+
+
+def _planned(asked: int) -> tuple[int, str | None]:
+    if dist.is_initialized():
+        n = dist.get_world_size()
+        return n, f"the initialised process group has {n} rank(s)"
+    if _torchrun():
+        try:
+            return int(os.environ["WORLD_SIZE"]), f"WORLD_SIZE={os.environ['WORLD_SIZE']}"
+        except ValueError:
+            pass
+    return asked, None
+
+
+def planned_world(asked: int) -> int:
+    """The ranks :func:`run` will measure with: an initialised default group's, torchrun's
+    ``WORLD_SIZE`` under torchrun, else ``asked`` (``--world``, the ranks it spawns)."""
+    return _planned(asked)[0]
+
+
+def world_source(asked: str) -> str:
+    """Where :func:`planned_world` takes the world size from, for a message: the
+    initialised group, torchrun's ``WORLD_SIZE``, or else ``asked``, the caller's own
+    words for the size it asked for (``"--world 1"``, ``"world=1"``)."""
+    return _planned(0)[1] or asked
+
+
+@contextlib.contextmanager
+def torchrun_group(timeout: float) -> Iterator[None]:
+    """Under torchrun with no default group yet: the gloo group that :func:`run` measures
+    with (from the environment, with ``timeout`` seconds), initialised for the body and
+    destroyed after it. A check inside can then agree across the ranks before anything is
+    measured, and :func:`run` inside uses the group as it finds it. Otherwise nothing."""
+    if dist.is_initialized() or not _torchrun():
+        yield
+        return
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def agree_across_ranks(problem: str | None) -> str | None:
+    """With a default group initialised: every rank learns whether any rank's ``problem``
+    was not None, and the first such rank's message (a collective: every rank must call
+    it). Without one: ``problem`` itself."""
+    if not dist.is_initialized():
+        return problem
+    own_side = dist.get_backend() != "gloo"
+    side = dist.new_group(backend="gloo") if own_side else dist.group.WORLD
+    try:
+        return _agree(problem, side, dist.get_world_size())
+    finally:
+        if own_side:
+            dist.destroy_process_group(side)
+
+
+def launch_problem(opts: Options, world: int, lead: bool = True) -> str | None:
+    """Why a run of ``opts`` at ``world`` ranks cannot go well, found before any rank
+    measures anything (None when nothing is wrong): a root that is not a rank for an op
+    that takes one, ``--device cuda`` where no GPU is visible, and on the ``lead`` rank
+    (which writes them) an output path that cannot be written. The first two are the
+    same on every rank; the paths, seen by one rank, must be agreed on when there are
+    several (:func:`rank_main` does)."""
+    rooted = [op for op in opts.ops if OPS[op].rooted]
+    if rooted and opts.root >= world:
+        return (f"root {opts.root} (-r) is not a rank of a world of {world}, and "
+                f"{', '.join(rooted)} take(s) a root; use -r 0 to {world - 1}")
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is visible to this process; use --device cpu"
+    if lead:
+        return output_problem(opts)
+    return None
+
+
+def output_problem(opts: Options) -> str | None:
+    """Why ``--json`` or ``--plot`` cannot be written (None when both can, or neither is
+    asked for)."""
+    if opts.json_path and (why := report.unwritable(opts.json_path, "--json")):
+        return why
+    if opts.plot_path and (why := report.plot_unwritable(opts.plot_path)):
+        return why
+    return None
+
+
 def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                local_world: int | None) -> list[dict[str, Any]]:
-    if opts.root >= world:
-        raise ValueError(f"root {opts.root} is not a rank of a world of {world}")
+    # The same on every rank, so every rank raises alike and none waits for the others.
+    # (A missing GPU is among them: the device count below is then not 0.)
+    if why := launch_problem(opts, world, lead=False):
+        raise LaunchError(why)
     local_rank = rank if local_rank is None else local_rank
     local_world = world if local_world is None else local_world
     if opts.device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda: no CUDA device is visible")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
@@ -440,6 +565,13 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
     side = dist.new_group(backend="gloo") if own_side else dist.group.WORLD
     ctx = _Ctx(opts, rank, world, device, side)
     lead = rank == 0
+    # Only rank 0 writes --json and --plot, but every rank must learn that it cannot
+    # before anything is measured, or the others would wait for it.
+    why = ctx.agree(output_problem(opts) if lead else None)
+    if why:
+        if own_side:
+            dist.destroy_process_group(side)
+        raise LaunchError(why)
 
     # Which backends run: every rank must agree, so reasons are gathered.
     reasons: dict[str, str | None] = {}
@@ -475,10 +607,18 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
     labelled = tuple(lb for lb in opts.backends if parse_backend(lb)[0] in groups)
     plan: list[tuple[OpSpec, list[tuple[int, int]], list[Label]]] = []
     for op in opts.ops:
+        if not _runs_at(op, world):
+            # One rank has no peer to send to: nothing to measure, and nothing failed.
+            notes.append(f"{op} skipped: it needs at least 2 ranks, and this run has {world}")
+            continue
         op_labels, op_notes = labels_for_op(op, labelled, world, same_host)
         notes += op_notes
         plan.append((OPS[op], sizes_for(OPS[op], opts, world), op_labels))
     backends = _label_order(opts.backends, [lb.label for _, _, labels in plan for lb in labels])
+    if lead and opts.quiet and not backends:
+        # Nothing will run, and -q hides the header that says why: say it anyway.
+        for note in notes:
+            print(f"# note: {note}", file=sys.stderr)
     if opts.device == "cuda" and any(b.startswith(f"{TDX}:") for b in backends):
         notes.append("with --device cuda, tdx's GPU path among ranks of one host (algo "
                      "cuda-peer) does not use the algorithm registry: tdx:<algo> pins only "
@@ -614,7 +754,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
         for line in report.check_auto_lines(rows, opts.auto_tolerance):
             emit(line)
     if lead and opts.json_path:
-        report.write_json(opts.json_path, meta, rows)
+        report.write_json(opts.json_path, {"meta": meta, "rows": rows})
     if lead and opts.plot_path:
         report.write_plot(opts.plot_path, rows, backends,
                           f"busbw, world {world}, {opts.device}, {meta['host']}")
@@ -721,19 +861,20 @@ def run(options: Options) -> list[dict[str, Any]]:
     ``options.world`` ranks are spawned with a FileStore in a temporary directory, and the
     rows come back from rank 0.
     """
-    if options.plot_path and (why := report.matplotlib_missing()):
-        raise RuntimeError(why)
-    if dist.is_initialized():
-        return rank_main(dist.get_rank(), dist.get_world_size(), options,
-                         int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                         int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=options.timeout))
-        try:
+    if launched():
+        # This process is one of the ranks. The root and the device look the same from
+        # every rank, so each refuses them alike before the group starts. The output
+        # paths only rank 0 writes: rank_main checks them there and tells every rank,
+        # which then raise the same LaunchError.
+        if why := launch_problem(options, planned_world(options.world), lead=False):
+            raise LaunchError(why)
+        with torchrun_group(options.timeout):
             rank, world = dist.get_rank(), dist.get_world_size()
             return rank_main(rank, world, options,
                              int(os.environ.get("LOCAL_RANK", rank)),
                              int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        finally:
-            dist.destroy_process_group()
+    # Before any rank starts: a bad root, device or output path fails in a second, not
+    # after the measurements.
+    if why := launch_problem(options, options.world):
+        raise LaunchError(why)
     return _spawn(options)

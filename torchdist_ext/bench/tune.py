@@ -24,7 +24,8 @@ A row with a wrong element fails the run (exit 1, nothing saved). all_to_all can
 tuned: it picks its algorithm before the ranks know each other's byte counts.
 
 The rules go to the host's calibration file (:func:`torchdist_ext.calibration.save`), or
-to ``--out``, whose terms then price the model's picks: they replace the stored rules of
+to ``--out``, whose terms (over the backend's defaults, as the spawned ranks load them)
+then price the model's picks: they replace the stored rules of
 every collective, world size and placement this run measured and keep the rest, and the
 links. ``--dry-run`` saves nothing.
 
@@ -48,9 +49,17 @@ from typing import Any, Callable, Iterable, Sequence
 import torchdist_ext
 from torchdist_ext import _C, calibration
 
-from .calibrate import DEFAULT_SIZES, add_output_args, add_run_args, run_args
-from .core import COLLECTIVES, OPS, Options, canonical_op
-from .runner import run
+from .calibrate import (
+    DEFAULT_SIZES,
+    add_output_args,
+    add_run_args,
+    checked_outputs,
+    json_written,
+    pick_ops,
+    run_args,
+)
+from .core import COLLECTIVES, OPS, Options
+from .runner import is_lead, run
 
 __all__ = ["DEFAULT_MARGIN", "DEFAULT_OPS", "build_parser", "main", "model_pick",
            "rules_from_rows", "tune", "wrong_rows"]
@@ -58,10 +67,12 @@ __all__ = ["DEFAULT_MARGIN", "DEFAULT_OPS", "build_parser", "main", "model_pick"
 DEFAULT_MARGIN = 0.1  # a rule only where the model's pick loses by more than this
 DEFAULT_OPS = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "reduce")
 # all_to_all picks its algorithm before its byte count is known on every rank (each rank's
-# splits are its own), so a rule by size cannot apply to it.
+# splits are its own), so a rule by size cannot apply to it; sendrecv has no algorithms.
 UNTUNABLE = {"all_to_all": "all_to_all picks its algorithm before the ranks know each "
                            "other's byte counts (their splits differ), so no rule by size "
-                           "can apply to it"}
+                           "can apply to it",
+             "sendrecv": "point-to-point has no algorithms to pin, so there is nothing to "
+                         "tune"}
 
 
 def _labels(ops: Sequence[str]) -> list[str]:
@@ -177,10 +188,7 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     :func:`calibration.save` takes (``rules``) with the winners and the run's settings.
     ``rounds`` > 1 lets the algorithms take turns each round and keeps each one's median,
     so a slow spell of a shared machine lands on all of them."""
-    ops = [canonical_op(o) for o in ops]
-    for o in ops:
-        if o in UNTUNABLE:
-            raise ValueError(f"cannot tune {o}: {UNTUNABLE[o]}")
+    ops = pick_ops(ops, DEFAULT_OPS, UNTUNABLE)
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops)), world=world,
                    sizes=tuple(sizes), iters=iters, warmup=warmup, stat="median",
                    timeout=timeout, quiet=True, progress=progress, rounds=rounds)
@@ -256,31 +264,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Tune, print, save; 0 on success, 1 when no algorithm ran."""
-    import json
-
+    """Tune, print, save; 0 on success, 1 when no algorithm ran (or the rules were saved
+    but ``--json`` could not be written)."""
     parser = build_parser()
     a = parser.parse_args(argv)
-    ops = run_args(parser, a)
-    for o in ops:
-        if o in UNTUNABLE:
-            parser.error(f"--ops {o}: {UNTUNABLE[o]}")
+    ops = run_args(parser, a, DEFAULT_OPS, UNTUNABLE)
     if not a.margin >= 0:
         parser.error(f"need --margin >= 0, got {a.margin}")
-    if a.out:
-        # Price the model's picks with the file the rules go to, in this process and in
-        # the ranks it spawns.
-        os.environ["TDX_CALIBRATION"] = a.out
-        if not calibration.load_into_backend(Path(a.out)):
+    with checked_outputs(parser, a) as target:
+        if a.out:
+            # Price the model's picks with the file the rules go to, in this process and
+            # in the ranks it spawns. The ranks import torchdist_ext afresh: the defaults,
+            # then what the file holds. This process already holds the host's file
+            # (loaded at import), so it goes back to the defaults first; a missing file,
+            # or one without links, then prices with the defaults here as there.
+            os.environ["TDX_CALIBRATION"] = a.out
+            _C._set_cost_model(calibration.DEFAULT_LINKS)
             _C._set_cost_rules([])
-    data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
-                rounds=a.rounds, timeout=a.timeout, progress=a.progress, margin=a.margin)
-    if os.environ.get("RANK", "0") != "0":  # under torchrun only rank 0 reports and saves
+            calibration.load_into_backend(Path(a.out))
+        data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
+                    rounds=a.rounds, timeout=a.timeout, progress=a.progress,
+                    margin=a.margin)
+    if not is_lead():  # under torchrun (or in a group) only rank 0 reports and saves
         return 0
     for line in report_lines(data):
         print(line)
-    if a.json_path:
-        Path(a.json_path).write_text(json.dumps(data, indent=1) + "\n")
+    rc = _save(data, a, target)
+    # The rules first, the --json after them, as calibrate does.
+    if a.json_path and not json_written(a.json_path, data):
+        rc = 1
+    return rc
+
+
+def _save(data: dict[str, Any], a: argparse.Namespace, target: Path) -> int:
+    """Save what ``tune`` found to ``target`` unless it must not be; the exit code."""
     if data["tuning"]["wrong"]:
         # Something computed a wrong answer: that wants a bug report, not a rule.
         print("# wrong results, nothing saved:\n" +
@@ -292,7 +309,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not data["rules"]:
         print(f"# no rules: the cost model's pick was within {a.margin:.0%} of the fastest "
               "at every size")
-    target = Path(a.out) if a.out else calibration.calibration_path()
     if a.dry_run:
         print(f"# dry run: nothing saved (would write {target})")
     else:
