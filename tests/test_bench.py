@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -717,7 +718,28 @@ def test_out_that_is_a_directory_is_refused(tmp_path: Path, capsys: pytest.Captu
                  ["calibrate", "--out", str(tmp_path)],
                  ["tune", "--out", str(tmp_path), "--dry-run"]):
         assert f"{tmp_path}: is a directory" in _refused(argv, capsys), argv
-    assert "cannot write .xyz files" in _refused(["--plot", str(tmp_path / "p.xyz")], capsys)
+
+
+def test_plot_format_and_matplotlib_are_checked_up_front(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_measuring: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--plot needs matplotlib (an optional extra) and a format it writes; both are known
+    before measuring. The path's own errors come first, matplotlib or not."""
+    from torchdist_ext.bench import report
+
+    monkeypatch.delenv("RANK", raising=False)
+    if report.matplotlib_missing() is None:
+        assert "cannot write .xyz files" in _refused(["--plot", str(tmp_path / "p.xyz")],
+                                                     capsys)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else
+                        real_find_spec(name, *a))
+    assert ("--plot needs matplotlib, which is not installed; install it (pip install "
+            "matplotlib) or drop --plot") in _refused(["--plot", str(tmp_path / "p.png")], capsys)
+    assert f"{tmp_path}: is a directory" in _refused(["--plot", str(tmp_path)], capsys)
+    assert "directory /nonexistent-dir does not exist" in _refused(
+        ["--plot", "/nonexistent-dir/busbw.png"], capsys)
 
 
 def test_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_measuring: None,

@@ -392,9 +392,10 @@ def unwritable(path: str | os.PathLike[str], option: str,
 
 
 def plot_unwritable(path: str) -> str | None:
-    """Why ``--plot path`` cannot work (no matplotlib, a format it lacks, a path that
-    cannot be written), or None."""
-    why = matplotlib_missing() or unwritable(path, "--plot")
+    """Why ``--plot path`` cannot work (a path that cannot be written, no matplotlib, a
+    format it lacks), or None. The path comes first: its error is the same whether or not
+    matplotlib is installed."""
+    why = unwritable(path, "--plot") or matplotlib_missing()
     if why:
         return why
     suffix = Path(path).suffix.lstrip(".").lower()
