@@ -10,6 +10,7 @@ runs the same job on gloo.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -26,7 +27,7 @@ from data import NUM_CLASSES, NUM_FEATURES, spirals, split  # noqa: E402
 
 __all__ = [
     "NUM_CLASSES", "NUM_FEATURES", "parse_args", "check_device", "device_name",
-    "positive_int", "setup", "make_model", "load_data",
+    "positive_float", "positive_int", "setup", "make_model", "load_data",
     "shard", "batches", "mean_over_ranks", "print0", "train",
 ]
 
@@ -36,12 +37,12 @@ def parse_args(doc: str, extra=None, **defaults) -> argparse.Namespace:
     (``epochs=4``), and ``extra(parser)`` may add the example's own options."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default=defaults.get("backend", "tdx"))
-    p.add_argument("--epochs", type=int, default=defaults.get("epochs", 6))
-    p.add_argument("--batch-size", type=int, default=defaults.get("batch_size", 64),
+    p.add_argument("--epochs", type=positive_int, default=defaults.get("epochs", 6))
+    p.add_argument("--batch-size", type=positive_int, default=defaults.get("batch_size", 64),
                    help="samples per optimizer step per data-parallel rank")
-    p.add_argument("--lr", type=float, default=defaults.get("lr", 0.01))
-    p.add_argument("--hidden", type=int, default=defaults.get("hidden", 64))
-    p.add_argument("--samples", type=int, default=defaults.get("samples", 12_000),
+    p.add_argument("--lr", type=positive_float, default=defaults.get("lr", 0.01))
+    p.add_argument("--hidden", type=positive_int, default=defaults.get("hidden", 64))
+    p.add_argument("--samples", type=positive_int, default=defaults.get("samples", 12_000),
                    help="size of the generated spirals data set (train + test)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     if extra is not None:
@@ -69,6 +70,17 @@ def device_name(text: str) -> str:
     if kind not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"{text!r}: use cpu, cuda or cuda:N")
     return text
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:

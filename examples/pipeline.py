@@ -23,7 +23,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import batches, load_data, make_model, mean_over_ranks, parse_args, print0, setup  # noqa: E402
+from common import (  # noqa: E402
+    batches, load_data, make_model, mean_over_ranks, parse_args, positive_int, print0, setup,
+)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -47,9 +49,12 @@ def stage_module(model: nn.Sequential, stage: int, stages: int) -> nn.Sequential
 def main() -> None:
     def extra(p):
         p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
-        p.add_argument("--microbatches", type=int, default=4)
+        p.add_argument("--microbatches", type=positive_int, default=4)
 
     args = parse_args(__doc__, extra=extra, batch_size=128, lr=0.005)
+    if args.microbatches > args.batch_size:
+        raise SystemExit(f"--microbatches {args.microbatches} exceeds --batch-size "
+                         f"{args.batch_size}: a microbatch needs at least one sample")
     rank, world, device = setup(args)
     (x_train, y_train), (x_test, y_test) = load_data(args.samples)
     x_train, y_train, x_test, y_test = (t.to(device) for t in (x_train, y_train, x_test, y_test))

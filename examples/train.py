@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchdist_ext  # noqa: E402,F401  (registers "tdx")
-from common import check_device, device_name  # noqa: E402
+from common import check_device, device_name, positive_float, positive_int  # noqa: E402
 from data import NUM_CLASSES, NUM_FEATURES, spirals, split  # noqa: E402
 
 
@@ -37,9 +37,9 @@ def make_model(hidden: int = 128) -> nn.Module:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="tdx")
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--epochs", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="per rank")
+    p.add_argument("--lr", type=positive_float, default=0.01)
     p.add_argument("--device", type=device_name,
                    default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default cuda when a GPU is visible); on "

@@ -282,7 +282,7 @@ def test_import_does_not_hide_a_bug_as_a_bad_file(tmp_path: Path) -> None:
 def examples(monkeypatch: pytest.MonkeyPatch):
     """The examples directory on sys.path; their modules are imported fresh."""
     monkeypatch.syspath_prepend(str(REPO / "examples"))
-    for name in ("common", "data", "train", "tensor_parallel"):
+    for name in ("common", "data", "train", "tensor_parallel", "pipeline"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -336,3 +336,36 @@ def test_tensor_parallel_refuses_a_degree_below_one(
     monkeypatch.setattr(sys, "argv", ["tensor_parallel.py", "--tp", tp])
     assert f"--tp: must be at least 1, got {tp}" in _exits_with_usage(
         tensor_parallel.main, capsys)
+
+
+@pytest.mark.parametrize("script, flag, value, message", [
+    ("ddp.py", "--epochs", "0", "must be at least 1, got 0"),
+    ("ddp.py", "--batch-size", "-4", "must be at least 1, got -4"),
+    ("ddp.py", "--hidden", "0", "must be at least 1, got 0"),
+    ("ddp.py", "--samples", "0", "must be at least 1, got 0"),
+    ("ddp.py", "--lr", "0", "must be a finite number > 0, got 0"),
+    ("ddp.py", "--lr", "nan", "must be a finite number > 0, got nan"),
+    ("train.py", "--epochs", "0", "must be at least 1, got 0"),
+    ("train.py", "--batch-size", "0", "must be at least 1, got 0"),
+    ("train.py", "--lr", "-1", "must be a finite number > 0, got -1"),
+    ("pipeline.py", "--microbatches", "0", "must be at least 1, got 0"),
+])
+def test_examples_refuse_counts_below_one(
+        script: str, flag: str, value: str, message: str, examples: Any,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A zero epoch, batch or microbatch count used to train nothing, or divide by zero,
+    after the group had started; it is a usage error naming the flag."""
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("started"))
+    module = importlib.import_module(script[:-3]) if script != "ddp.py" else None
+    monkeypatch.setattr(sys, "argv", [script, f"{flag}={value}"])
+    main = module.main if module is not None else lambda: examples.parse_args("doc")
+    assert f"{flag}: {message}" in _exits_with_usage(main, capsys)
+
+
+def test_pipeline_refuses_more_microbatches_than_samples(
+        examples: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline = importlib.import_module("pipeline")
+    monkeypatch.setattr(pipeline, "setup", lambda args: pytest.fail("started"))
+    monkeypatch.setattr(sys, "argv", ["pipeline.py", "--batch-size", "4", "--microbatches", "8"])
+    with pytest.raises(SystemExit, match="--microbatches 8 exceeds --batch-size 4"):
+        pipeline.main()
