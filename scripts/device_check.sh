@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
-# Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host").
+# Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes logs and results under $OUT (default: ./device-out). Stages, each optional:
 #   TDX_STAGES="build smoke bench cuda cpu"   (default: all, in that order)
 # Other settings:

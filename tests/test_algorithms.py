@@ -422,13 +422,17 @@ def test_groups_price_same_host_messages_with_rank0s_local_terms(world: int) -> 
 def test_registry_and_overrides() -> None:
     algos = torchdist_ext.algorithms()
     assert {"ring", "rhd", "direct", "shm", "shm_direct"} <= set(algos["allreduce"])
+    assert torchdist_ext.algorithms("all_reduce") == {"allreduce": algos["allreduce"]}
     with pytest.raises(ValueError, match="unknown allreduce algorithm 'nope'"):
         torchdist_ext.set_algorithm("allreduce", "nope")
     with pytest.raises(ValueError, match="unknown collective"):
         torchdist_ext.set_algorithm("allreduse", "ring")
     try:
+        torchdist_ext.set_algorithm("all_gather", "ring")  # torch's spelling: the same pin
+        assert torchdist_ext.get_algorithm("allgather") == "ring"
         torchdist_ext.set_algorithm("allreduce", "ring")
         assert torchdist_ext.get_algorithm("allreduce") == "ring"
+        assert torchdist_ext.get_algorithm("all_reduce") == "ring"
         assert torchdist_ext.predict("allreduce", 1 << 20, 4)[0] == "ring"
         with pytest.raises(ValueError, match="not both"):
             torchdist_ext.predict("allreduce", 1 << 20, 4, group=object())
@@ -458,6 +462,9 @@ def test_tdx_algo_pins_every_rank() -> None:
     pinned algorithms (and the harness's env reaches them before that import)."""
     got = run_ranks(_pins, 2, timeout=120, env={"TDX_ALGO": "allreduce:ring,broadcast:chain"})
     assert got == [("ring", "chain")] * 2, got
+    # torch.distributed's spelling of the op names works too.
+    got = run_ranks(_pins, 2, timeout=120, env={"TDX_ALGO": "all_reduce:rhd,broadcast:chain"})
+    assert got == [("rhd", "chain")] * 2, got
 
 
 def _pin_while_queued(rank: int, world: int) -> str:
@@ -578,6 +585,10 @@ def _sweep(rank: int, world: int, counts: list[int] | None = None,
                     lst = [i * 10 + q for q in range(world)] if rank == root else None
                     dist.scatter(out, lst, src=root)
                     check(label, out, i * 10 + rank)
+                # The pin ran, not auto's choice (which would pass the checks above too).
+                path = torchdist_ext.flight_recorder()[-1]["path"]
+                if world > 1 and path != name:
+                    failures.append(f"{label}: rank {rank} ran {path!r}")
         finally:
             torchdist_ext.set_algorithm(coll, "auto")
     return failures

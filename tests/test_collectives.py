@@ -21,21 +21,27 @@ R = dist.ReduceOp
 
 
 def value(rank: int, count: int, dtype: torch.dtype, op: str = "SUM") -> torch.Tensor:
-    """Rank `rank`'s input: small values chosen so no dtype overflows at 8 ranks."""
+    """Rank `rank`'s input: small values chosen so no signed dtype overflows at 8 ranks.
+    Negative values (wrapped, in unsigned dtypes) and bit patterns across the whole width
+    catch kernels that compare as unsigned, drop the sign or narrow; only floating AVG
+    and PREMUL_SUM, which round, keep positive values so their tolerance is relative."""
     i = torch.arange(count, dtype=torch.int64)
     if dtype == torch.bool:
         return ((i + rank) % 3 == 0)
     if op == "PRODUCT":
-        v = torch.where((i + rank) % 7 == 0, 2, 1)
+        v = torch.where((i + rank) % 7 == 0, 2, torch.where((i + rank) % 5 == 0, -1, 1))
     elif op in ("BAND", "BOR", "BXOR"):
-        v = (rank * 37 + i * 11) % 64
+        # 16 random-looking bits and their sign: in int64 the sign fills the high bits.
+        v = (rank * 40503 + i * 34283 + 12345) % 65536 - 32768
     elif op in ("MIN", "MAX"):
-        v = (rank * 7 + i * 3) % 11
-    else:
+        v = (rank * 7 + i * 3) % 11 - 5
+    elif dtype.is_floating_point and op in ("AVG", "PREMUL_SUM"):
         v = (i + rank) % 5 + 1
+    else:
+        v = (i + rank) % 5 - 2
     if dtype.is_floating_point:
         return (v.double() * 0.25).to(dtype) if op not in ("PRODUCT",) else v.to(dtype)
-    return v.to(dtype)
+    return v.to(dtype)  # wraps into the narrow and unsigned types, as a cast does
 
 
 def reference(inputs: list[torch.Tensor], op: str, n: int, dtype: torch.dtype,
@@ -53,7 +59,10 @@ def reference(inputs: list[torch.Tensor], op: str, n: int, dtype: torch.dtype,
         out = stack.sum(0)
     elif op == "AVG":
         s = stack.sum(0)
-        out = s / n if dtype.is_floating_point else torch.div(s, n, rounding_mode="trunc")
+        if dtype.is_floating_point:
+            out = s / n
+        else:  # the sum wraps in the dtype first; then it divides, truncating toward zero
+            out = torch.div(s.to(dtype).to(wide), n, rounding_mode="trunc")
     elif op == "PREMUL_SUM":
         out = (stack * factor).sum(0)
     elif op == "PRODUCT":
@@ -74,12 +83,14 @@ def close(got: torch.Tensor, want: torch.Tensor, avg_world: int = 0) -> bool:
     """Exact, except an AVG over ``avg_world`` ranks: the inputs are multiples of 0.25
     small enough that every sum, product, min and max (and every partial sum, in any
     order) is exact in every float dtype; AVG scales each share by 1/world first, which
-    rounds once per share and once per addition."""
+    rounds once per share and once per addition: at most world half-ulps of the (positive)
+    result, within (world + 2) / 2 ulps, the bench's allowance. Dividing by world ± 1
+    would be off by over 10% at 8 ranks."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
     if not got.dtype.is_floating_point or avg_world == 0:
         return torch.equal(got, want)
-    rtol = 2 * (avg_world + 1) * torch.finfo(got.dtype).eps
+    rtol = (avg_world + 2) / 2 * torch.finfo(got.dtype).eps
     return bool(((got.double() - want.double()).abs() <= rtol * want.double().abs()).all())
 
 
@@ -612,7 +623,7 @@ def _scaled_reductions_every_algorithm(rank: int, n: int) -> list[str]:
     def base(r: int, dtype: torch.dtype) -> torch.Tensor:
         if dtype == torch.int64:
             return torch.full((count,), big, dtype=dtype) + r
-        return value(r, count, dtype) * (r + 1)
+        return value(r, count, dtype, "AVG") * (r + 1)  # positive: a relative tolerance
 
     def check(what: str, got: torch.Tensor, want: torch.Tensor, avg: bool) -> None:
         if not close(got, want, n if avg else 0):

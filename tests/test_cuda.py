@@ -780,6 +780,17 @@ def test_multi_reduce_kernel() -> None:
     assert not fails, _report(fails)
 
 
+def test_multi_reduce_kernel_cpu() -> None:
+    """The CPU half of the sweep above, on every host: random signed data over each
+    dtype's range, misaligned views with guards, in place, every op and dtype."""
+    import torchdist_ext
+
+    fn = torchdist_ext._C._multi_reduce
+    devices = [torch.device("cpu")]
+    fails = _kernel_errors(fn, devices) + _kernel_sweep(fn, devices)
+    assert not fails, _report(fails)
+
+
 # ------------------------------------------------------------------------- 4. DDP
 
 DDP_STEPS = 5

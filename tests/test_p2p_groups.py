@@ -133,11 +133,16 @@ def _subgroups(rank: int, n: int) -> list[str]:
         if dist.get_rank(g) != sorted(members).index(rank):
             fails.append("group rank")
     # two groups with async ops in flight at the same time
-    w1 = dist.all_reduce(torch.ones(1000), async_op=True)
+    t1, t2 = torch.ones(1000), torch.ones(1000)
+    w1 = dist.all_reduce(t1, async_op=True)
     if rank in members:
-        w2 = dist.all_reduce(torch.ones(1000), group=g, async_op=True)
+        w2 = dist.all_reduce(t2, group=g, async_op=True)
         w2.wait()
+        if not torch.equal(t2, torch.full((1000,), float(len(members)))):
+            fails.append(f"r{rank} subgroup all_reduce beside the world's: {t2[:4].tolist()}")
     w1.wait()
+    if not torch.equal(t1, torch.full((1000,), float(n))):
+        fails.append(f"r{rank} world all_reduce beside the subgroup's: {t1[:4].tolist()}")
     # split_group over the default group. torch splits only a group bound to an
     # accelerator device (init_process_group(device_id=...)), whatever the backend, and
     # this harness binds none: torch must refuse with its own error, and this says when

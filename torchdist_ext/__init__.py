@@ -99,7 +99,8 @@ def transport_info() -> dict[str, Any]:
 
 
 def env_knobs() -> list[tuple[str, str, str]]:
-    """Every ``TDX_*`` environment variable as (name, default, meaning)."""
+    """Every ``TDX_*`` knob the backend (C++) reads, as (name, default, meaning). Build
+    settings (``TDX_WITH_CUDA``, ``TDX_UCX_HOME``) and ``TDX_CALIBRATION`` are in the README."""
     return list(_C.env_knobs())
 
 
@@ -215,6 +216,9 @@ def algorithms(collective: str | None = None) -> dict[str, list[str]]:
     for a in _C._algorithms():
         out.setdefault(a["collective"], []).append(a["name"])
     if collective is not None:
+        # torch.distributed's spelling, as set_algorithm and TDX_ALGO accept it.
+        collective = {"all_reduce": "allreduce", "all_gather": "allgather",
+                      "all_to_all": "alltoall"}.get(collective, collective)
         if collective not in out:
             raise ValueError(f"unknown collective {collective!r}; use one of {sorted(out)}")
         return {collective: out[collective]}

@@ -15,7 +15,9 @@ namespace algorithms {
 Plan directAllreducePlan(const PlanArgs& a) {
   Plan plan;
   const int n = a.size, r = a.rank;
-  if (n == 1 || a.count == 0) return plan;
+  // An empty op still exchanges (zero-byte) messages: a peer that passed a different
+  // count then fails at once on the size, not at the group timeout.
+  if (n == 1) return plan;
   const size_t bytes = a.count * a.elemSize;
   plan.scratchBytes = bytes * n;
   auto slot = [&](int i) { return scratchSpan(static_cast<size_t>(i) * bytes, bytes); };

@@ -118,6 +118,12 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
     ch.waitAll(plain);
     for (const auto& a : step.actions) {
       if (a.verb == Verb::Copy) {
+        // Callers check that a local copy's two ends agree; a plan that breaks this would
+        // write past its destination or leave part of it unwritten.
+        if (a.src.bytes != a.dst.bytes) {
+          throw std::logic_error("plan copies " + std::to_string(a.src.bytes) + " bytes into " +
+                                 std::to_string(a.dst.bytes));
+        }
         if (a.src.bytes == 0) continue;
         char* dst = resolve(a.dst, buffers, scratch);
         const char* src = resolve(a.src, buffers, scratch);

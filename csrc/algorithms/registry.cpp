@@ -28,6 +28,11 @@ Collective collectiveFromName(const std::string& name) {
   for (int i = 0; i < kNumCollectives; ++i) {
     if (name == kCollectiveNames[i]) return static_cast<Collective>(i);
   }
+  // torch.distributed spells three of them with an underscore (dist.all_reduce); users
+  // write those names into TDX_ALGO and set_algorithm, so both spellings are accepted.
+  if (name == "all_reduce") return Collective::Allreduce;
+  if (name == "all_gather") return Collective::Allgather;
+  if (name == "all_to_all") return Collective::Alltoall;
   std::string all;
   for (int i = 0; i < kNumCollectives; ++i) all += (i ? ", " : "") + std::string(kCollectiveNames[i]);
   throw std::invalid_argument("unknown collective '" + name + "'; use one of " + all);

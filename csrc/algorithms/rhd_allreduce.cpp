@@ -21,7 +21,9 @@ namespace algorithms {
 Plan rhdAllreducePlan(const PlanArgs& a) {
   Plan plan;
   const int n = a.size, r = a.rank;
-  if (n == 1 || a.count == 0) return plan;
+  // An empty op still exchanges (zero-byte) messages: a peer that passed a different
+  // count then fails at once on the size, not at the group timeout.
+  if (n == 1) return plan;
   int p = 1;
   while (p * 2 <= n) p *= 2;
   const int q = n - p;

@@ -17,7 +17,9 @@ namespace algorithms {
 Plan ringAllreducePlan(const PlanArgs& a) {
   Plan plan;
   const int n = a.size, r = a.rank;
-  if (n == 1 || a.count == 0) return plan;
+  // An empty op still exchanges (zero-byte) messages: a peer that passed a different
+  // count then fails at once on the size, not at the group timeout.
+  if (n == 1) return plan;
   auto chunk = [&](int i) {
     return dataSpan(pieceBegin(a.count, n, i) * a.elemSize, pieceCount(a.count, n, i) * a.elemSize);
   };

@@ -526,6 +526,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
   TORCH_CHECK_VALUE(input.size(0) == 0 || output.size(0) == 0 || inRow == outRow, ctx,
                     ": input rows have ", inRow, " elements but output rows have ", outRow,
                     "; all dims but the first must match");
+  // The block a rank sends itself is copied locally, never checked by a peer: sizes
+  // that differ would copy past the output's block (or leave it unwritten).
+  TORCH_CHECK_VALUE(inRows[rank_] == outRows[rank_], ctx, ": rank ", rank_, " sends ",
+                    inRows[rank_], " rows to itself (input split sizes[", rank_,
+                    "]) but expects ", outRows[rank_], " (output split sizes[", rank_,
+                    "]); make them equal");
   const int64_t row = std::max(inRow, outRow);
   at::Tensor in = input, out = output;
   return enqueue(OpType::ALLTOALL_BASE, "all_to_all_single", {out}, {in},
@@ -564,6 +570,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
     checkSameLayout(ctx, inputs[0], inputs[r], "input " + std::to_string(r), false);
     checkSameLayout(ctx, inputs[0], outputs[r], "output " + std::to_string(r), false);
   }
+  // As in all_to_all_single: this rank's own block is copied, never checked by a peer.
+  TORCH_CHECK_VALUE(inputs[rank_].numel() == outputs[rank_].numel(), ctx, ": rank ", rank_,
+                    "'s input ", rank_, " has ", inputs[rank_].numel(), " elements but its output ",
+                    rank_, " has ", outputs[rank_].numel(), "; the block a rank sends itself "
+                    "must fit its own output exactly");
   std::vector<at::Tensor> outs = outputs, ins = inputs;
   return enqueue(OpType::ALLTOALL, "all_to_all", outs, ins, [this, outs, ins](GroupChannel& ch) {
     std::vector<HostImage> inImgs, outImgs;

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace tdx {
@@ -304,8 +305,20 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                          "and imaginary parts; multiply the tensor by it before the op and use "
                          "SUM");
         r.premulTensor = sup->tensor_factor;
+        if (!floating) {
+          // Read now for integer tensors only (a GPU factor costs a sync): read when the
+          // op runs, a NaN would scale by 0 without a word.
+          const double f = sup->tensor_factor.item<double>();
+          TORCH_CHECK_VALUE(std::isfinite(f), ctx, ": the PREMUL_SUM factor ", f,
+                            " is not finite, which ", scalar,
+                            " tensors cannot be scaled by; pass a finite factor");
+        }
       } else {
         r.premulFactor = sup->double_factor;
+        // An integer holds no NaN or infinity: refused rather than turned into 0.
+        TORCH_CHECK_VALUE(floating || std::isfinite(r.premulFactor), ctx,
+                          ": the PREMUL_SUM factor ", r.premulFactor, " is not finite, which ",
+                          scalar, " tensors cannot be scaled by; pass a finite factor");
       }
       break;
     }

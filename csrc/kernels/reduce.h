@@ -15,8 +15,9 @@ using ReduceFn = void (*)(void* dst, const void* src, size_t count);
 // nullptr when the pair is meaningless (bitwise ops on floating types).
 ReduceFn cpuReduceFn(DType dtype, ReduceKind op);
 
-// dst[i] = src[i] * factor (floating types; integers are multiplied and truncated, a
-// whole factor exactly). dst may be src.
+// dst[i] = src[i] * factor. Integers multiply exactly by a whole factor (modulo
+// 2^bits); by any other factor in double, truncated toward zero and wrapped modulo
+// 2^bits (kernels/int_scale.h). dst may be src.
 void cpuScale(void* dst, const void* src, size_t count, DType dtype, double factor);
 
 // How a rank's own contribution enters a reduction: copied as it is, or multiplied by

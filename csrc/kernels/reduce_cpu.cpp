@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "kernels/half.h"
+#include "kernels/int_scale.h"
 #include "kernels/reduce.h"
 
 namespace tdx {
@@ -199,6 +200,8 @@ void scaleLoop(void* dstv, const void* srcv, size_t n, double f) {
       }
       return;
     }
+    for (size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(wrapToUint64(static_cast<double>(src[i]) * f));
+    return;
   }
   for (size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * f);
 }

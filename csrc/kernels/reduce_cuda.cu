@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/int_scale.h"
 #include "kernels/reduce_cuda.h"
 
 namespace tdx {
@@ -103,6 +104,7 @@ __device__ __forceinline__ typename AccOf<T>::type start(const Params<T>& p, T x
         return static_cast<A>(static_cast<unsigned long long>(static_cast<long long>(x)) *
                               static_cast<unsigned long long>(p.intFactor));
       }
+      return static_cast<A>(wrapToUint64(static_cast<double>(x) * p.factor));
     }
     return static_cast<A>(static_cast<double>(toAcc<T>(x)) * p.factor);
   }
