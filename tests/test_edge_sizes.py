@@ -112,8 +112,9 @@ def _wrapped(value: float, bits: int, signed: bool) -> int:
 ], ids=["1", "2", "3", "ring", "rhd", "direct", "shm_direct"])
 def test_integer_premul_sum_by_a_fraction_truncates_and_wraps(world: int,
                                                               env: dict[str, str]) -> None:
-    """Each rank's share is multiplied in double, truncated toward zero and wrapped
-    modulo 2^bits, then summed with wrap-around (README, "Reductions"), on every path."""
+    """By a fraction, each rank's share is multiplied in double, truncated toward zero
+    and wrapped modulo 2^bits, then summed with wrap-around (README, "Reductions"), on
+    every path; by a whole factor beyond int64's range (1e19), exactly modulo 2^bits."""
     results = run_ranks(_premul_ints, world, timeout=60, env=env)
     for dtype, bits, signed in ((torch.int32, 32, True), (torch.uint8, 8, False),
                                 (torch.int64, 64, True)):
@@ -124,7 +125,10 @@ def test_integer_premul_sum_by_a_fraction_truncates_and_wraps(world: int,
                 for r in range(world):
                     x = [10 ** 9 + r, 7, -3, 0][i]
                     x = _wrapped(x, bits, signed)  # the value the dtype holds
-                    total += _wrapped(float(x) * factor, bits, signed)
+                    if factor == int(factor):  # a whole factor, however large: exact
+                        total += _wrapped(x * int(factor), bits, signed)
+                    else:
+                        total += _wrapped(float(x) * factor, bits, signed)
                 want.append(_wrapped(total, bits, signed))
             for rank, got in enumerate(results):
                 assert got[f"{dtype} {factor}"] == want, (rank, dtype, factor)

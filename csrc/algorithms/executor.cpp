@@ -56,6 +56,13 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
   for (const auto& step : plan.steps) {
     size_t need = 0, scaled = 0;
     for (const auto& a : step.actions) {
+      // Callers check that a local copy's two ends agree; a plan that broke this would
+      // write past its destination or leave part of it unwritten. Checked before any
+      // transfer starts, so a peer never sees part of such an op.
+      if (a.verb == Verb::Copy && a.src.bytes != a.dst.bytes) {
+        throw std::logic_error("plan copies " + std::to_string(a.src.bytes) + " bytes into " +
+                               std::to_string(a.dst.bytes));
+      }
       if (a.verb == Verb::RecvReduce) need += a.dst.bytes;
       if (a.verb == Verb::Send && a.src.region == Region::Send && load.scales) scaled += a.src.bytes;
     }
@@ -118,12 +125,6 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
     ch.waitAll(plain);
     for (const auto& a : step.actions) {
       if (a.verb == Verb::Copy) {
-        // Callers check that a local copy's two ends agree; a plan that breaks this would
-        // write past its destination or leave part of it unwritten.
-        if (a.src.bytes != a.dst.bytes) {
-          throw std::logic_error("plan copies " + std::to_string(a.src.bytes) + " bytes into " +
-                                 std::to_string(a.dst.bytes));
-        }
         if (a.src.bytes == 0) continue;
         char* dst = resolve(a.dst, buffers, scratch);
         const char* src = resolve(a.src, buffers, scratch);

@@ -304,13 +304,14 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                          ": the PREMUL_SUM factor is a complex tensor, which would mix the real "
                          "and imaginary parts; multiply the tensor by it before the op and use "
                          "SUM");
-        r.premulTensor = sup->tensor_factor;
-        if (!floating) {
-          // Read now for integer tensors only (a GPU factor costs a sync): read when the
-          // op runs, a NaN would scale by 0 without a word.
-          const double f = sup->tensor_factor.item<double>();
-          TORCH_CHECK_VALUE(std::isfinite(f), ctx, ": the PREMUL_SUM factor ", f,
-                            " is not finite, which ", scalar,
+        if (floating) {
+          r.premulTensor = sup->tensor_factor;  // read when the op runs
+        } else {
+          // Integer tensors read it now (a GPU factor costs a sync) and keep that value:
+          // read when the op runs, a NaN would scale by 0 without a word.
+          r.premulFactor = sup->tensor_factor.item<double>();
+          TORCH_CHECK_VALUE(std::isfinite(r.premulFactor), ctx, ": the PREMUL_SUM factor ",
+                            r.premulFactor, " is not finite, which ", scalar,
                             " tensors cannot be scaled by; pass a finite factor");
         }
       } else {

@@ -193,8 +193,8 @@ void scaleLoop(void* dstv, const void* srcv, size_t n, double f) {
   if constexpr (std::is_integral_v<T>) {
     // A whole factor multiplies exactly (modulo 2^bits): through double, int64 values
     // above 2^53 would be rounded.
-    if (f == std::trunc(f) && std::fabs(f) < 9.2e18) {
-      const uint64_t k = static_cast<uint64_t>(static_cast<int64_t>(f));
+    if (f == std::trunc(f)) {
+      const uint64_t k = wrapToUint64(f);  // f modulo 2^64: x * k is then exact modulo 2^64
       for (size_t i = 0; i < n; ++i) {
         dst[i] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(src[i])) * k);
       }

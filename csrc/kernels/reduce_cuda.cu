@@ -199,9 +199,10 @@ void launch(const MultiReduceArgs& a, cudaStream_t stream) {
   p.count = a.count;
   p.premul = a.premul;
   p.factor = a.premulFactor;
-  p.wholeFactor =
-      a.premulFactor == std::trunc(a.premulFactor) && std::fabs(a.premulFactor) < 9.2e18;
-  p.intFactor = p.wholeFactor ? static_cast<long long>(a.premulFactor) : 0;
+  // Any whole factor multiplies exactly modulo 2^64, as on the CPU; inf is no whole
+  // number here (an integer's factor is checked finite at the call).
+  p.wholeFactor = a.premulFactor == std::trunc(a.premulFactor);
+  p.intFactor = p.wholeFactor ? static_cast<long long>(wrapToUint64(a.premulFactor)) : 0;
   p.divisor = a.divisor;
 
   constexpr size_t kV = 16 / sizeof(T);
