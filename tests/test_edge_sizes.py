@@ -1,7 +1,8 @@
 """Sizes and factors at the edges: the block an all_to_all rank sends itself, an empty
 all_reduce against a peer's non-empty one, and integer PREMUL_SUM by a factor that is not
 a whole number. Each used to be a silent wrong answer (or a write past the output) or a
-wait for the whole group timeout."""
+wait for the whole group timeout. Also the dtypes that only move (no reduction takes
+them), through every data-movement op."""
 
 from __future__ import annotations
 
@@ -135,3 +136,68 @@ def test_integer_premul_sum_by_a_fraction_truncates_and_wraps(world: int,
     for rank, got in enumerate(results):
         assert "the PREMUL_SUM factor nan is not finite" in got["nan"][0], (rank, got["nan"])
         assert "the PREMUL_SUM factor inf is not finite" in got["inf tensor"][0], (rank, got)
+
+
+MOVED_DTYPES = [torch.uint16, torch.uint32, torch.uint64, torch.complex64, torch.complex128,
+                torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes: float8 has no equality op, and NaN bit patterns must match too."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _pattern(rank: int, slot: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes that name the rank, the slot and the position, as `dtype` (any bit pattern,
+    NaNs and the unsigned types' top bit included)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    i = torch.arange(count * size, dtype=torch.int64)
+    return ((i * 37 + rank * 101 + slot * 13 + 200) % 256).to(torch.uint8).view(dtype)
+
+
+def _moves_other_dtypes(rank: int, n: int) -> list[str]:
+    fails: list[str] = []
+
+    def same(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.dtype != want.dtype or not torch.equal(_bits(got), _bits(want)):
+            fails.append(f"r{rank} {what}")
+
+    for dtype in MOVED_DTYPES:
+        for count in (1, 7):
+            p = lambda r, s=0: _pattern(r, s, count, dtype)  # noqa: E731
+            t = p(rank) if rank == n - 1 else torch.zeros(count, dtype=dtype)
+            dist.broadcast(t, src=n - 1)
+            same(f"broadcast {dtype} {count}", t, p(n - 1))
+            flat = torch.zeros(n * count, dtype=dtype)
+            dist.all_gather_into_tensor(flat, p(rank))
+            same(f"all_gather_into_tensor {dtype}", flat, torch.cat([p(r) for r in range(n)]))
+            outs = [torch.zeros(count, dtype=dtype) for _ in range(n)]
+            dist.all_gather(outs, p(rank))
+            same(f"all_gather {dtype}", torch.cat(outs), torch.cat([p(r) for r in range(n)]))
+            out = torch.zeros(n * count, dtype=dtype)
+            dist.all_to_all_single(out, torch.cat([p(rank, q) for q in range(n)]))
+            same(f"all_to_all_single {dtype}", out, torch.cat([p(q, rank) for q in range(n)]))
+            glist = [torch.zeros(count, dtype=dtype) for _ in range(n)] if rank == 0 else None
+            dist.gather(p(rank), glist, dst=0)
+            if rank == 0:
+                same(f"gather {dtype}", torch.cat(glist), torch.cat([p(r) for r in range(n)]))
+            got = torch.zeros(count, dtype=dtype)
+            dist.scatter(got, [p(0, q) for q in range(n)] if rank == 0 else None, src=0)
+            same(f"scatter {dtype}", got, p(0, rank))
+            if n > 1:
+                if rank == 0:
+                    dist.send(p(0, 9), 1)
+                elif rank == 1:
+                    got = torch.zeros(count, dtype=dtype)
+                    dist.recv(got, 0)
+                    same(f"send/recv {dtype}", got, p(0, 9))
+    return fails
+
+
+@pytest.mark.parametrize("world,shm", [(1, "1"), (2, "1"), (3, "1"), (3, "0")])
+def test_data_movement_of_every_other_dtype(world: int, shm: str) -> None:
+    """The README's "any dtype" for data movement, for the dtypes no reduction takes:
+    unsigned 16/32/64-bit, complex, float8; byte-exact, NaN patterns included."""
+    results = run_ranks(_moves_other_dtypes, world, timeout=120, env={"TDX_SHM": shm})
+    fails = [f for per_rank in results for f in per_rank]
+    assert not fails, fails[:20]
