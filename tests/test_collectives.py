@@ -710,3 +710,59 @@ def test_scaled_reductions_every_algorithm(world_size: int) -> None:
     fails = [f for r in run_ranks(_scaled_reductions_every_algorithm, world_size,
                                   env={"TDX_SHM_SLOT_BYTES": "65536"}) for f in r]
     assert not fails, "\n".join(fails[:20])
+
+
+def _message_algorithms_every_dtype_and_op(rank: int, n: int) -> list[str]:
+    """The dtype x op sweep above runs whatever auto picks, a window on one host. Here
+    each message algorithm of the reducing collectives is pinned and runs every dtype and
+    op, checked against the float64/int64 reference and against the algorithm named in
+    the flight recorder."""
+    import torchdist_ext
+
+    fails: list[str] = []
+    pow2 = n & (n - 1) == 0
+    pins = [("allreduce", "ring"), ("allreduce", "rhd"), ("allreduce", "direct"),
+            ("reduce", "tree"), ("reduce_scatter", "ring")] + \
+        ([("reduce_scatter", "rh")] if pow2 else [])
+    for coll, name in pins:
+        torchdist_ext.set_algorithm(coll, name)
+        try:
+            for dtype in DTYPES:
+                for count in (7, 1000):
+                    for op in ops_for(dtype):
+                        if op == "PREMUL_SUM" and not dtype.is_floating_point:
+                            continue
+                        what = f"{coll}:{name} {op} {dtype} n={count}"
+                        if coll == "reduce_scatter":
+                            full = torch.cat([value(rank * n + j, count, dtype, op)
+                                              for j in range(n)])
+                            want = reference([value(r * n + rank, count, dtype, op)
+                                              for r in range(n)], op, n, dtype)
+                            got = sentinel(count, dtype)
+                            dist.reduce_scatter_tensor(got, full, op=redop(op))
+                        else:
+                            got = value(rank, count, dtype, op)
+                            want = reference([value(r, count, dtype, op) for r in range(n)],
+                                             op, n, dtype)
+                            if coll == "reduce":
+                                dist.reduce(got, dst=n - 1, op=redop(op))
+                                if rank != n - 1:
+                                    continue
+                            else:
+                                dist.all_reduce(got, op=redop(op))
+                        if not close(got, want, n if op == "AVG" else 0):
+                            fails.append(f"r{rank} {what}: got {got[:4].tolist()} "
+                                         f"want {want[:4].tolist()}")
+                        ran = torchdist_ext.flight_recorder()[-1]["path"]
+                        if ran != name:
+                            fails.append(f"r{rank} {what}: {ran} ran")
+        finally:
+            torchdist_ext.set_algorithm(coll, "auto")
+    return fails
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_message_algorithms_every_dtype_and_op(world_size: int) -> None:
+    fails = [f for per_rank in run_ranks(_message_algorithms_every_dtype_and_op, world_size,
+                                         timeout=300) for f in per_rank]
+    assert not fails, "\n".join(fails[:20])
