@@ -200,7 +200,9 @@ void scaleLoop(void* dstv, const void* srcv, size_t n, double f) {
       }
       return;
     }
-    for (size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(wrapToUint64(static_cast<double>(src[i]) * f));
+    for (size_t i = 0; i < n; ++i) {
+      dst[i] = static_cast<T>(wrapToUint64(static_cast<double>(src[i]) * f));
+    }
     return;
   }
   for (size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * f);
