@@ -720,6 +720,19 @@ def test_out_that_is_a_directory_is_refused(tmp_path: Path, capsys: pytest.Captu
         assert f"{tmp_path}: is a directory" in _refused(argv, capsys), argv
 
 
+def test_a_path_the_system_refuses_to_look_at_is_refused_not_raised(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], no_measuring: None) -> None:
+    """A name too long for the file system makes ``stat`` fail with ENAMETOOLONG, which
+    ``Path.exists`` passes on: it must come back as a usage error like any other bad
+    path, or under torchrun the lead rank would raise before the ranks agree."""
+    long = str(tmp_path / ("x" * 300))
+    for argv in (["--json", long], ["--plot", long + ".png"],
+                 ["calibrate", "--out", long], ["calibrate", "--json", long],
+                 ["tune", "--out", long, "--dry-run"]):
+        err = _refused(argv, capsys)
+        assert "File name too long" in err and long in err, (argv, err)
+
+
 def test_plot_format_and_matplotlib_are_checked_up_front(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], no_measuring: None,
         monkeypatch: pytest.MonkeyPatch) -> None:

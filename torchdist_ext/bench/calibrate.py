@@ -462,9 +462,13 @@ def checked_outputs(parser: argparse.ArgumentParser,
 def _output_problem(a: argparse.Namespace, target: Path) -> str | None:
     """What is wrong with ``--out`` (saved to ``target``) and ``--json``, as this rank
     sees it, or None."""
-    if a.out and Path(a.out).is_dir():
+    if a.out:
         # Even a dry run reads --out (tune prices its picks with it), on every rank.
-        return f"--out {a.out}: is a directory; name a calibration file"
+        try:
+            if Path(a.out).is_dir():
+                return f"--out {a.out}: is a directory; name a calibration file"
+        except OSError as e:  # a reason, not a raise: every rank must reach the agreement
+            return f"--out {a.out}: {e.strerror or e}; choose another --out path"
     if not is_lead():  # only rank 0 writes
         return None
     if not a.dry_run:

@@ -369,9 +369,20 @@ def unwritable(path: str | os.PathLike[str], option: str,
     ``replaced``: the writer creates missing directories, writes a temporary file beside
     ``path`` and renames it over (:func:`torchdist_ext.calibration.save`), so only the
     directory counts: the nearest existing one must be writable, even when the file
-    exists."""
-    target = Path(path)
+    exists.
+
+    A path the system refuses to look at (a name too long, a directory that may not be
+    searched) is a reason too, never an exception: under torchrun the lead rank's answer
+    is agreed on by every rank, which a raise on the lead would leave waiting."""
     fix = f"choose another {option} path"
+    try:
+        return _unwritable(os.fspath(path), option, replaced, fix)
+    except OSError as e:
+        return f"{option} {path}: {e.strerror or e}; {fix}"
+
+
+def _unwritable(path: str, option: str, replaced: bool, fix: str) -> str | None:
+    target = Path(path)
     if target.is_dir():
         return f"{option} {path}: is a directory; name a file in it, or {fix}"
     if target.exists() and not replaced:
