@@ -64,7 +64,10 @@ def reference(inputs: list[torch.Tensor], op: str, n: int, dtype: torch.dtype,
         else:  # the sum wraps in the dtype first; then it divides, truncating toward zero
             out = torch.div(s.to(dtype).to(wide), n, rounding_mode="trunc")
     elif op == "PREMUL_SUM":
-        out = (stack * factor).sum(0)
+        if dtype.is_floating_point:
+            out = (stack * factor).sum(0)
+        else:  # each share scaled, truncated toward zero, then summed, wrapping in the dtype
+            out = torch.trunc(stack.double() * factor).to(torch.int64).sum(0)
     elif op == "PRODUCT":
         out = stack.prod(0)
     elif op == "MIN":
@@ -130,11 +133,9 @@ def _sweep(rank: int, n: int) -> list[str]:
 
     for dtype in DTYPES:
         for count in COUNTS:
-            # all_reduce with every op that fits the dtype (PREMUL_SUM only on floats,
-            # where scaling is exact).
+            # all_reduce with every op that fits the dtype (PREMUL_SUM on integers scales
+            # each share, truncating toward zero, before the sum).
             for op in ops_for(dtype):
-                if op == "PREMUL_SUM" and not dtype.is_floating_point:
-                    continue
                 t = value(rank, count, dtype, op)
                 dist.all_reduce(t, op=redop(op))
                 want = reference([value(r, count, dtype, op) for r in range(n)], op, n, dtype)
@@ -146,8 +147,6 @@ def _sweep(rank: int, n: int) -> list[str]:
                 expect(f"broadcast root={root} {dtype} n={count}", t, value(root, count, dtype))
             # reduce: SUM and MAX to every root, every other op to the last rank
             for op in ops_for(dtype):
-                if op == "PREMUL_SUM" and not dtype.is_floating_point:
-                    continue
                 for root in (range(n) if op in ("SUM", "MAX") else [n - 1]):
                     t = value(rank, count, dtype, op)
                     before = t.clone()
@@ -172,8 +171,6 @@ def _sweep(rank: int, n: int) -> list[str]:
             expect(f"all_gather_into_tensor in-place {dtype} n={count}", flat, want)
             # reduce_scatter (list) and reduce_scatter_tensor (also in place)
             for op in ops_for(dtype):
-                if op == "PREMUL_SUM" and not dtype.is_floating_point:
-                    continue
                 full = [torch.cat([value(r * n + j, count, dtype, op) for j in range(n)])
                         for r in range(n)]
                 want = reference([f[rank * count:(rank + 1) * count] for f in full], op, n, dtype)
@@ -483,6 +480,80 @@ def _random_aliased_coalesced(rank: int, n: int, trials: int) -> list[str]:
     return fails
 
 
+def _peak_growth(fn) -> int:
+    """Bytes by which this process's peak resident memory rose above its resident memory
+    at the call while ``fn`` ran (writing 5 to clear_refs resets the peak, VmHWM)."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(key + ":"))
+        return int(line.split()[1]) * 1024
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    fn()
+    return status("VmHWM") - before
+
+
+def _coalesced_staging_peak(rank: int, n: int, entries: int, mib: int) -> list[str]:
+    """Non-contiguous entries are staged through contiguous copies: a coalesced op must
+    hold one entry's copies at a time, not every entry's until the op ends."""
+    fails: list[str] = []
+    pg = dist.distributed_c10d._get_default_group()
+    rows = int(((mib << 20) // 4) ** 0.5)  # an entry: a square float32 matrix, transposed
+    entry = rows * rows * 4
+
+    def square(value: float) -> torch.Tensor:
+        return torch.full((rows, rows), value).t()
+
+    def tall(value: float) -> torch.Tensor:  # n squares stacked, transposed twice over
+        return torch.full((rows, n * rows), value).t()
+
+    ins = [square(100.0 * rank + i) for i in range(entries)]
+    gathered = [tall(-1.0) for _ in range(entries)]
+    stacked = [tall(float(rank + i)) for i in range(entries)]
+    scattered = [square(-1.0) for _ in range(entries)]
+    ops = {
+        # name: (run it, bytes staged per entry)
+        "all_gather_into_tensor_coalesced":
+            (lambda: pg.allgather_into_tensor_coalesced(gathered, ins).wait(), (1 + n) * entry),
+        "reduce_scatter_tensor_coalesced":
+            (lambda: pg.reduce_scatter_tensor_coalesced(
+                scattered, stacked, dist.ReduceScatterOptions()).wait(), (1 + n) * entry),
+        "all_reduce_coalesced":
+            (lambda: pg.allreduce_coalesced(ins, dist.AllreduceCoalescedOptions()).wait(),
+             entry),
+    }
+    for name, (op, staged) in ops.items():
+        op()  # the first op sets up windows and buffers that later ones reuse
+        grew = _peak_growth(op)
+        # One entry's copies at a time rise by `staged` (measured: exactly that); holding
+        # every entry's to the end would need entries * staged bytes.
+        if grew > 2 * staged:
+            fails.append(f"r{rank} {name}: the peak rose {grew / 2**20:.0f} MiB over "
+                         f"{entries} entries of {staged / 2**20:.0f} MiB staged each; one "
+                         f"entry's copies at a time is at most {2 * staged / 2**20:.0f} MiB")
+    for i in range(entries):
+        want = torch.cat([torch.full((rows, rows), 100.0 * r + i) for r in range(n)])
+        if not torch.equal(gathered[i], want):
+            fails.append(f"r{rank} all_gather entry {i} wrong")
+        if not torch.equal(scattered[i], torch.full((rows, rows), float(sum(
+                r + i for r in range(n))))):
+            fails.append(f"r{rank} reduce_scatter entry {i} wrong")
+        # reduced twice: n times the first sum
+        if not torch.equal(ins[i], torch.full((rows, rows), n * sum(
+                100.0 * r + i for r in range(n)))):
+            fails.append(f"r{rank} all_reduce entry {i} wrong")
+    return fails
+
+
+def test_coalesced_ops_stage_one_entry_at_a_time() -> None:
+    # A fixed mmap threshold: glibc otherwise raises it as large blocks are freed, and
+    # then keeps freed copies in its heap, where resident memory no longer shows them.
+    fails = [f for r in run_ranks(_coalesced_staging_peak, 2, args=(8, 8),
+                                  env={"MALLOC_MMAP_THRESHOLD_": "65536"}) for f in r]
+    assert not fails, "\n".join(fails)
+
+
 def test_random_aliased_coalesced_ops_match_gloo() -> None:
     fails = [f for r in run_ranks(_random_aliased_coalesced, 3, args=(40,)) for f in r]
     assert not fails, "\n".join(fails[:10])
@@ -730,8 +801,6 @@ def _message_algorithms_every_dtype_and_op(rank: int, n: int) -> list[str]:
             for dtype in DTYPES:
                 for count in (7, 1000):
                     for op in ops_for(dtype):
-                        if op == "PREMUL_SUM" and not dtype.is_floating_point:
-                            continue
                         what = f"{coll}:{name} {op} {dtype} n={count}"
                         if coll == "reduce_scatter":
                             full = torch.cat([value(rank * n + j, count, dtype, op)

@@ -143,7 +143,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce_coalesced(
   // could not cancel after an error may still read them.
   return enqueue(OpType::ALLREDUCE_COALESCED, "all_reduce_coalesced", tensors, ins,
                  [this, ts, ins, reds](GroupChannel& ch) {
-                   for (size_t i = 0; i < ts.size(); ++i) runAllreduce(*this, ch, ts[i], ins[i], reds[i]);
+                   for (size_t i = 0; i < ts.size(); ++i) {
+                     runAllreduce(*this, ch, ts[i], ins[i], reds[i]);
+                     ch.releaseHeld();
+                   }
                  });
 }
 
@@ -231,6 +234,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
                  [this, outs, ins](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
                      runAllgatherInto(*this, ch, outs[i], ins[i]);
+                     ch.releaseHeld();
                    }
                  });
 }
@@ -265,6 +269,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
                      if (in.bytes() > 0) std::memmove(blocks[ch.rank()].data, in.data(), in.bytes());
                      host::allgather(*this, ch, blocks);
                      for (auto& img : images) img.copyOut();
+                     ch.releaseHeld();
                    }
                  });
 }
@@ -484,6 +489,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
                  [this, outs, ins, reds](GroupChannel& ch) {
                    for (size_t i = 0; i < ins.size(); ++i) {
                      runReduceScatterInto(*this, ch, outs[i], ins[i], reds[i]);
+                     ch.releaseHeld();
                    }
                  });
 }

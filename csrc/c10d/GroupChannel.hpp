@@ -85,6 +85,13 @@ class GroupChannel final : public algorithms::Channel {
   void keep(std::shared_ptr<const void> owner) {
     held_.push_back(std::move(owner));
   }
+  // Between the entries of a coalesced op: once every transfer posted so far has been
+  // waited for, nothing reads or writes what keep() holds, so an entry's staged copies
+  // go before the next entry stages its own. Peak memory is then the largest entry's,
+  // not the sum of all of them.
+  void releaseHeld() {
+    if (posted_.empty()) held_.clear();
+  }
 
   transport::Clock::time_point deadline() const {
     return deadline_;
