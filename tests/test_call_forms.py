@@ -129,7 +129,7 @@ def _aliased_lists(rank: int, n: int) -> list[str]:
         # The root's input as another rank's gather_list entry.
         refused("gather with the input as rank 1's entry",
                 lambda: dist.gather(x, [torch.zeros(4), x] + [torch.zeros(4)] * (n - 2), dst=0),
-                "shares memory with the input")
+                "gather_list[1] (Float[4] on cpu) shares memory with the input")
         refused("gather into one tensor twice",
                 lambda: dist.gather(x, [x] + [shared] * (n - 1), dst=0), "share memory")
         # The root's output as another rank's scatter_list entry.

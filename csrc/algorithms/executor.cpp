@@ -29,6 +29,44 @@ char* resolve(const Span& s, const Buffers& b, char* scratch) {
   throw std::logic_error("bad plan region");
 }
 
+// Throws unless `s` lies inside the memory it names. A plan is built from the byte
+// counts its caller passed; a plan that disagreed with the buffers would read or write
+// past a tensor, so every span is checked before any transfer starts (a peer then never
+// sees part of such an op).
+void checkSpan(const Span& s, const Buffers& b, size_t scratchBytes, size_t step,
+               const char* end) {
+  if (s.bytes == 0) return;
+  size_t size = 0;
+  const char* name = "";
+  switch (s.region) {
+    case Region::Data:
+      size = b.dataBytes;
+      name = "data";
+      break;
+    case Region::Scratch:
+      size = scratchBytes;
+      name = "scratch";
+      break;
+    case Region::Send:
+    case Region::Recv: {
+      const auto& blocks = s.region == Region::Send ? b.send : b.recv;
+      name = s.region == Region::Send ? "send block" : "recv block";
+      if (s.block < 0 || static_cast<size_t>(s.block) >= blocks.size()) {
+        throw std::logic_error("plan step " + std::to_string(step) + ": " + end + " names " +
+                               name + " " + std::to_string(s.block) + " of " +
+                               std::to_string(blocks.size()));
+      }
+      size = blocks[s.block].bytes;
+      break;
+    }
+  }
+  if (s.offset > size || s.bytes > size - s.offset) {
+    throw std::logic_error("plan step " + std::to_string(step) + ": " + end + " spans bytes [" +
+                           std::to_string(s.offset) + ", " + std::to_string(s.offset + s.bytes) +
+                           ") of a " + name + " of " + std::to_string(size) + " bytes");
+  }
+}
+
 // A segment of a receive-and-reduce: where it lands, where it goes.
 struct PendingReduce {
   RequestPtr request;
@@ -53,9 +91,14 @@ void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemS
   const size_t seg = std::max(elemSize, segmentBytes / elemSize * elemSize);
   size_t staging = 0;
   size_t loading = 0;  // scaled copies of input sent as it is
-  for (const auto& step : plan.steps) {
+  for (size_t s = 0; s < plan.steps.size(); ++s) {
+    const Step& step = plan.steps[s];
     size_t need = 0, scaled = 0;
     for (const auto& a : step.actions) {
+      if (a.verb != Verb::Recv && a.verb != Verb::RecvReduce) {
+        checkSpan(a.src, buffers, plan.scratchBytes, s, "its source");
+      }
+      if (a.verb != Verb::Send) checkSpan(a.dst, buffers, plan.scratchBytes, s, "its destination");
       // Callers check that a local copy's two ends agree; a plan that broke this would
       // write past its destination or leave part of it unwritten. Checked before any
       // transfer starts, so a peer never sees part of such an op.

@@ -21,6 +21,7 @@ namespace algorithms {
 
 struct Buffers {
   char* data = nullptr;
+  size_t dataBytes = 0;  // the Data region's size: a plan's spans are checked against it
   std::vector<Block> send;
   std::vector<Block> recv;
 };

@@ -291,7 +291,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
       checkSameLayout(ctx, input, outputs[0][r], name, true);
       // The root's own entry may be its input (gathered in place); another rank's entry
       // is written while the input may still be read.
-      if (r != root) checkDisjoint(ctx, outputs[0][r], input, "the input");
+      if (r != root) checkDisjoint(ctx, outputs[0][r], input, "the input", name);
     }
     checkEntriesDisjoint(ctx, outputs[0], "the gather list");
     outs = outputs[0];

@@ -95,6 +95,7 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* o
   a.elemSize = elemSize;
   Buffers b;
   b.data = output;
+  b.dataBytes = count * elemSize;
   run(ch, sel, a, b, reduce);
 }
 
@@ -112,6 +113,7 @@ void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, 
   a.root = root;
   Buffers b;
   b.data = data;
+  b.dataBytes = bytes;
   run(ch, sel, a, b, nullptr);
 }
 
@@ -137,6 +139,7 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
   a.sendBytes = {count * elemSize};
   Buffers b;
   b.data = output;
+  b.dataBytes = count * elemSize;
   // The executor scales the input where the plan first reads it (`load`).
   b.send = {Block{const_cast<char*>(input), count * elemSize}};
   run(ch, sel, a, b, fn, load);

@@ -77,11 +77,11 @@ void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
 }
 
 void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::Tensor& input,
-                   const std::string& name) {
+                   const std::string& name, const std::string& outputName) {
   if (output.numel() == 0 || input.numel() == 0) return;
   const auto overlap = at::get_overlap_status(output, input);
   TORCH_CHECK_VALUE(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::TooHard,
-                    ctx, ": the output (", shapeOf(output), ") shares memory with ", name, " (",
+                    ctx, ": ", outputName, " (", shapeOf(output), ") shares memory with ", name, " (",
                     shapeOf(input), "), which is read after the output is written; pass an "
                     "output of its own");
 }

@@ -31,7 +31,7 @@ void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
                          const at::Tensor& input);
 // `output` shares no memory with `input` (`name` in the message).
 void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::Tensor& input,
-                   const std::string& name);
+                   const std::string& name, const std::string& outputName = "the output");
 // The tensors of one output list (all_gather's, gather's) share no memory with each
 // other: an element written twice would hold whichever write came last, which differs
 // between algorithms and ranks.
