@@ -72,6 +72,8 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
     a.kind = red.kind;
     a.premul = red.premul;
     a.premulFactor = red.premul ? red.factor() : 1.0;
+    a.exactWhole = red.premul && red.premulWhole;
+    a.wholeFactor = red.premulWholeFactor;
     a.divisor = red.average ? n : 1;
     tdx::kernels::cudaMultiReduce(a, c10::cuda::getCurrentCUDAStream().stream());
     return;

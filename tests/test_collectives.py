@@ -664,6 +664,15 @@ def _edge_values_every_algorithm(rank: int, n: int) -> list[str]:
             dist.all_reduce(x, op=dist._make_nccl_premul_sum(3.0))
             if not torch.equal(x, torch.full_like(x, 3 * n * (2**53 + 1))):
                 fails.append(f"r{rank} {name} int64 PREMUL_SUM: {x[:2].tolist()}")
+            # The same factors as integer tensors, which a double would round: 2^53 + 1,
+            # and 2^64 - 1 (uint64), which is -1 modulo 2^64.
+            for factor, share in ((torch.tensor([2**53 + 1]), 3 * (2**53 + 1)),
+                                  (torch.tensor([2**64 - 1], dtype=torch.uint64), -3)):
+                x = torch.full((1001,), 3, dtype=torch.int64)
+                dist.all_reduce(x, op=dist._make_nccl_premul_sum(factor))
+                if not torch.equal(x, torch.full_like(x, n * share)):
+                    fails.append(f"r{rank} {name} int64 PREMUL_SUM by {factor.dtype} "
+                                 f"{factor.item()}: {x[:2].tolist()}, want {n * share}")
             ran = torchdist_ext.flight_recorder()[-1]["path"]
             if name != "auto" and ran != name:
                 fails.append(f"r{rank} pinned {name} but {ran} ran")

@@ -362,6 +362,8 @@ class CudaPeerMemory final : public PeerMemory {
     a.kind = red.kind;
     a.premul = red.premul;
     a.premulFactor = red.premul ? red.factor() : 1.0;
+    a.exactWhole = red.premul && red.premulWhole;
+    a.wholeFactor = red.premulWholeFactor;
     a.divisor = red.average ? n : 1;
     return a;
   }

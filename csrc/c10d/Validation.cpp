@@ -232,6 +232,8 @@ kernels::Load Reduction::load() const {
   l.dtype = dtype;
   l.scales = premul;
   l.factor = premul ? factor() : 1.0;
+  l.exactWhole = premul && premulWhole;
+  l.wholeFactor = premulWholeFactor;
   return l;
 }
 
@@ -309,7 +311,16 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
         } else {
           // Integer tensors read it now (a GPU factor costs a sync) and keep that value:
           // read when the op runs, a NaN would scale by 0 without a word.
-          r.premulFactor = sup->tensor_factor.item<double>();
+          const at::Tensor& f = sup->tensor_factor;
+          if (c10::isIntegralType(f.scalar_type(), /*includeBool=*/true)) {
+            // Exactly, modulo 2^64: through double an int64 above 2^53 would round.
+            const c10::Scalar v = f.item();
+            r.premulWhole = true;
+            r.premulWholeFactor = f.scalar_type() == at::kUInt64
+                                      ? v.toUInt64()
+                                      : static_cast<uint64_t>(v.toLong());
+          }
+          r.premulFactor = f.item<double>();
           TORCH_CHECK_VALUE(std::isfinite(r.premulFactor), ctx, ": the PREMUL_SUM factor ",
                             r.premulFactor, " is not finite, which ", scalar,
                             " tensors cannot be scaled by; pass a finite factor");

@@ -66,6 +66,10 @@ struct Reduction {
   bool average = false;                // divide the SUM by the group size afterwards (integers)
   bool premul = false;                 // scale inputs before the SUM (also floating AVG)
   double premulFactor = 1.0;
+  // An integer tensor scaled by an integer factor tensor: the factor exactly, modulo 2^64
+  // (premulFactor holds it rounded to double, for messages).
+  bool premulWhole = false;
+  uint64_t premulWholeFactor = 0;
   at::Tensor premulTensor;             // a one-element factor read when the op runs
   std::string name;                    // "SUM", "AVG", ...
 

@@ -1,7 +1,8 @@
 // Integer PREMUL_SUM. By a factor that is not a whole number the product is formed in
 // double, truncated toward zero and wrapped modulo 2^64 (and so modulo 2^bits of the
 // element type), the same answer on the CPU and the GPU; a whole factor is itself reduced
-// modulo 2^64 here, so that any whole factor multiplies exactly. A plain cast of a double
+// modulo 2^64 here, so that any whole factor multiplies exactly. (A factor that came as an
+// integer tensor skips the double altogether: Load::exactWhole.) A plain cast of a double
 // outside the integer type's range is undefined behaviour and gave different garbage per
 // type.
 #pragma once

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "common/types.h"
 
@@ -19,6 +20,9 @@ ReduceFn cpuReduceFn(DType dtype, ReduceKind op);
 // 2^bits); by any other factor in double, truncated toward zero and wrapped modulo
 // 2^bits (kernels/int_scale.h). dst may be src.
 void cpuScale(void* dst, const void* src, size_t count, DType dtype, double factor);
+// dst[i] = src[i] * k modulo 2^bits, for integer dtypes: a whole factor that came as an
+// integer, which a double need not hold exactly (an int64 above 2^53).
+void cpuScaleWhole(void* dst, const void* src, size_t count, DType dtype, uint64_t k);
 
 // How a rank's own contribution enters a reduction: copied as it is, or multiplied by
 // `factor` on the way (PREMUL_SUM, floating AVG). Algorithms call it where they first
@@ -27,6 +31,10 @@ struct Load {
   DType dtype = DType::Float32;
   double factor = 1.0;
   bool scales = false;
+  // Integer dtypes: the factor is the whole number `wholeFactor` (modulo 2^64), used
+  // instead of `factor`, which may have rounded it.
+  bool exactWhole = false;
+  uint64_t wholeFactor = 0;
   // dst = src (x factor), `bytes` of whole elements. dst may be src, or must not overlap
   // it; an unscaled load onto itself does nothing.
   void operator()(void* dst, const void* src, size_t bytes) const;

@@ -186,6 +186,16 @@ ReduceFn boolFn(ReduceKind op) {
   return nullptr;
 }
 
+// x * k modulo 2^64, then narrowed: exact modulo 2^bits of T.
+template <class T>
+void scaleWholeLoop(void* dstv, const void* srcv, size_t n, uint64_t k) {
+  T* dst = static_cast<T*>(dstv);
+  const T* src = static_cast<const T*>(srcv);
+  for (size_t i = 0; i < n; ++i) {
+    dst[i] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(src[i])) * k);
+  }
+}
+
 template <class T>
 void scaleLoop(void* dstv, const void* srcv, size_t n, double f) {
   T* dst = static_cast<T*>(dstv);
@@ -194,11 +204,8 @@ void scaleLoop(void* dstv, const void* srcv, size_t n, double f) {
     // A whole factor multiplies exactly (modulo 2^bits): through double, int64 values
     // above 2^53 would be rounded.
     if (f == std::trunc(f)) {
-      const uint64_t k = wrapToUint64(f);  // f modulo 2^64: x * k is then exact modulo 2^64
-      for (size_t i = 0; i < n; ++i) {
-        dst[i] = static_cast<T>(static_cast<uint64_t>(static_cast<int64_t>(src[i])) * k);
-      }
-      return;
+      // f modulo 2^64: x * k is then exact modulo 2^64
+      return scaleWholeLoop<T>(dstv, srcv, n, wrapToUint64(f));
     }
     for (size_t i = 0; i < n; ++i) {
       dst[i] = static_cast<T>(wrapToUint64(static_cast<double>(src[i]) * f));
@@ -270,9 +277,33 @@ void cpuScale(void* dst, const void* src, size_t count, DType dtype, double fact
   }
 }
 
+void cpuScaleWhole(void* dst, const void* src, size_t count, DType dtype, uint64_t k) {
+  switch (dtype) {
+    case DType::Int8: return scaleWholeLoop<int8_t>(dst, src, count, k);
+    case DType::UInt8: return scaleWholeLoop<uint8_t>(dst, src, count, k);
+    case DType::Int16: return scaleWholeLoop<int16_t>(dst, src, count, k);
+    case DType::Int32: return scaleWholeLoop<int32_t>(dst, src, count, k);
+    case DType::Int64: return scaleWholeLoop<int64_t>(dst, src, count, k);
+    default:
+      throw std::invalid_argument("an exact whole factor scales integer tensors only");
+  }
+}
+
+namespace {
+
+void scaleBy(const Load& l, void* dst, const void* src, size_t count) {
+  if (l.exactWhole) {
+    cpuScaleWhole(dst, src, count, l.dtype, l.wholeFactor);
+  } else {
+    cpuScale(dst, src, count, l.dtype, l.factor);
+  }
+}
+
+} // namespace
+
 void Load::operator()(void* dst, const void* src, size_t bytes) const {
   if (scales) {
-    cpuScale(dst, src, bytes / elementSize(dtype), dtype, factor);
+    scaleBy(*this, dst, src, bytes / elementSize(dtype));
   } else if (dst != src && bytes > 0) {
     std::memmove(dst, src, bytes);
   }
@@ -288,7 +319,7 @@ void Load::reduce(void* dst, const void* src, size_t bytes, ReduceFn fn) const {
   const size_t step = sizeof(scaled) / elem * elem;
   for (size_t off = 0; off < bytes; off += step) {
     const size_t n = std::min(step, bytes - off);
-    cpuScale(scaled, static_cast<const char*>(src) + off, n / elem, dtype, factor);
+    scaleBy(*this, scaled, static_cast<const char*>(src) + off, n / elem);
     fn(static_cast<char*>(dst) + off, scaled, n / elem);
   }
 }

@@ -201,8 +201,10 @@ void launch(const MultiReduceArgs& a, cudaStream_t stream) {
   p.factor = a.premulFactor;
   // Any whole factor multiplies exactly modulo 2^64, as on the CPU; inf is no whole
   // number here (an integer's factor is checked finite at the call).
-  p.wholeFactor = a.premulFactor == std::trunc(a.premulFactor);
-  p.intFactor = p.wholeFactor ? static_cast<long long>(wrapToUint64(a.premulFactor)) : 0;
+  p.wholeFactor = a.exactWhole || a.premulFactor == std::trunc(a.premulFactor);
+  p.intFactor = a.exactWhole    ? static_cast<long long>(a.wholeFactor)
+                : p.wholeFactor ? static_cast<long long>(wrapToUint64(a.premulFactor))
+                                : 0;
   p.divisor = a.divisor;
 
   constexpr size_t kV = 16 / sizeof(T);

@@ -34,6 +34,10 @@ struct MultiReduceArgs {
   ReduceKind kind = ReduceKind::Sum;
   bool premul = false;
   double premulFactor = 1.0;
+  // Integer dtypes: the factor is the whole number `wholeFactor` (modulo 2^64), used
+  // instead of premulFactor, which may have rounded it.
+  bool exactWhole = false;
+  uint64_t wholeFactor = 0;
   int64_t divisor = 1;
 };
 
