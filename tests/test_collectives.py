@@ -6,6 +6,8 @@ it came from. One spawn per world size runs the whole sweep and returns its fail
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -552,6 +554,52 @@ def test_coalesced_ops_stage_one_entry_at_a_time() -> None:
     fails = [f for r in run_ranks(_coalesced_staging_peak, 2, args=(8, 8),
                                   env={"MALLOC_MMAP_THRESHOLD_": "65536"}) for f in r]
     assert not fails, "\n".join(fails)
+
+
+def _random_output_lists(rank: int, n: int, trials: int) -> list[str]:
+    """all_gather into lists of slices of a few buffers, some overlapping, some the same
+    tensor twice: refused exactly when two entries share a byte, naming two that do;
+    otherwise every entry holds its rank's input."""
+    fails: list[str] = []
+    gen = torch.Generator().manual_seed(4321)  # the same lists on every rank
+
+    def randint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    for trial in range(trials):
+        count = randint(1, 4)
+        bufs = [torch.zeros(randint(n * count, 3 * n * count)) for _ in range(2)]
+        spans = []  # (buffer, start) per entry; buffer 2 is a tensor of the entry's own
+        for _ in range(n):
+            b = randint(0, 3)
+            spans.append((b, randint(0, bufs[b].numel() - count + 1) if b < 2 else 0))
+        if randint(0, 4) == 0:  # the very same tensor twice
+            i, j = randint(0, n), randint(0, n)
+            spans[j] = spans[i]
+        outs = [bufs[b][s:s + count] if b < 2 else torch.zeros(count) for b, s in spans]
+        overlapping = {(i, j) for i in range(n) for j in range(i + 1, n)
+                       if spans[i][0] == spans[j][0] < 2
+                       and abs(spans[i][1] - spans[j][1]) < count}
+        try:
+            dist.all_gather(outs, torch.full((count,), float(rank)))
+            if overlapping:
+                fails.append(f"r{rank} trial {trial} {spans}: overlapping entries accepted")
+            elif any(not torch.equal(o, torch.full((count,), float(r)))
+                     for r, o in enumerate(outs)):
+                fails.append(f"r{rank} trial {trial} {spans}: {[o.tolist() for o in outs]}")
+        except ValueError as e:
+            named = re.search(r"entries (\d+) and (\d+) of the output list share memory",
+                              str(e))
+            if not overlapping or not named or \
+                    (int(named[1]), int(named[2])) not in overlapping:
+                fails.append(f"r{rank} trial {trial} {spans} (overlapping: "
+                             f"{sorted(overlapping)}): {e}")
+    return fails
+
+
+def test_output_lists_refused_exactly_when_entries_overlap() -> None:
+    fails = [f for r in run_ranks(_random_output_lists, 5, args=(150,)) for f in r]
+    assert not fails, "\n".join(fails[:10])
 
 
 def test_random_aliased_coalesced_ops_match_gloo() -> None:

@@ -4,6 +4,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <functional>
 #include <cmath>
 #include <sstream>
 
@@ -88,17 +90,56 @@ void checkDisjoint(const std::string& ctx, const at::Tensor& output, const at::T
 
 void checkEntriesDisjoint(const std::string& ctx, const std::vector<at::Tensor>& list,
                           const std::string& what) {
+  auto refuse = [&](size_t i, size_t j) {
+    TORCH_CHECK_VALUE(false, ctx, ": entries ", std::min(i, j), " and ", std::max(i, j), " of ",
+                      what, " share memory, so their elements would be written twice with "
+                      "different values; pass a tensor of its own for each entry");
+  };
+  // A list holds one tensor per rank: comparing every pair would cost n^2 / 2 overlap
+  // checks per op on the caller's thread. Entries of different storages cannot share
+  // memory; within a storage, dense entries are byte intervals, which overlap only if one
+  // starts before the furthest end of those that start earlier. Other (strided) entries
+  // are compared pair by pair with the rest of their storage.
+  struct Entry {
+    const void* storage;
+    uintptr_t begin, end;
+    size_t index;
+    bool dense;
+  };
+  std::vector<Entry> entries;
   for (size_t i = 0; i < list.size(); ++i) {
-    if (list[i].numel() == 0) continue;
-    for (size_t j = i + 1; j < list.size(); ++j) {
-      if (list[j].numel() == 0) continue;
-      const auto overlap = at::get_overlap_status(list[i], list[j]);
-      TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full &&
-                            overlap != at::MemOverlapStatus::Partial,
-                        ctx, ": entries ", i, " and ", j, " of ", what,
-                        " share memory, so their elements would be written twice with "
-                        "different values; pass a tensor of its own for each entry");
+    const at::Tensor& t = list[i];
+    if (t.numel() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    entries.push_back({t.storage().data(), begin, begin + t.numel() * t.element_size(), i,
+                       t.is_non_overlapping_and_dense()});
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    if (a.storage != b.storage) return std::less<const void*>()(a.storage, b.storage);
+    return a.begin != b.begin ? a.begin < b.begin : a.index < b.index;
+  });
+  for (size_t a = 0; a < entries.size();) {
+    size_t b = a;
+    while (b < entries.size() && entries[b].storage == entries[a].storage) ++b;
+    const Entry* furthest = nullptr;  // of the dense entries so far, the one ending last
+    for (size_t k = a; k < b; ++k) {
+      const Entry& e = entries[k];
+      if (!e.dense) continue;
+      if (furthest != nullptr && e.begin < furthest->end) refuse(furthest->index, e.index);
+      if (furthest == nullptr || e.end > furthest->end) furthest = &e;
     }
+    for (size_t k = a; k < b; ++k) {
+      if (entries[k].dense) continue;
+      for (size_t m = a; m < b; ++m) {
+        if (m == k || (!entries[m].dense && m < k)) continue;  // each strided pair once
+        const auto overlap = at::get_overlap_status(list[entries[k].index],
+                                                    list[entries[m].index]);
+        if (overlap == at::MemOverlapStatus::Full || overlap == at::MemOverlapStatus::Partial) {
+          refuse(entries[k].index, entries[m].index);
+        }
+      }
+    }
+    a = b;
   }
 }
 
