@@ -137,7 +137,58 @@ def _gloo(rank: int, n: int) -> list[str]:
     torchdist_ext.all_reduce_into(out, x, op=dist.ReduceOp.MAX)
     want = torch.arange(10, dtype=torch.float64) * n
     ok = torch.equal(out, want) and torch.equal(x, torch.arange(10, dtype=torch.float64) * (rank + 1))
-    return [] if ok else [f"r{rank}: gloo got {out.tolist()}"]
+    fails = [] if ok else [f"r{rank}: gloo got {out.tolist()}"]
+    # The forms the backend's own path takes work here too: an output of another shape
+    # (copy_ alone would refuse it), a view of all of the input (in place); a partial
+    # overlap is refused by name.
+    out = torch.empty(2, 5, dtype=torch.float64)
+    torchdist_ext.all_reduce_into(out, x, op=dist.ReduceOp.MAX)
+    if not torch.equal(out.flatten(), want):
+        fails.append(f"r{rank}: gloo, output shaped (2, 5): {out.tolist()}")
+    y = x.clone().reshape(2, 5)
+    torchdist_ext.all_reduce_into(y.view(-1), y, op=dist.ReduceOp.MAX)
+    if not torch.equal(y.flatten(), want):
+        fails.append(f"r{rank}: gloo, y.view(-1) from y: {y.tolist()}")
+    z = torch.zeros(20, dtype=torch.float64)
+    try:
+        torchdist_ext.all_reduce_into(z[5:15], z[0:10])
+        fails.append(f"r{rank}: gloo, a partly overlapping output accepted")
+    except ValueError as e:
+        if f"[tdx rank {rank}] all_reduce_into" not in str(e) or "overlaps part" not in str(e):
+            fails.append(f"r{rank}: gloo, partial overlap: {e}")
+    return fails
+
+
+def _torch_detail(rank: int, n: int) -> list[str]:
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps the backend in a checking wrapper:
+    the queries still find tdx behind it, and all_reduce_into still meets the other
+    ranks' all_reduce (it goes through the wrapper, whose check every rank runs)."""
+    fails = []
+    x = torch.arange(6.0) + rank
+    want = n * torch.arange(6.0) + sum(range(n))
+    # (torch's own check compares shapes, so the output keeps the input's here.)
+    if rank == 0:
+        got = torch.empty(6)
+        torchdist_ext.all_reduce_into(got, x)
+    else:
+        dist.all_reduce(x)
+        got = x
+    if not torch.equal(got, want):
+        fails.append(f"r{rank}: {got.tolist()}")
+    try:
+        record = torchdist_ext.flight_recorder()
+        if not record or record[-1]["op"] != "all_reduce":
+            fails.append(f"r{rank}: flight record {record[-1:]}")
+        torchdist_ext.placement()
+        torchdist_ext.predict("all_reduce", 1 << 20, group=dist.group.WORLD)
+    except ValueError as e:
+        fails.append(f"r{rank}: a query under DETAIL: {e}")
+    return fails
+
+
+def test_queries_and_all_reduce_into_under_torch_detail() -> None:
+    fails = run_ranks(_torch_detail, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert fails == [[], []], fails
 
 
 def _bad(rank: int, n: int) -> list[str]:

@@ -104,13 +104,22 @@ def env_knobs() -> list[tuple[str, str, str]]:
     return list(_C.env_knobs())
 
 
-def _tdx_backend_for(pg: Any, device: torch.device) -> Any:
+def _tdx_backend_for(pg: Any, device: torch.device, unwrap: bool = True) -> Any:
     """``pg``'s tdx backend for tensors on ``device``, or None when another backend (or
-    none) serves them."""
+    none) serves them.
+
+    Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` torch wraps every backend in a checking
+    wrapper, which runs a collective of its own before each op. Queries (the flight
+    record, placement, predictions) look through it (``unwrap``); an op must not, or
+    this rank would skip the wrapper's check that the others run."""
     try:
         backend = pg._get_backend(device)
     except (RuntimeError, ValueError):
         return None
+    if unwrap:
+        wrapper = getattr(dist.distributed_c10d, "_ProcessGroupWrapper", None)
+        while wrapper is not None and isinstance(backend, wrapper):
+            backend = backend.wrapped_pg
     return backend if isinstance(backend, _C.ProcessGroupTDX) else None
 
 
@@ -155,7 +164,9 @@ def all_reduce_into(
     it first (torch's functional collectives clone it). On a ``tdx`` group with CPU
     tensors the shared-memory algorithms read ``input`` and write ``output`` as part of
     their own copies, so this costs what the in-place op does. Elsewhere (CUDA tensors,
-    other backends) it is exactly ``output.copy_(input)`` then ``dist.all_reduce(output)``.
+    other backends, torch's checking wrapper under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``) it
+    copies ``input`` into ``output`` element by element in order, then runs
+    ``dist.all_reduce(output)``.
 
     ``output`` needs ``input``'s dtype, device and number of elements, in any shape; it
     may be ``input`` itself or a contiguous view of all of its memory (in place), but
@@ -178,7 +189,8 @@ def all_reduce_into(
             f"input is {input.dtype}{list(input.shape)} on {input.device}; the output needs "
             "the input's dtype, device and number of elements"
         )
-    backend = _tdx_backend_for(pg, input.device) if input.device.type == "cpu" else None
+    backend = (_tdx_backend_for(pg, input.device, unwrap=False)
+               if input.device.type == "cpu" else None)
     if backend is not None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
@@ -187,9 +199,37 @@ def all_reduce_into(
             return work
         work.wait()
         return None
-    if output is not input:
-        output.copy_(input)
+    if output.data_ptr() != input.data_ptr() or output.stride() != input.stride() \
+            or output.shape != input.shape:
+        # Any shape of the same number of elements, as on the backend's own path: copied
+        # element by element in order (copy_ alone would broadcast, or refuse a reshape).
+        # An output that overlaps only part of the input would read values it already
+        # wrote, so it is refused here as the backend refuses it.
+        overlap = output.numel() > 0 and _overlaps(output, input)
+        if overlap and not (output.is_contiguous() and input.is_contiguous()
+                            and output.data_ptr() == input.data_ptr()):
+            raise ValueError(
+                f"{where}: the output ({output.dtype}{list(output.shape)}) overlaps part of "
+                "the input; pass the input itself (or a contiguous view of all of it) for "
+                "in place, or an output of its own")
+        if not overlap:
+            output.copy_(input.reshape(output.shape))
     return dist.all_reduce(output, op=op, group=group, async_op=async_op)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share memory: one storage and intersecting byte ranges
+    (strided views of one range count as sharing it)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = t.data_ptr()
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return start, start + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
