@@ -525,6 +525,47 @@ def test_cuda_groups_come_and_go(sync: str) -> None:
     assert not fails, _report(fails)
 
 
+def _gather_from_another_block(rank: int, n: int, kind: str = "cuda") -> list[str]:
+    """all_gather_into_tensor whose input lies in another rank's block of the output (as
+    gloo allows): the peer path would read it while that rank writes it, so every rank
+    stages, and each block holds its rank's input. Its own block (in place) and a
+    separate input keep the peer path."""
+    dev = _rank_device(rank, kind)
+    fails: list[str] = []
+    count = 4099
+    for case in ("another block", "own block", "separate"):
+        out = torch.full((n * count,), -1.0, device=dev)
+        mine = torch.arange(count, dtype=torch.float32, device=dev) + 10000 * rank
+        if case == "separate":
+            inp = mine
+        else:
+            at = (rank + 1) % n if case == "another block" else rank
+            inp = out[at * count:(at + 1) * count]
+            inp.copy_(mine)
+        dist.all_gather_into_tensor(out, inp)
+        want = torch.cat([torch.arange(count, dtype=torch.float32) + 10000 * r
+                          for r in range(n)])
+        if not torch.equal(out.cpu(), want):
+            bad = (out.cpu() != want).nonzero()[:3].flatten().tolist()
+            fails.append(f"rank {rank}/{n} all_gather_into_tensor, input in {case}: wrong "
+                         f"at {bad}")
+    _sync(dev)
+    return fails
+
+
+@pytest.mark.cuda
+def test_cuda_all_gather_input_in_another_block() -> None:
+    fails = [f for r in run_ranks(_gather_from_another_block, 2, timeout=120) for f in r]
+    assert not fails, _report(fails)
+
+
+def test_all_gather_input_in_another_block_cpu() -> None:
+    """The same on CPU tensors (the host path every rank falls back to on a GPU)."""
+    fails = [f for r in run_ranks(_gather_from_another_block, 3, timeout=120, args=("cpu",))
+             for f in r]
+    assert not fails, _report(fails)
+
+
 # ------------------------------------------------------- 3. the reduction kernel alone
 
 KERNEL_COUNTS = [0, 1, 7, 4099, (1 << 20) + 3]

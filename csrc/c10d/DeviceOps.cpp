@@ -23,6 +23,7 @@
 #include <deque>
 #include <map>
 #include <sstream>
+#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -318,11 +319,19 @@ class CudaPeerMemory final : public PeerMemory {
   bool allgather(GroupChannel& ch, const at::Tensor& out, const at::Tensor& in,
                  DeviceContext& ctx) override {
     c10::cuda::CUDAGuard guard(out.device());
-    Mapped m;
-    if (!map(ch, {in, out}, true, ctx, m)) return false;
     const int n = ch.size();
     const int me = ch.rank();
     const size_t block = in.numel() * in.element_size();
+    // The kernel reads this rank's input while peers write their blocks of every output:
+    // an input lying in another rank's block would be overwritten as it is read. Such a
+    // rank stages (its input is copied before anything is written), and so, seeing its
+    // advert, does every rank.
+    const auto inAt = reinterpret_cast<uintptr_t>(in.data_ptr());
+    const auto outAt = reinterpret_cast<uintptr_t>(out.data_ptr());
+    const bool inOwnBlock = inAt == outAt + me * block;
+    const bool inOtherBlock = !inOwnBlock && inAt < outAt + n * block && outAt < inAt + block;
+    Mapped m;
+    if (!map(ch, {in, out}, !inOtherBlock, ctx, m)) return false;
     kernels::MultiReduceArgs a = copy(block);
     a.inputs[0] = m.ptr[me][0];
     for (int p = 0; p < n; ++p) a.outputs[p] = m.ptr[p][1] + me * block;
