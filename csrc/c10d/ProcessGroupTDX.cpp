@@ -688,6 +688,7 @@ void ProcessGroupTDX::runTask(Task& task) {
   const std::string& what = task.work->description();
   std::exception_ptr error;
   uint32_t steps = 0;
+  uint32_t checkSteps = 0;  // the fingerprint exchange's, which are not the op's own
   std::string path;
   flight_.start(task.flightId);
   const std::string broken = brokenReason();
@@ -704,7 +705,10 @@ void ProcessGroupTDX::runTask(Task& task) {
                       Clock::now() + timeout(), aborted_, scratch_);
       taskPins_ = task.pins.get();
       try {
-        if (checkFingerprints_) checkFingerprint(ch, task.fingerprint);
+        if (checkFingerprints_) {
+          checkFingerprint(ch, task.fingerprint);
+          checkSteps = ch.stepsDone();
+        }
         if (task.deviceBody) {
           task.deviceBody(ch, ctx);
         } else {
@@ -732,10 +736,11 @@ void ProcessGroupTDX::runTask(Task& task) {
       }
       flight_.finish(task.flightId, true, steps, path, "");
     } catch (const std::exception& e) {
-      if (dynamic_cast<const algorithms::PinRefused*>(&e) != nullptr && steps == 0) {
-        // Bad input, refused by every rank before any of the op's steps: this op fails,
-        // the group goes on. (A coalesced op refused after earlier entries ran breaks
-        // the group below: those entries' outputs are already written.)
+      if (dynamic_cast<const algorithms::PinRefused*>(&e) != nullptr && steps == checkSteps) {
+        // Bad input, refused by every rank before any of the op's steps (the fingerprint
+        // exchange under DETAIL, which every rank completed, moves no data of the op):
+        // this op fails, the group goes on. (A coalesced op refused after earlier entries
+        // ran breaks the group below: those entries' outputs are already written.)
         handleFailure(task, what, e.what(), steps, path, /*refused=*/true, error);
       } else {
         std::string why = errorText(e);
