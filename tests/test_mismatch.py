@@ -141,6 +141,51 @@ def test_point_to_point_mismatch_names_both_sides() -> None:
             assert r[name + " seconds"] < 10, (rank, name, r[name + " seconds"])
 
 
+def _p2p_failures_told(rank: int, n: int) -> dict:
+    """Without DETAIL: a receive that gets more bytes than it posted, one that gets fewer,
+    and one that times out break the group on the receiver, which tells every member, so
+    the sender's next op (a barrier) fails at once naming the receiver's op, not at the
+    group timeout (60 s here)."""
+    import datetime
+
+    out: dict = {}
+    for name, sent, posted in (("longer", torch.ones(20), torch.empty(10)),
+                               ("shorter", torch.ones(10), torch.empty(20)),
+                               ("timeout", None, torch.empty(10))):
+        g = dist.new_group(backend="tdx")
+        try:
+            if rank == 0:
+                if sent is not None:
+                    dist.send(sent, 1, group=g)
+            else:
+                work = dist.irecv(posted, 0, group=g)
+                work.wait(timeout=datetime.timedelta(seconds=1))
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+        start = time.monotonic()
+        try:
+            dist.barrier(group=g)
+            out[name + " after"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name + " after"] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_point_to_point_failures_reach_the_other_ranks_without_detail() -> None:
+    results = run_ranks(_p2p_failures_told, 2, timeout=60)
+    for name in ("longer", "shorter", "timeout"):
+        assert results[1][name].startswith("DistBackendError"), (name, results[1])
+        for rank, r in enumerate(results):
+            after = r[name + " after"]
+            assert after.startswith("DistBackendError"), (rank, name, after)
+            assert "rank 1 gave up on the group" in after or rank == 1, (rank, name, after)
+            assert ") from rank 0 tag 0" in after, (rank, name, after)
+            assert r[name + " seconds"] < 10, (rank, name, r[name + " seconds"])
+
+
 def _sender_in_flight(rank: int, n: int) -> dict:
     """Rank 0 posts a small send, then a rendezvous-sized one that rank 1 never receives;
     rank 1 receives the first into a tensor of another dtype. The mismatch notice must end

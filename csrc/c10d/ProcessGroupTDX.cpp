@@ -642,15 +642,26 @@ void ProcessGroupTDX::listenForMismatchNotices() {
       });
 }
 
-void ProcessGroupTDX::tellPeers(const std::string& text) {
+namespace {
+
+// Sends `text` as a failure notice to every live member of a group but `self`. Free of
+// the group object: point-to-point completions, which may outlive it, send them too.
+void sendNotice(transport::Transport& transport, const std::vector<int>& endpoints, int self,
+                uint32_t group, const std::string& text) {
   // Kept by the sends' completions; a notice receive holds 1024 bytes.
   auto message = std::make_shared<std::string>(text.substr(0, 1000));
-  for (size_t q = 0; q < endpoints_.size(); ++q) {
-    if (static_cast<int>(q) == rank_ || transport_->endpointFailed(endpoints_[q])) continue;
-    transport_->isend(endpoints_[q], tag::pointToPoint(groupId_, rank_, tag::kMismatchTag),
-                      message->data(), message->size(), transport::MemType::Host,
-                      [message](transport::Request&) {});
+  for (size_t q = 0; q < endpoints.size(); ++q) {
+    if (static_cast<int>(q) == self || transport.endpointFailed(endpoints[q])) continue;
+    transport.isend(endpoints[q], tag::pointToPoint(group, self, tag::kMismatchTag),
+                    message->data(), message->size(), transport::MemType::Host,
+                    [message](transport::Request&) {});
   }
+}
+
+} // namespace
+
+void ProcessGroupTDX::tellPeers(const std::string& text) {
+  sendNotice(*transport_, endpoints_, rank_, groupId_, text);
 }
 
 void ProcessGroupTDX::markBroken(const std::string& reason) {
@@ -1081,6 +1092,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
                      inFlight = p2pInFlight_](transport::Request& r) {
     std::string failure;  // why the op failed ("" when it did not)
+    bool sizesDiffer = r.truncated;  // this pair of ops disagrees: only this rank knows
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
     // Null only while the transport is being torn down (which fails what is in flight).
     const auto transport = weakTransport.lock();
@@ -1104,15 +1116,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
           " to rank " + std::to_string(self) + ", whose " +
           what.substr(groupPrefix.size() + 1) + " expected " + mine +
           ". Sender and receiver need the same dtype and shape; the group is unusable now");
-      if (text->size() > 1000) text->resize(1000);  // the notice receives hold 1024 bytes
       fault->record(*text, /*abort=*/true);
-      for (size_t q = 0; transport && q < endpoints->size(); ++q) {
-        if (static_cast<int>(q) == self || transport->endpointFailed((*endpoints)[q])) continue;
-        transport->isend((*endpoints)[q], tag::pointToPoint(group, self, tag::kMismatchTag),
-                         text->data(), text->size(), transport::MemType::Host,
-                         [text](transport::Request&) {});
-      }
+      if (transport) sendNotice(*transport, *endpoints, self, group, *text);
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
+      sizesDiffer = true;
       failure = "received " + std::to_string(r.receivedBytes) + " bytes where " +
                 std::to_string(r.postedBytes) +
                 " were expected: sender and receiver tensors differ in size" +
@@ -1147,7 +1154,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     if (!failure.empty()) {
       // Which later message pairs with which receive is in doubt now (a cancelled
       // receive's message may still arrive and fill the next one): the group is broken.
+      const bool first = !fault->happened.load();
       fault->record(what + " failed: " + failure, /*abort=*/false);
+      if (first && sizesDiffer && transport) {
+        // The sender's send completed as far as it can tell, and it would meet the
+        // broken group only at its next op's timeout: every member hears of it now.
+        sendNotice(*transport, *endpoints, self, group,
+                   "rank " + std::to_string(self) + " gave up on the group: " + what +
+                       " failed: " + failure);
+      }
       error = wrapError(what, failure);
     }
     inFlight->fetch_sub(1);
@@ -1196,9 +1211,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   }
   // The transport is held weakly by the work too: one kept past its group must not keep
   // the transport alive.
-  work->setOnTimeout([weakTransport, weak] {
+  work->setOnTimeout([weakTransport, weak, fault = fault_, endpoints = sharedEndpoints_,
+                       self = rank_, group = groupId_, what] {
     auto t = weakTransport.lock();
     auto r = weak.lock();
+    // The group breaks whether or not the cancel takes (UCX cannot cancel a receive it
+    // has matched, nor a rendezvous send to a live peer): a message of this op may still
+    // arrive, so which later message pairs with which op is in doubt. Peers hear of it
+    // now, not at their next op's timeout.
+    const std::string why = what + " timed out: the peer never posted the matching op";
+    const bool first = !fault->happened.load();
+    fault->record(why, /*abort=*/false);
+    if (t && first) {
+      sendNotice(*t, *endpoints, self, group,
+                 "rank " + std::to_string(self) + " gave up on the group: " + why);
+    }
     if (t && r) t->cancel(*r, "timed out: the peer never posted the matching op");
   });
   // The waiting thread drives the transport while it polls: a small message's

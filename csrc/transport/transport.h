@@ -44,6 +44,7 @@ struct Request {
   uint64_t senderTag = 0;   // receives: the full tag that matched (any-source senders)
   int endpoint = -1;        // -1 for a receive from any source
   bool isSend = false;
+  bool truncated = false;   // receives: the message was longer than the buffer (Failed)
   // Failed by the transport while UCX still holds the buffer (a receive a lost peer left
   // part-filled): done, but its buffer must never be reused.
   std::atomic<bool> orphaned{false};

@@ -536,6 +536,7 @@ void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t stat
   }
   std::string error;
   if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+    r->truncated = true;  // before finishRequest publishes the state
     error = "message longer than the receive buffer (the peer sent more bytes than this "
             "rank expected: the ranks disagree on tensor sizes)";
   } else if (status != UCS_OK) {
@@ -739,6 +740,7 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
     ucs_status_t st = UCS_PTR_STATUS(s);
     if (st == UCS_ERR_MESSAGE_TRUNCATED) {
       std::lock_guard<std::mutex> lock(r->mu);
+      r->truncated = true;
       r->error = "message longer than the receive buffer (the ranks disagree on tensor sizes)";
     }
     finishImmediately(r, st, 0, 0);
