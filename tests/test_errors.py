@@ -366,6 +366,17 @@ except Exception as e:  # noqa: BLE001 - the message is what is checked
 """
 
 
+def test_a_slot_larger_than_a_window_can_map_is_refused_at_creation() -> None:
+    """TDX_SHM_SLOT_BYTES near 2^63: one slot per rank would wrap the window's size, and
+    the slots would lie past the mapping. Refused when the group is created, by name."""
+    out = subprocess.run([sys.executable, "-c", _ENV_PROBE], capture_output=True, text=True,
+                         timeout=120,
+                         env={**os.environ, "TDX_SHM_SLOT_BYTES": str(2**63 - 1)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TDX_SHM_SLOT_BYTES=9223372036854775807 is more than a slot may hold" in \
+        out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("var, value, ok", [
     ("TDX_FLIGHT_OPS", "100ops", False),  # a number followed by a unit
     ("TDX_SPIN_US", "50us", False),

@@ -56,6 +56,7 @@ const std::vector<Knob>& knobs() {
        "0: messages only"},
       {"TDX_SHM_SLOT_BYTES", "2097152",
        "bytes of a rank's shared-memory slot (two halves used alternately; at least 8192, "
+       "at most 1 GiB, "
        "rounded up to 8 KiB; a half holding less than 64 bytes per rank means no windows); "
        "larger slots "
        "mean fewer signals per op, smaller ones stay in cache; the same on every rank "

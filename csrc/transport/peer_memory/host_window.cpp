@@ -71,6 +71,14 @@ struct HostWindow::Header {
 
 size_t HostWindow::defaultSlotBytes() {
   const int64_t v = env::getInt("TDX_SHM_SLOT_BYTES");
+  // A window maps one slot per rank: beyond this, size * slot could wrap and map less
+  // than the slots' addresses reach. Read when a group is created, so it fails there.
+  constexpr int64_t kMost = int64_t{1} << 30;
+  if (v > kMost) {
+    throw std::invalid_argument("TDX_SHM_SLOT_BYTES=" + std::to_string(v) +
+                                " is more than a slot may hold (" + std::to_string(kMost) +
+                                " bytes, 1 GiB); unset it or give a smaller size");
+  }
   return roundUp(static_cast<size_t>(std::max<int64_t>(v, 8192)), 8192);
 }
 
