@@ -125,6 +125,15 @@ def _aliased_lists(rank: int, n: int) -> list[str]:
     refused("all_gather into one tensor twice",
             lambda: dist.all_gather([shared] * (n - 1) + [shared], x),
             "share memory")
+    buf = torch.zeros(4 * n)
+    refused("all_gather_coalesced into overlapping slices",
+            lambda: dist.distributed_c10d._get_default_group().allgather_coalesced(
+                [[buf[i:i + 4] for i in range(n)]], [x]).wait(),
+            "entries 0 and 1 of output list 0 share memory")
+    refused("all_to_all into overlapping slices",
+            lambda: dist.all_to_all([buf[i:i + 4] for i in range(n)],
+                                    [x.clone() for _ in range(n)]),
+            "entries 0 and 1 of the output list share memory")
     if rank == 0:
         # The root's input as another rank's gather_list entry.
         refused("gather with the input as rank 1's entry",

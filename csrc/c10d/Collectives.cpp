@@ -254,6 +254,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
       flatOuts.push_back(o);
       outEntry.push_back(i);
     }
+    // Within one list, as in all_gather (prepareCoalescedInputs compares entries).
+    checkEntriesDisjoint(ctx, outputLists[i], "output list " + std::to_string(i));
   }
   auto lists = outputLists;
   std::vector<at::Tensor> ins = inputs;
@@ -581,6 +583,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
                     "'s input ", rank_, " has ", inputs[rank_].numel(), " elements but its output ",
                     rank_, " has ", outputs[rank_].numel(), "; the block a rank sends itself "
                     "must fit its own output exactly");
+  // Two blocks written into the same memory would leave whichever landed last, which
+  // differs between ranks and algorithms.
+  checkEntriesDisjoint(ctx, outputs, "the output list");
   std::vector<at::Tensor> outs = outputs, ins = inputs;
   return enqueue(OpType::ALLTOALL, "all_to_all", outs, ins, [this, outs, ins](GroupChannel& ch) {
     std::vector<HostImage> inImgs, outImgs;
