@@ -179,7 +179,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
     const c10d::AllgatherOptions& /*opts*/) {
   const std::string ctx = prefix() + " all_gather";
   checkSingle(ctx, inputs);
-  checkListSize(ctx, outputs.size(), 1, "the output list of lists");
+  checkListSize(ctx, outputs.size(), 1, "the output list of lists",
+                "one list: a rank holds one tensor per op");
   checkListSize(ctx, outputs[0].size(), size_, "the output list");
   at::Tensor input = inputs[0];
   for (int r = 0; r < size_; ++r) {
@@ -220,7 +221,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& /*opts*/) {
   const std::string ctx = prefix() + " all_gather_into_tensor_coalesced";
-  checkListSize(ctx, outputs.size(), inputs.size(), "the output list (one per input)");
+  checkListSize(ctx, outputs.size(), inputs.size(), "the output list",
+                "one per input");
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkTensor(ctx, inputs[i], "input " + std::to_string(i));
     checkSameLayout(ctx, inputs[i], outputs[i], "output " + std::to_string(i), false);
@@ -243,7 +245,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputLists, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& /*opts*/) {
   const std::string ctx = prefix() + " all_gather_coalesced";
-  checkListSize(ctx, outputLists.size(), inputs.size(), "the list of output lists");
+  checkListSize(ctx, outputLists.size(), inputs.size(), "the list of output lists",
+                "one per input");
   std::vector<at::Tensor> flatOuts;
   std::vector<size_t> outEntry;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -286,7 +289,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
   at::Tensor input = inputs[0];
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
-    checkListSize(ctx, outputs.size(), 1, "the root's output list of lists");
+    checkListSize(ctx, outputs.size(), 1, "the root's output list of lists",
+                "one list: a rank holds one tensor per op");
     checkListSize(ctx, outputs[0].size(), size_, "the root's gather list");
     for (int r = 0; r < size_; ++r) {
       const std::string name = "gather_list[" + std::to_string(r) + "]";
@@ -371,11 +375,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> ins;
   if (rank_ == root) {
-    checkListSize(ctx, inputs.size(), 1, "the root's input list of lists");
+    checkListSize(ctx, inputs.size(), 1, "the root's input list of lists",
+                "one list: a rank holds one tensor per op");
     checkListSize(ctx, inputs[0].size(), size_, "the root's scatter list");
     for (int r = 0; r < size_; ++r) {
       const std::string name = "scatter_list[" + std::to_string(r) + "]";
-      checkSameLayout(ctx, output, inputs[0][r], name, true);
+      checkSameLayout(ctx, output, inputs[0][r], name, true, "the output");
       // The root's own entry may be its output (scattered in place); another rank's
       // entry is still to be sent when the output is written.
       if (r != root) checkDisjoint(ctx, output, inputs[0][r], name);
@@ -403,12 +408,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const std::string ctx = prefix() + " reduce_scatter";
   checkSingle(ctx, outputs);
-  checkListSize(ctx, inputs.size(), 1, "the input list of lists");
+  checkListSize(ctx, inputs.size(), 1, "the input list of lists",
+                "one list: a rank holds one tensor per op");
   checkListSize(ctx, inputs[0].size(), size_, "the input list");
   at::Tensor output = outputs[0];
   for (int r = 0; r < size_; ++r) {
     const std::string name = "input_list[" + std::to_string(r) + "]";
-    checkSameLayout(ctx, output, inputs[0][r], name, true);
+    checkSameLayout(ctx, output, inputs[0][r], name, true, "the output");
     // The output may be this rank's own input (in place), never part of another's: that
     // one is still read after the output is written.
     if (r == rank_) {
@@ -447,7 +453,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const std::string ctx = prefix() + " reduce_scatter_tensor";
   checkTensor(ctx, output, "output");
-  checkSameLayout(ctx, output, input, "input", false);
+  checkSameLayout(ctx, output, input, "input", false, "the output");
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, ctx, ": input has ", input.numel(),
                     " elements but must have output.numel() * world_size = ",
                     output.numel() * size_);
@@ -469,11 +475,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const std::string ctx = prefix() + " reduce_scatter_tensor_coalesced";
-  checkListSize(ctx, outputs.size(), inputs.size(), "the output list (one per input)");
+  checkListSize(ctx, outputs.size(), inputs.size(), "the output list",
+                "one per input");
   std::vector<Reduction> reds;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkTensor(ctx, outputs[i], "output " + std::to_string(i));
-    checkSameLayout(ctx, outputs[i], inputs[i], "input " + std::to_string(i), false);
+    checkSameLayout(ctx, outputs[i], inputs[i], "input " + std::to_string(i), false,
+                    "output " + std::to_string(i));
     TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, ctx, ": input ", i,
                       " has ", inputs[i].numel(), " elements but must have ",
                       outputs[i].numel() * size_);
@@ -575,8 +583,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
   checkListSize(ctx, outputs.size(), size_, "the output list");
   checkTensor(ctx, inputs[0], "input 0");
   for (int r = 0; r < size_; ++r) {
-    checkSameLayout(ctx, inputs[0], inputs[r], "input " + std::to_string(r), false);
-    checkSameLayout(ctx, inputs[0], outputs[r], "output " + std::to_string(r), false);
+    checkSameLayout(ctx, inputs[0], inputs[r], "input " + std::to_string(r), false, "input 0");
+    checkSameLayout(ctx, inputs[0], outputs[r], "output " + std::to_string(r), false, "input 0");
   }
   // As in all_to_all_single: this rank's own block is copied, never checked by a peer.
   TORCH_CHECK_VALUE(inputs[rank_].numel() == outputs[rank_].numel(), ctx, ": rank ", rank_,

@@ -53,18 +53,18 @@ void checkWritable(const std::string& ctx, const at::Tensor& t, const std::strin
 }
 
 void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
-                     const std::string& name, bool sameNumel) {
+                     const std::string& name, bool sameNumel, const std::string& refName) {
   checkTensor(ctx, t, name);
   TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), ctx, ": ", name, " is ", shapeOf(t),
-                   " but the input is ", shapeOf(ref),
+                   " but ", refName, " is ", shapeOf(ref),
                    "; every tensor of one op must have the same dtype");
   TORCH_CHECK_VALUE(t.device() == ref.device(), ctx, ": ", name, " is ", shapeOf(t),
-                    " but the input is ", shapeOf(ref),
+                    " but ", refName, " is ", shapeOf(ref),
                     "; every tensor of one op must be on the same device");
   if (sameNumel) {
     TORCH_CHECK_VALUE(t.numel() == ref.numel(), ctx, ": ", name, " is ", shapeOf(t), " with ",
-                      t.numel(), " elements but the input has ", ref.numel(),
-                      "; give every tensor in the list the input's size");
+                      t.numel(), " elements but ", refName, " has ", ref.numel(),
+                      "; give every tensor in the list the size of ", refName);
   }
 }
 
@@ -252,9 +252,10 @@ void checkRank(const std::string& ctx, int64_t rank, int size, const char* what)
                     " is not a rank of this group (valid: 0..", size - 1, ")");
 }
 
-void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what) {
+void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what,
+                   const char* why) {
   TORCH_CHECK_VALUE(got == want, ctx, ": ", what, " has ", got, " entries but must have ",
-                    want, " (one per rank of the group)");
+                    want, " (", why, ")");
 }
 
 void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors) {

@@ -25,7 +25,8 @@ void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string&
 bool isWritable(const at::Tensor& t);
 void checkWritable(const std::string& ctx, const at::Tensor& t, const std::string& name);
 void checkSameLayout(const std::string& ctx, const at::Tensor& ref, const at::Tensor& t,
-                     const std::string& name, bool sameNumel);
+                     const std::string& name, bool sameNumel,
+                     const std::string& refName = "the input");
 // `output` may be `input` itself, or memory of its own; never a part of `input`.
 void checkDisjointOrSame(const std::string& ctx, const at::Tensor& output,
                          const at::Tensor& input);
@@ -55,7 +56,8 @@ void prepareCoalescedInputs(const std::string& ctx, std::vector<at::Tensor>& inp
                             const std::vector<at::Tensor>& outputs, bool outputsMayOverlap,
                             const std::vector<size_t>& outputEntry = {});
 void checkRank(const std::string& ctx, int64_t rank, int size, const char* what);
-void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what);
+void checkListSize(const std::string& ctx, size_t got, size_t want, const char* what,
+                   const char* why = "one per rank of the group");
 void checkSingle(const std::string& ctx, const std::vector<at::Tensor>& tensors);
 
 // How one ReduceOp is carried out on one dtype.
