@@ -807,7 +807,19 @@ void UcxTransport::abandon(Request& r, const std::string& reason) {
   // Before the completion runs: it must see that the buffer is UCX's for good.
   r.orphaned.store(true);
   finishRequest(r, false, reason);
-  r.runOnComplete();
+  runCompletionGuarded(r);
+}
+
+void UcxTransport::runCompletionGuarded(Request& r) {
+  // Called on the worker and progress threads, outside any try of theirs: a completion
+  // that throws (no thread left for what it hands off, say) must not end the process.
+  try {
+    r.runOnComplete();
+  } catch (const std::exception& e) {
+    TDX_LOG(Error, kPrefix) << "a request's completion failed: " << e.what();
+  } catch (...) {
+    TDX_LOG(Error, kPrefix) << "a request's completion failed";
+  }
 }
 
 void UcxTransport::defer(std::function<void()> action) {
@@ -931,7 +943,7 @@ void UcxTransport::failPending(int endpoint, bool sends, const std::string& why)
   for (auto& r : pending) {
     if (!sends) r->orphaned.store(true);
     finishRequest(*r, false, why);
-    r->runOnComplete();
+    runCompletionGuarded(*r);
   }
 }
 

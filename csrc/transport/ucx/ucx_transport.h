@@ -119,6 +119,8 @@ class UcxTransport final : public Transport {
   void finishImmediately(const RequestPtr& r, ucs_status_t status, size_t length,
                          uint64_t senderTag);
   void finishRequest(Request& r, bool ok, const std::string& error);
+  // r.runOnComplete(), with whatever it throws logged instead of ending the thread.
+  static void runCompletionGuarded(Request& r);
   void defer(std::function<void()> action);
   // Runs the deferred actions (one thread at a time; a nested call returns at once).
   void drain();
