@@ -41,6 +41,43 @@ def test_records_ops_in_order() -> None:
             assert [e["op"] for e in sub] == ["all_reduce"] and sub[0]["state"] == "done", sub
 
 
+def _p2p_record(rank: int, n: int) -> list:
+    import datetime
+
+    t = torch.arange(6.0)
+    if rank == 0:
+        dist.send(t, 1, tag=5)
+    else:
+        dist.recv(t, 0, tag=5)
+        dist.recv(t, tag=6)  # from any source
+    if rank == 0:
+        dist.send(t, 1, tag=6)
+    dist.all_reduce(t)
+    g = dist.new_group(backend="tdx")
+    if rank == 1:  # a receive nobody sends to: it times out and is recorded failed
+        try:
+            dist.irecv(t, 0, group=g, tag=7).wait(timeout=datetime.timedelta(seconds=1))
+        except Exception:  # noqa: BLE001 - the record is what is checked
+            pass
+    return [torchdist_ext.flight_recorder(), torchdist_ext.flight_recorder(g)]
+
+
+def test_point_to_point_ops_are_recorded() -> None:
+    """send and recv (from a rank and from any source) take their place in the record
+    among the collectives, with path p2p and their end state; a timed-out receive is
+    recorded failed with its reason."""
+    (world0, _), (world1, g1) = run_ranks(_p2p_record, 2)
+    assert [e["op"] for e in world0] == ["send", "send", "all_reduce"], world0
+    assert [e["op"] for e in world1] == ["recv", "recv_any_source", "all_reduce"], world1
+    for e in world0[:2] + world1[:2]:
+        assert e["path"] == "p2p" and e["state"] == "done" and e["seq"] == 0, e
+        assert "Float[6]" in e["detail"] and e["duration_ms"] >= 0, e
+    assert "tag 5" in world0[0]["detail"] and "to rank 1" in world0[0]["detail"], world0
+    assert "from rank any" in world1[1]["detail"], world1
+    assert [e["op"] for e in g1] == ["recv"] and g1[0]["state"] == "failed", g1
+    assert "timed out" in g1[0]["error"], g1
+
+
 def _timeout(rank: int, n: int, dump_dir: str) -> dict:
     t = torch.ones(1000)
     dist.all_reduce(t)  # both ranks take part

@@ -213,7 +213,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       options_(std::move(options)),
       timeoutMs_(options_->timeout.count()),
       globalRanks_(std::move(globalRanks)),
-      flight_(static_cast<size_t>(std::max<int64_t>(1, env::getInt("TDX_FLIGHT_OPS")))) {
+      flight_(std::make_shared<FlightRecorder>(
+          static_cast<size_t>(std::max<int64_t>(1, env::getInt("TDX_FLIGHT_OPS"))))) {
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
   // Read only when a window opens, where a bad value would quietly cost the group its
   // windows: checked now, as the other knobs are.
@@ -464,7 +465,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   }
   Task task;
   task.work = work;
-  task.flightId = flight_.record(seq, what, work->description(), "host");
+  task.flightId = flight_->record(seq, what, work->description(), "host");
   task.seq = seq;
   task.keepAlive = std::move(inputs);
   task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
@@ -701,11 +702,11 @@ void ProcessGroupTDX::runTask(Task& task) {
   uint32_t steps = 0;
   uint32_t checkSteps = 0;  // the fingerprint exchange's, which are not the op's own
   std::string path;
-  flight_.start(task.flightId);
+  flight_->start(task.flightId);
   const std::string broken = brokenReason();
   if (!broken.empty()) {
     error = wrapError(what, refusal(broken));
-    flight_.finish(task.flightId, false, 0, "", "refused: group broken");
+    flight_->finish(task.flightId, false, 0, "", "refused: group broken");
   } else {
     try {
       DeviceContext ctx;
@@ -745,7 +746,7 @@ void ProcessGroupTDX::runTask(Task& task) {
         syncCurrentStream(*dev);
         path = "staged " + path;
       }
-      flight_.finish(task.flightId, true, steps, path, "");
+      flight_->finish(task.flightId, true, steps, path, "");
     } catch (const std::exception& e) {
       if (dynamic_cast<const algorithms::PinRefused*>(&e) != nullptr && steps == checkSteps) {
         // Bad input, refused by every rank before any of the op's steps (the fingerprint
@@ -782,7 +783,7 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
                                     std::exception_ptr& error) {
   if (!refused) markBroken(what + ": " + why);
   error = wrapError(what, why);
-  flight_.finish(task.flightId, false, steps, path, why);
+  flight_->finish(task.flightId, false, steps, path, why);
   // `what` starts with this group's prefix, which the log line already carries.
   const std::string pre = prefix() + " ";
   const std::string op = what.rfind(pre, 0) == 0 ? what.substr(pre.size()) : what;
@@ -999,19 +1000,19 @@ void ProcessGroupTDX::noteFingerprint(int root, const Reduction* red) const {
 }
 
 std::vector<FlightEntry> ProcessGroupTDX::flightRecord() const {
-  return flight_.snapshot();
+  return flight_->snapshot();
 }
 
 void ProcessGroupTDX::dumpFlightRecord(const std::string& reason) const {
   // The last ops of this group, to the log and (TDX_DUMP_DIR) to a file: what a user
   // compares across ranks to see which one stopped where.
-  std::string file = flight_.dump(env::get("TDX_DUMP_DIR"),
+  std::string file = flight_->dump(env::get("TDX_DUMP_DIR"),
                                   "tdx_flight_" + groupName_ + "_r" + std::to_string(rank_) +
                                       ".txt");
   TDX_LOG(Error, prefix()) << "flight recorder after " << reason
                            << (file.empty() ? std::string() : " (also in " + file + ")")
                            << ":\n"
-                           << flight_.format();
+                           << flight_->format();
 }
 
 void ProcessGroupTDX::registerWork(const c10::intrusive_ptr<WorkTDX>& work) {
@@ -1041,12 +1042,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       isSend ? c10d::OpType::SEND : (peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
       what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
       std::vector<at::Tensor>{t});
+  // In the flight record beside the collectives (sequence 0: point-to-point ops have
+  // none), so a hang or failure in one leaves evidence of it too.
+  const char* opName = isSend ? "send" : (peer < 0 ? "recv_any_source" : "recv");
+  const uint64_t flightId = flight_->record(0, opName, what, "p2p");
   const std::string broken = brokenReason();
   if (!broken.empty()) {
     registerWork(work);
+    flight_->finish(flightId, false, 0, "p2p", "refused: group broken");
     work->finishPart(wrapError(what, refusal(broken)));
     return work;
   }
+  flight_->start(flightId);
 
   const bool staged = !(t.is_cpu() && t.is_contiguous());
   at::Tensor host;
@@ -1090,7 +1097,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what, ready,
                      weakTransport, endpoints = sharedEndpoints_, self = rank_,
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
-                     inFlight = p2pInFlight_](transport::Request& r) {
+                     inFlight = p2pInFlight_, flight = flight_,
+                     flightId](transport::Request& r) {
     std::string failure;  // why the op failed ("" when it did not)
     bool sizesDiffer = r.truncated;  // this pair of ops disagrees: only this rank knows
     const int source = peer >= 0 ? peer : static_cast<int>(tag::senderOf(r.senderTag));
@@ -1165,6 +1173,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       }
       error = wrapError(what, failure);
     }
+    flight->finish(flightId, failure.empty(), failure.empty() ? 1 : 0, "p2p", failure);
     inFlight->fetch_sub(1);
     work->finishPart(error);
   };
@@ -1190,8 +1199,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                               peer < 0 ? tag::kAnySourceMask : tag::kFullMask, wire.data_ptr(),
                               wireBytes, transport::MemType::Host, onComplete);
     }
-  } catch (...) {
+  } catch (const std::exception& e) {
     p2pInFlight_->fetch_sub(1);  // nothing was posted, so no completion will count it
+    flight_->finish(flightId, false, 0, "p2p", e.what());
+    throw;
+  } catch (...) {
+    p2pInFlight_->fetch_sub(1);
+    flight_->finish(flightId, false, 0, "p2p", "posting failed");
     throw;
   }
   std::weak_ptr<transport::Request> weak = req;

@@ -255,7 +255,9 @@ class ProcessGroupTDX : public c10d::Backend {
 
   // Lent to each op's channel in turn; ops run one at a time, on the worker thread.
   ScratchBuffer scratch_;
-  FlightRecorder flight_;
+  // Shared with point-to-point completions, which record how their op ended and may run
+  // after the group is gone.
+  std::shared_ptr<FlightRecorder> flight_;
   // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's
   // fingerprint (op, dtype, shapes, root, reduce op) before running it.
   bool checkFingerprints_ = false;
