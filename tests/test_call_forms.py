@@ -125,6 +125,15 @@ def _aliased_lists(rank: int, n: int) -> list[str]:
     refused("all_gather into one tensor twice",
             lambda: dist.all_gather([shared] * (n - 1) + [shared], x),
             "share memory")
+    # Strided entries: the same view twice is refused; views that interleave without
+    # sharing an element are gathered exactly.
+    strided = torch.zeros(4 * n)
+    refused("all_gather into one strided view twice",
+            lambda: dist.all_gather([strided[0::n]] * n, x), "share memory")
+    views = [strided[r::n] for r in range(n)]
+    dist.all_gather(views, x)
+    if any(not torch.equal(v, torch.full((4,), float(r))) for r, v in enumerate(views)):
+        fails.append(f"interleaved strided entries: {strided.tolist()}")
     buf = torch.zeros(4 * n)
     refused("all_gather_coalesced into overlapping slices",
             lambda: dist.distributed_c10d._get_default_group().allgather_coalesced(

@@ -530,6 +530,8 @@ def _gather_from_another_block(rank: int, n: int, kind: str = "cuda") -> list[st
     gloo allows): the peer path would read it while that rank writes it, so every rank
     stages, and each block holds its rank's input. Its own block (in place) and a
     separate input keep the peer path."""
+    import torchdist_ext
+
     dev = _rank_device(rank, kind)
     fails: list[str] = []
     count = 4099
@@ -543,6 +545,9 @@ def _gather_from_another_block(rank: int, n: int, kind: str = "cuda") -> list[st
             inp = out[at * count:(at + 1) * count]
             inp.copy_(mine)
         dist.all_gather_into_tensor(out, inp)
+        path = torchdist_ext.flight_recorder()[-1]["path"]
+        if kind == "cuda" and case == "another block" and not path.startswith("staged"):
+            fails.append(f"rank {rank}/{n} input in another block ran {path}, not staged")
         want = torch.cat([torch.arange(count, dtype=torch.float32) + 10000 * r
                           for r in range(n)])
         if not torch.equal(out.cpu(), want):

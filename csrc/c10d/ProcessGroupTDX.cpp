@@ -613,16 +613,19 @@ void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,
   }
 }
 
-void ProcessGroupTDX::Fault::record(const std::string& why, bool abort) {
+bool ProcessGroupTDX::Fault::record(const std::string& why, bool abort) {
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(mu);
+    first = !happened.load();
     if (text.empty()) text = why;
+    happened.store(true);
   }
-  happened.store(true);
   if (abort) {
     cutShort.store(true);
     abortFlag->store(true);
   }
+  return first;
 }
 
 std::string ProcessGroupTDX::Fault::read() {
@@ -1045,15 +1048,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   // In the flight record beside the collectives (sequence 0: point-to-point ops have
   // none), so a hang or failure in one leaves evidence of it too.
   const char* opName = isSend ? "send" : (peer < 0 ? "recv_any_source" : "recv");
-  const uint64_t flightId = flight_->record(0, opName, what, "p2p");
   const std::string broken = brokenReason();
   if (!broken.empty()) {
     registerWork(work);
-    flight_->finish(flightId, false, 0, "p2p", "refused: group broken");
+    flight_->finish(flight_->record(0, opName, what, "p2p"), false, 0, "p2p",
+                    "refused: group broken");
     work->finishPart(wrapError(what, refusal(broken)));
     return work;
   }
-  flight_->start(flightId);
 
   const bool staged = !(t.is_cpu() && t.is_contiguous());
   at::Tensor host;
@@ -1093,6 +1095,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   // The completion lives in the transport (with its request) and holds the transport
   // weakly: a strong reference from there would keep the transport alive for good once
   // the request outlived its group.
+  // Running from here: the staging above, which may throw, is done.
+  const uint64_t flightId = flight_->record(0, opName, what, "p2p");
+  flight_->start(flightId);
   std::weak_ptr<transport::Transport> weakTransport = transport_;
   auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what, ready,
                      weakTransport, endpoints = sharedEndpoints_, self = rank_,
@@ -1125,7 +1130,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
           what.substr(groupPrefix.size() + 1) + " expected " + mine +
           ". Sender and receiver need the same dtype and shape; the group is unusable now");
       fault->record(*text, /*abort=*/true);
-      if (transport) sendNotice(*transport, *endpoints, self, group, *text);
+      if (transport && !fault->closed.load()) sendNotice(*transport, *endpoints, self, group, *text);
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
       sizesDiffer = true;
       failure = "received " + std::to_string(r.receivedBytes) + " bytes where " +
@@ -1162,9 +1167,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     if (!failure.empty()) {
       // Which later message pairs with which receive is in doubt now (a cancelled
       // receive's message may still arrive and fill the next one): the group is broken.
-      const bool first = !fault->happened.load();
-      fault->record(what + " failed: " + failure, /*abort=*/false);
-      if (first && sizesDiffer && transport) {
+      const bool first = fault->record(what + " failed: " + failure, /*abort=*/false);
+      if (first && sizesDiffer && transport && !fault->closed.load()) {
         // The sender's send completed as far as it can tell, and it would meet the
         // broken group only at its next op's timeout: every member hears of it now.
         sendNotice(*transport, *endpoints, self, group,
@@ -1229,18 +1233,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                        self = rank_, group = groupId_, what] {
     auto t = weakTransport.lock();
     auto r = weak.lock();
+    // Finished after all (at the deadline, or another op of a coalesced block timed
+    // out): its own completion has said how it ended.
+    if (!r || r->done()) return;
     // The group breaks whether or not the cancel takes (UCX cannot cancel a receive it
     // has matched, nor a rendezvous send to a live peer): a message of this op may still
     // arrive, so which later message pairs with which op is in doubt. Peers hear of it
     // now, not at their next op's timeout.
     const std::string why = what + " timed out: the peer never posted the matching op";
-    const bool first = !fault->happened.load();
-    fault->record(why, /*abort=*/false);
-    if (t && first) {
+    const bool first = fault->record(why, /*abort=*/false);
+    if (t && first && !fault->closed.load()) {
       sendNotice(*t, *endpoints, self, group,
                  "rank " + std::to_string(self) + " gave up on the group: " + why);
     }
-    if (t && r) t->cancel(*r, "timed out: the peer never posted the matching op");
+    if (t) t->cancel(*r, "timed out: the peer never posted the matching op");
   });
   // The waiting thread drives the transport while it polls: a small message's
   // completion then runs on that thread, with no wake-up of this process's progress
@@ -1377,6 +1383,7 @@ void ProcessGroupTDX::shutdownLocked() {
   p2pUnended_.clear();
   abandonReceives(unended, "the process group was shut down");
   transport_.reset();
+  fault_->closed.store(true);  // before the id is free for another group
   GroupIds::get().retire(groupId_);
   TDX_LOG(Info, prefix()) << "shut down";
 }

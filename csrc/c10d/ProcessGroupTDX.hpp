@@ -289,10 +289,14 @@ class ProcessGroupTDX : public c10d::Backend {
     std::string text;  // the first failure wins
     std::atomic<bool> happened{false};
     std::atomic<bool> cutShort{false};  // ops in flight were aborted for it
+    // The group has shut down: its id may go to a later group, so nothing may be sent
+    // under it any more (a point-to-point completion can run after the group is gone).
+    std::atomic<bool> closed{false};
     std::shared_ptr<std::atomic<bool>> abortFlag;
 
     // `abort`: also stop the ops in flight (a mismatch notice: they cannot succeed).
-    void record(const std::string& why, bool abort);
+    // True for the first fault recorded, whose thread tells the peers (once).
+    bool record(const std::string& why, bool abort);
     std::string read();
   };
   std::shared_ptr<Fault> fault_;

@@ -18,7 +18,8 @@ const std::vector<Knob>& knobs() {
        "microseconds a waiting thread polls (UCX, a group's queue, an op's completion) "
        "before sleeping; lower it when ranks outnumber cores"},
       {"TDX_FLIGHT_OPS", "64",
-       "how many recent ops of each group the flight recorder keeps (at least 1)"},
+       "how many recent ops of each group the flight recorder keeps, point-to-point ops "
+       "included (at least 1)"},
       {"TDX_DUMP_DIR", "",
        "directory where a failed or timed-out op writes its group's flight record "
        "(tdx_flight_<group>_r<rank>.txt); empty: log only"},
@@ -56,7 +57,7 @@ const std::vector<Knob>& knobs() {
        "0: messages only"},
       {"TDX_SHM_SLOT_BYTES", "2097152",
        "bytes of a rank's shared-memory slot (two halves used alternately; at least 8192, "
-       "at most 1 GiB, "
+       "at most 2^48, "
        "rounded up to 8 KiB; a half holding less than 64 bytes per rank means no windows); "
        "larger slots "
        "mean fewer signals per op, smaller ones stay in cache; the same on every rank "

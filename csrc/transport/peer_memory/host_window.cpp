@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <stdexcept>
 
 #include "common/env.h"
@@ -71,13 +72,15 @@ struct HostWindow::Header {
 
 size_t HostWindow::defaultSlotBytes() {
   const int64_t v = env::getInt("TDX_SHM_SLOT_BYTES");
-  // A window maps one slot per rank: beyond this, size * slot could wrap and map less
-  // than the slots' addresses reach. Read when a group is created, so it fails there.
-  constexpr int64_t kMost = int64_t{1} << 30;
+  // A window maps one slot per rank: near 2^64, size * slot would wrap and map less
+  // than the slots' addresses reach (open() checks the product too). Read when a group
+  // is created, so it fails there. A size merely too large for /dev/shm is left to fail
+  // when the window is made, which costs the group its windows, not the job.
+  constexpr int64_t kMost = int64_t{1} << 48;
   if (v > kMost) {
     throw std::invalid_argument("TDX_SHM_SLOT_BYTES=" + std::to_string(v) +
-                                " is more than a slot may hold (" + std::to_string(kMost) +
-                                " bytes, 1 GiB); unset it or give a smaller size");
+                                " is more than a slot may hold (2^48 bytes); unset it or "
+                                "give a smaller size");
   }
   return roundUp(static_cast<size_t>(std::max<int64_t>(v, 8192)), 8192);
 }
@@ -94,6 +97,12 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   const size_t headerBytes = roundUp(sizeof(Header) + size * sizeof(int32_t), kLine) +
                              size * kLine + 2 * size * kLine + size * sizeof(FailureNotice);
   const size_t slotsOffset = roundUp(headerBytes, 4096);
+  if (size > 0 && w->slotBytes_ > (std::numeric_limits<size_t>::max() - slotsOffset) / size) {
+    throw std::invalid_argument("a window of " + std::to_string(size) + " slots of " +
+                                std::to_string(w->slotBytes_) +
+                                " bytes is larger than memory can address; lower "
+                                "TDX_SHM_SLOT_BYTES");
+  }
   w->mapBytes_ = slotsOffset + size * w->slotBytes_;
 
   const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)

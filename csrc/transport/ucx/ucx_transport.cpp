@@ -536,7 +536,11 @@ void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t stat
   }
   std::string error;
   if (status == UCS_ERR_MESSAGE_TRUNCATED) {
-    r->truncated = true;  // before finishRequest publishes the state
+    {
+      // Before finishRequest publishes the state; not once another path ended it.
+      std::lock_guard<std::mutex> lock(r->mu);
+      if (!r->done()) r->truncated = true;
+    }
     error = "message longer than the receive buffer (the peer sent more bytes than this "
             "rank expected: the ranks disagree on tensor sizes)";
   } else if (status != UCS_OK) {
