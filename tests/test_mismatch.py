@@ -22,6 +22,19 @@ def _pinned_differently(rank: int, g) -> None:
         torchdist_ext.set_algorithm("allreduce", "auto")
 
 
+def _barrier_after(g, out: dict, name: str) -> None:
+    """The group's next op (a barrier) after the case `name`: its outcome and how long it
+    took, under "`name` after" and "`name` seconds"; then the group is destroyed."""
+    start = time.monotonic()
+    try:
+        dist.barrier(group=g)
+        out[name + " after"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        out[name + " after"] = f"{type(e).__name__}: {e}"
+    out[name + " seconds"] = time.monotonic() - start
+    dist.destroy_process_group(g)
+
+
 def _mismatches(rank: int, n: int) -> dict:
     cases = {
         "shape": lambda g: dist.all_reduce(torch.ones(10 if rank == 0 else 20), group=g),
@@ -90,14 +103,7 @@ def _p2p(rank: int, n: int) -> dict:
             out[name] = f"{type(e).__name__}: {e}"
         # The sender, whose send completed, hears of it too: its next op on the group
         # (already running or not) raises, and so does the receiver's.
-        start = time.monotonic()
-        try:
-            dist.barrier(group=g)
-            out[name + " after"] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name + " after"] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
-        dist.destroy_process_group(g)
+        _barrier_after(g, out, name)
     # Matching messages still arrive intact: empty, non-contiguous, batched.
     ok = []
     if rank == 0:
@@ -163,14 +169,7 @@ def _p2p_failures_told(rank: int, n: int) -> dict:
             out[name] = "no error"
         except Exception as e:  # noqa: BLE001 - the type is checked by the caller
             out[name] = f"{type(e).__name__}: {e}"
-        start = time.monotonic()
-        try:
-            dist.barrier(group=g)
-            out[name + " after"] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name + " after"] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
-        dist.destroy_process_group(g)
+        _barrier_after(g, out, name)
     return out
 
 
