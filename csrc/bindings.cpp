@@ -62,19 +62,12 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
                           outputs.size() <= static_cast<size_t>(tdx::kernels::kMaxMultiBuffers),
                       "_multi_reduce: at most ", tdx::kernels::kMaxMultiBuffers, " buffers");
     c10::cuda::CUDAGuard guard(ref.device());
-    tdx::kernels::MultiReduceArgs a;
+    tdx::kernels::MultiReduceArgs a = red.multiReduceArgs(n);
     for (int k = 0; k < n; ++k) a.inputs[k] = inputs[k].data_ptr();
     for (size_t j = 0; j < outputs.size(); ++j) a.outputs[j] = outputs[j].data_ptr();
     a.numInputs = n;
     a.numOutputs = static_cast<int>(outputs.size());
     a.count = ref.numel();
-    a.dtype = red.dtype;
-    a.kind = red.kind;
-    a.premul = red.premul;
-    a.premulFactor = red.premul ? red.factor() : 1.0;
-    a.exactWhole = red.premul && red.premulWhole;
-    a.wholeFactor = red.premulWholeFactor;
-    a.divisor = red.average ? n : 1;
     tdx::kernels::cudaMultiReduce(a, c10::cuda::getCurrentCUDAStream().stream());
     return;
 #else

@@ -199,21 +199,22 @@ def all_reduce_into(
             return work
         work.wait()
         return None
-    if output.data_ptr() != input.data_ptr() or output.stride() != input.stride() \
-            or output.shape != input.shape:
-        # Any shape of the same number of elements, as on the backend's own path: copied
-        # element by element in order (copy_ alone would broadcast, or refuse a reshape).
-        # An output that overlaps only part of the input would read values it already
-        # wrote, so it is refused here as the backend refuses it.
-        overlap = output.numel() > 0 and _overlaps(output, input)
-        if overlap and not (output.is_contiguous() and input.is_contiguous()
-                            and output.data_ptr() == input.data_ptr()):
+    if output.numel() > 0 and _overlaps(output, input):
+        # In place: the input itself, or a contiguous view of all of it. An output that
+        # overlaps only part of it would read values it already wrote: refused, as the
+        # backend's own path refuses it.
+        whole = output.data_ptr() == input.data_ptr() and (
+            (output.shape == input.shape and output.stride() == input.stride())
+            or (output.is_contiguous() and input.is_contiguous()))
+        if not whole:
             raise ValueError(
                 f"{where}: the output ({output.dtype}{list(output.shape)}) overlaps part of "
                 "the input; pass the input itself (or a contiguous view of all of it) for "
                 "in place, or an output of its own")
-        if not overlap:
-            output.copy_(input.reshape(output.shape))
+    else:
+        # Any shape of the same number of elements, as on the backend's own path: copied
+        # element by element in order (copy_ alone would broadcast, or refuse a reshape).
+        output.copy_(input.reshape(output.shape))
     return dist.all_reduce(output, op=op, group=group, async_op=async_op)
 
 

@@ -16,6 +16,9 @@ using c10d::OpType;
 
 namespace {
 
+// Why a list of lists must hold one list: c10d passes one tensor per rank per op.
+constexpr const char* kOneList = "one list: a rank holds one tensor per op";
+
 Block blockOf(const HostImage& img) {
   return Block{img.data(), img.bytes()};
 }
@@ -180,7 +183,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
   const std::string ctx = prefix() + " all_gather";
   checkSingle(ctx, inputs);
   checkListSize(ctx, outputs.size(), 1, "the output list of lists",
-                "one list: a rank holds one tensor per op");
+                kOneList);
   checkListSize(ctx, outputs[0].size(), size_, "the output list");
   at::Tensor input = inputs[0];
   for (int r = 0; r < size_; ++r) {
@@ -257,7 +260,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
       flatOuts.push_back(o);
       outEntry.push_back(i);
     }
-    // Within one list, as in all_gather (prepareCoalescedInputs compares entries).
+    // Within one list, as in all_gather (prepareCoalescedInputs compares one entry's
+    // tensors with another's, not those of one list with each other).
     checkEntriesDisjoint(ctx, outputLists[i], "output list " + std::to_string(i));
   }
   auto lists = outputLists;
@@ -290,7 +294,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::gather(
   std::vector<at::Tensor> outs;
   if (rank_ == root) {
     checkListSize(ctx, outputs.size(), 1, "the root's output list of lists",
-                "one list: a rank holds one tensor per op");
+                kOneList);
     checkListSize(ctx, outputs[0].size(), size_, "the root's gather list");
     for (int r = 0; r < size_; ++r) {
       const std::string name = "gather_list[" + std::to_string(r) + "]";
@@ -376,7 +380,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::scatter(
   std::vector<at::Tensor> ins;
   if (rank_ == root) {
     checkListSize(ctx, inputs.size(), 1, "the root's input list of lists",
-                "one list: a rank holds one tensor per op");
+                kOneList);
     checkListSize(ctx, inputs[0].size(), size_, "the root's scatter list");
     for (int r = 0; r < size_; ++r) {
       const std::string name = "scatter_list[" + std::to_string(r) + "]";
@@ -409,7 +413,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   const std::string ctx = prefix() + " reduce_scatter";
   checkSingle(ctx, outputs);
   checkListSize(ctx, inputs.size(), 1, "the input list of lists",
-                "one list: a rank holds one tensor per op");
+                kOneList);
   checkListSize(ctx, inputs[0].size(), size_, "the input list");
   at::Tensor output = outputs[0];
   for (int r = 0; r < size_; ++r) {

@@ -20,10 +20,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <deque>
 #include <map>
 #include <sstream>
-#include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -284,7 +284,7 @@ class CudaPeerMemory final : public PeerMemory {
     const int n = ch.size();
     const size_t es = t.element_size();
     auto [lo, hi] = chunkOf(t.numel(), es, n, ch.rank());
-    kernels::MultiReduceArgs a = reduction(red, n);
+    kernels::MultiReduceArgs a = red.multiReduceArgs(n);
     for (int p = 0; p < n; ++p) {
       a.inputs[p] = m.ptr[p][0] + lo * es;
       a.outputs[p] = m.ptr[p][0] + lo * es;
@@ -305,7 +305,7 @@ class CudaPeerMemory final : public PeerMemory {
     const int n = ch.size();
     const int me = ch.rank();
     const size_t block = out.numel() * out.element_size();
-    kernels::MultiReduceArgs a = reduction(red, n);
+    kernels::MultiReduceArgs a = red.multiReduceArgs(n);
     for (int p = 0; p < n; ++p) a.inputs[p] = m.ptr[p][0] + me * block;
     a.numInputs = n;
     a.outputs[0] = m.ptr[me][1];
@@ -364,18 +364,6 @@ class CudaPeerMemory final : public PeerMemory {
   static constexpr int kDone = 1;
   static constexpr int kPhases = 2;
   static constexpr int kSlots = kernels::kMaxMultiBuffers;
-
-  static kernels::MultiReduceArgs reduction(const Reduction& red, int n) {
-    kernels::MultiReduceArgs a;
-    a.dtype = red.dtype;
-    a.kind = red.kind;
-    a.premul = red.premul;
-    a.premulFactor = red.premul ? red.factor() : 1.0;
-    a.exactWhole = red.premul && red.premulWhole;
-    a.wholeFactor = red.premulWholeFactor;
-    a.divisor = red.average ? n : 1;
-    return a;
-  }
 
   // A byte copy (one input, any dtype): a one-input reduction of bytes.
   static kernels::MultiReduceArgs copy(size_t bytes) {

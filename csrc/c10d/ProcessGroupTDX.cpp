@@ -662,6 +662,11 @@ void sendNotice(transport::Transport& transport, const std::vector<int>& endpoin
   }
 }
 
+// The notice a rank sends when it gives the group up for `why`.
+std::string gaveUp(int self, const std::string& why) {
+  return "rank " + std::to_string(self) + " gave up on the group: " + why;
+}
+
 } // namespace
 
 void ProcessGroupTDX::tellPeers(const std::string& text) {
@@ -767,8 +772,7 @@ void ProcessGroupTDX::runTask(Task& task) {
           // while this one timed out on another) would otherwise run into it only in a
           // later op, at that op's timeout. A notice that cut this op short came from a
           // peer that has told everyone already.
-          tellPeers("rank " + std::to_string(rank_) + " gave up on the group: " + what +
-                    " failed: " + why);
+          tellPeers(gaveUp(rank_, what + " failed: " + why));
         }
         handleFailure(task, what, why, steps, path, /*refused=*/false, error);
       }
@@ -1092,12 +1096,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     ready = std::make_shared<c10::Event>(t.device().type());
     ready->record(impl.getStream(t.device()));
   }
-  // The completion lives in the transport (with its request) and holds the transport
-  // weakly: a strong reference from there would keep the transport alive for good once
-  // the request outlived its group.
   // Running from here: the staging above, which may throw, is done.
   const uint64_t flightId = flight_->record(0, opName, what, "p2p");
   flight_->start(flightId);
+  // The completion lives in the transport (with its request) and holds the transport
+  // weakly: a strong reference from there would keep the transport alive for good once
+  // the request outlived its group.
   std::weak_ptr<transport::Transport> weakTransport = transport_;
   auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what, ready,
                      weakTransport, endpoints = sharedEndpoints_, self = rank_,
@@ -1172,8 +1176,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
         // The sender's send completed as far as it can tell, and it would meet the
         // broken group only at its next op's timeout: every member hears of it now.
         sendNotice(*transport, *endpoints, self, group,
-                   "rank " + std::to_string(self) + " gave up on the group: " + what +
-                       " failed: " + failure);
+                   gaveUp(self, what + " failed: " + failure));
       }
       error = wrapError(what, failure);
     }
@@ -1243,8 +1246,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     const std::string why = what + " timed out: the peer never posted the matching op";
     const bool first = fault->record(why, /*abort=*/false);
     if (t && first && !fault->closed.load()) {
-      sendNotice(*t, *endpoints, self, group,
-                 "rank " + std::to_string(self) + " gave up on the group: " + why);
+      sendNotice(*t, *endpoints, self, group, gaveUp(self, why));
     }
     if (t) t->cancel(*r, "timed out: the peer never posted the matching op");
   });

@@ -4,9 +4,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
-#include <cmath>
 #include <sstream>
 
 namespace tdx {
@@ -277,6 +277,18 @@ kernels::Load Reduction::load() const {
   l.exactWhole = premul && premulWhole;
   l.wholeFactor = premulWholeFactor;
   return l;
+}
+
+kernels::MultiReduceArgs Reduction::multiReduceArgs(int groupSize) const {
+  kernels::MultiReduceArgs a;
+  a.dtype = dtype;
+  a.kind = kind;
+  a.premul = premul;
+  a.premulFactor = premul ? factor() : 1.0;
+  a.exactWhole = premul && premulWhole;
+  a.wholeFactor = premulWholeFactor;
+  a.divisor = average ? groupSize : 1;
+  return a;
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include "c10d/GroupChannel.hpp"
 #include "common/types.h"
 #include "kernels/reduce.h"
+#include "kernels/reduce_cuda.h"
 
 namespace tdx {
 
@@ -79,6 +80,9 @@ struct Reduction {
   // How this rank's input enters the reduction: scaled by factor() when premul. Reads the
   // factor tensor, so it is made when the op runs.
   kernels::Load load() const;
+  // The same for the CUDA multi-reduce: the reduction's kind and scaling (buffers and
+  // count left to the caller); AVG of integers divides by `groupSize`.
+  kernels::MultiReduceArgs multiReduceArgs(int groupSize) const;
 };
 // AVG of a floating dtype becomes a PREMUL_SUM by 1/groupSize; of an integer one, a SUM
 // divided afterwards (`average`).
