@@ -376,6 +376,44 @@ def test_abort_does_not_wait_for_peers() -> None:
     assert r["work"].startswith("DistBackendError") and "abort" in r["work"], r
 
 
+def _abort_during_shutdown(rank: int, n: int) -> dict:
+    import threading
+    import time
+
+    sub = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1), group=sub)  # connected, so the goodbyes can go out
+    out: dict = {}
+    if rank == 0:
+        # The shutdown waits for rank 1's goodbye, which comes only after 6 s.
+        ended: dict = {}
+
+        def shut() -> None:
+            sub.shutdown()
+            ended["at"] = time.monotonic()
+
+        t = threading.Thread(target=shut)
+        t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        sub.abort()
+        out["abort_seconds"] = time.monotonic() - start
+        t.join(30)
+        out["shutdown_after_abort"] = ended.get("at", float("inf")) - start
+    else:
+        time.sleep(6)
+        sub.shutdown()
+    dist.barrier()
+    return out
+
+
+def test_abort_cuts_short_a_shutdown_waiting_for_peers() -> None:
+    """abort() from another thread while a shutdown waits for a peer's goodbye returns
+    at once, and so does the shutdown, instead of both waiting out the goodbye wait."""
+    r = run_ranks(_abort_during_shutdown, 2, timeout=60)[0]
+    assert r["abort_seconds"] < 2.0, r
+    assert r["shutdown_after_abort"] < 2.0, r
+
+
 def _nothing(rank: int, n: int) -> None:
     return None
 

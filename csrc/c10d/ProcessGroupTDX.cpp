@@ -88,6 +88,11 @@ std::string fingerprintOf(c10d::OpType type, const std::string& what,
   return os.str();
 }
 
+// How often a shutdown's goodbye wait looks for an abort() from another thread.
+constexpr std::chrono::milliseconds kAbortPoll{50};
+// How long a shutdown that waits for no peer gives its own goodbyes to go out.
+constexpr std::chrono::milliseconds kGoodbyeSendWait{1000};
+
 // A point-to-point message's header under fingerprint checks: the sender's dtype and
 // shape as text, NUL-padded.
 constexpr size_t kP2pHeaderBytes = 128;
@@ -1400,26 +1405,50 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // aborted group still says goodbye, so its healthy peers are not held up, but waits for
   // nobody's.
   if (!transport_ || size_ <= 1) return;
-  const auto deadline =
-      transport::Clock::now() + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
-                                            : std::chrono::milliseconds(1000));
+  const auto start = Clock::now();
+  auto deadline = start + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
+                                      : kGoodbyeSendWait);
   static const char kNothing = 0;
   char sink = 0;
-  std::vector<transport::RequestPtr> pending;
+  std::vector<transport::RequestPtr> sends;
+  std::vector<transport::RequestPtr> goodbyes;  // the peers', awaited
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
     if (awaitPeers) {
-      pending.push_back(transport_->irecv(endpoints_[q],
-                                          tag::pointToPoint(groupId_, q, tag::kShutdownTag),
-                                          tag::kFullMask, &sink, 0, transport::MemType::Host,
-                                          nullptr));
+      goodbyes.push_back(transport_->irecv(endpoints_[q],
+                                           tag::pointToPoint(groupId_, q, tag::kShutdownTag),
+                                           tag::kFullMask, &sink, 0, transport::MemType::Host,
+                                           nullptr));
     }
-    pending.push_back(transport_->isend(endpoints_[q],
-                                        tag::pointToPoint(groupId_, rank_, tag::kShutdownTag),
-                                        &kNothing, 0, transport::MemType::Host, nullptr));
+    sends.push_back(transport_->isend(endpoints_[q],
+                                      tag::pointToPoint(groupId_, rank_, tag::kShutdownTag),
+                                      &kNothing, 0, transport::MemType::Host, nullptr));
   }
+  // Waited for in slices: an abort() from another thread queues behind this shutdown,
+  // and must not sit out a wait for peers' goodbyes. Once it comes, this shutdown waits
+  // as an aborted one does: for its own goodbyes' sends only, briefly.
   bool all = true;
-  for (auto& r : pending) all = transport_->wait(*r, deadline) && all;
+  bool abortSeen = false;
+  auto waitFor = [&](transport::Request& r) {
+    while (!r.done() && Clock::now() < deadline) {
+      if (!abortSeen && aborted_.load()) {
+        abortSeen = true;
+        deadline = std::min(deadline, Clock::now() + kGoodbyeSendWait);
+        return;
+      }
+      transport_->wait(r, std::min(deadline, Clock::now() + kAbortPoll));
+    }
+  };
+  for (auto& r : sends) waitFor(*r);
+  for (auto& r : goodbyes) {
+    if (!abortSeen) waitFor(*r);
+    all = r->done() && all;
+  }
+  if (abortSeen) {
+    for (auto& r : sends) waitFor(*r);
+  }
+  std::vector<transport::RequestPtr> pending = std::move(sends);
+  pending.insert(pending.end(), goodbyes.begin(), goodbyes.end());
   if (!all && awaitPeers) {
     TDX_LOG(Info, prefix()) << "shut down without every peer's goodbye (a peer has not shut "
                                "this group down yet)";
