@@ -155,16 +155,25 @@ def _p2p_failures_told(rank: int, n: int) -> dict:
     import datetime
 
     out: dict = {}
-    for name, sent, posted in (("longer", torch.ones(20), torch.empty(10)),
-                               ("shorter", torch.ones(10), torch.empty(20)),
-                               ("timeout", None, torch.empty(10))):
+    # (name, what rank 0 sends, what rank 1 posts, rank 1 receives from any source, who
+    # waits 0.5 s first: an any-source message too long may arrive before the receive is
+    # posted, or after it, and each way UCX reports it on its own path)
+    cases = (("longer", torch.ones(20), torch.empty(10), False, None),
+             ("shorter", torch.ones(10), torch.empty(20), False, None),
+             ("timeout", None, torch.empty(10), False, None),
+             ("any longer, sent first", torch.ones(20), torch.empty(10), True, 1),
+             ("any longer, posted first", torch.ones(20), torch.empty(10), True, 0))
+    for name, sent, posted, any_source, waits in cases:
         g = dist.new_group(backend="tdx")
+        dist.barrier(group=g)
+        if waits == rank:
+            time.sleep(0.5)
         try:
             if rank == 0:
                 if sent is not None:
                     dist.send(sent, 1, group=g)
             else:
-                work = dist.irecv(posted, 0, group=g)
+                work = dist.irecv(posted, None if any_source else 0, group=g)
                 work.wait(timeout=datetime.timedelta(seconds=1))
             out[name] = "no error"
         except Exception as e:  # noqa: BLE001 - the type is checked by the caller
@@ -175,13 +184,20 @@ def _p2p_failures_told(rank: int, n: int) -> dict:
 
 def test_point_to_point_failures_reach_the_other_ranks_without_detail() -> None:
     results = run_ranks(_p2p_failures_told, 2, timeout=60)
-    for name in ("longer", "shorter", "timeout"):
+    for name in ("longer", "shorter", "timeout", "any longer, sent first",
+                 "any longer, posted first"):
         assert results[1][name].startswith("DistBackendError"), (name, results[1])
+        any_source = name.startswith("any")
+        if any_source:  # the receive names no rank: its error names the sender
+            assert "the message came from rank 0" in results[1][name], (name, results[1])
         for rank, r in enumerate(results):
             after = r[name + " after"]
             assert after.startswith("DistBackendError"), (rank, name, after)
             assert "rank 1 gave up on the group" in after or rank == 1, (rank, name, after)
-            assert ") from rank 0 tag 0" in after, (rank, name, after)
+            if any_source:
+                assert "the message came from rank 0" in after, (rank, name, after)
+            else:
+                assert ") from rank 0 tag 0" in after, (rank, name, after)
             assert r[name + " seconds"] < 10, (rank, name, r[name + " seconds"])
 
 

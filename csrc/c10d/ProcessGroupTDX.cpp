@@ -1125,6 +1125,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     }
     if (!r.ok()) {
       failure = r.error + (transport ? lostRanksNote(*transport, *endpoints, self) : "");
+      // A message too long for an any-source receive still carries its sender's tag (a
+      // point-to-point tag has its kind bit set; an unknown sender leaves it zero).
+      if (!isSend && peer < 0 && r.truncated && (r.senderTag >> tag::kKindShift) != 0) {
+        failure += " (the message came from rank " + std::to_string(source) + ")";
+      }
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
                p2pHeaderText(wire) != mine) {
       const std::string theirs = p2pHeaderText(wire);

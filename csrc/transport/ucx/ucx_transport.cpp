@@ -737,6 +737,10 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
   p.datatype = ucp_dt_make_contig(1);
   p.memory_type = mem == MemType::Cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   p.recv_info.tag_info = &info;
+  // A message too long for the buffer, found already waiting, fails at once, and UCX
+  // then says nothing of who sent it. An any-source receive has no other way to learn
+  // that, so its completion always comes through the callback, which is told.
+  if (endpoint < 0) p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   ucs_status_ptr_t s = ucp_tag_recv_nbx(worker_, data, bytes, tag, tagMask, &p);
   if (s == nullptr) {
     finishImmediately(r, UCS_OK, info.length, info.sender_tag);
