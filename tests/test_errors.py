@@ -414,6 +414,48 @@ def test_abort_cuts_short_a_shutdown_waiting_for_peers() -> None:
     assert r["shutdown_after_abort"] < 2.0, r
 
 
+def _abort_during_point_to_point(rank: int, n: int) -> dict:
+    import random
+    import threading
+    import time
+
+    rng = random.Random(7)
+    out: dict = {"trials": 0, "raised": 0, "other": []}
+    big = torch.ones(1024, 1024).t()  # staged (a contiguous copy) before it is posted
+    for _ in range(12):
+        sub = dist.new_group([0, 1])
+        dist.barrier()
+        if rank == 0:
+            delay = rng.uniform(0.0, 0.02)
+            aborter = threading.Thread(target=lambda: (time.sleep(delay), sub.abort()))
+            aborter.start()
+            try:
+                # Until the abort lands: posts racing a shutdown on another thread must
+                # raise, never crash or leave a request posted.
+                for i in range(400):
+                    dist.isend(big if i % 2 else torch.ones(3), 1, group=sub)
+                    dist.irecv(torch.empty(3), 1, group=sub)
+            except Exception as e:  # noqa: BLE001 - the type is checked below
+                out["raised"] += 1
+                if "shut down" not in str(e) and "abort" not in str(e):
+                    out["other"].append(f"{type(e).__name__}: {e}")
+            aborter.join(30)
+            out["trials"] += 1
+        dist.barrier()
+        if rank == 1:
+            sub.shutdown()
+    return out
+
+
+def test_point_to_point_racing_an_abort_raises_and_never_crashes() -> None:
+    """Sends and receives posted from one thread while another aborts the group: each
+    raises a clear error once the shutdown has begun (the posting thread keeps the
+    transport alive; it used to read the group's reference as the shutdown dropped it)."""
+    r = run_ranks(_abort_during_point_to_point, 2, timeout=60)[0]
+    assert r["trials"] == 12 and r["raised"] == 12, r
+    assert not r["other"], r
+
+
 def _nothing(rank: int, n: int) -> None:
     return None
 

@@ -684,16 +684,22 @@ void ProcessGroupTDX::markBroken(const std::string& reason) {
   broken_.store(true);
 }
 
+std::shared_ptr<transport::UcxTransport> ProcessGroupTDX::liveTransport() {
+  std::lock_guard<std::mutex> lock(transportMu_);
+  return transport_;
+}
+
 std::string ProcessGroupTDX::brokenReason() {
   // A member whose connection failed (kill -9, a crash) makes every later op of the group
   // impossible, even one whose data would not pass through it (a broadcast leaf, a send
   // to a live rank): refuse it now rather than let ranks disagree on which ops ran.
   if (!broken_.load() && fault_->happened.load()) markBroken(fault_->read());
-  const uint64_t failures = transport_->failedEndpoints();
-  if (!broken_.load() && failures != failuresSeen_.load(std::memory_order_relaxed)) {
+  const auto ucx = liveTransport();  // null once shut down (caller threads may be here)
+  const uint64_t failures = ucx ? ucx->failedEndpoints() : 0;
+  if (ucx && !broken_.load() && failures != failuresSeen_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lock(brokenMu_);
     failuresSeen_.store(failures, std::memory_order_relaxed);
-    const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
+    const std::string lost = lostRanksNote(*ucx, endpoints_, rank_);
     if (!lost.empty() && brokenReason_.empty()) {
       brokenReason_ = "a member's connection failed" + lost;
       broken_.store(true);
@@ -1045,6 +1051,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     std::lock_guard<std::mutex> lock(queueMu_);
     TORCH_CHECK(!stopping_, ctx, ": the process group has been shut down; create a new one");
   }
+  // This thread's own reference: a shutdown on another thread may drop the group's at
+  // any point from here on.
+  const auto ucx = liveTransport();
+  TORCH_CHECK(ucx, ctx, ": the process group has been shut down; create a new one");
 
   std::ostringstream desc;
   desc << describe(op, 0, {t}) << " " << (isSend ? "to" : "from") << " rank "
@@ -1107,7 +1117,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   // The completion lives in the transport (with its request) and holds the transport
   // weakly: a strong reference from there would keep the transport alive for good once
   // the request outlived its group.
-  std::weak_ptr<transport::Transport> weakTransport = transport_;
+  std::weak_ptr<transport::Transport> weakTransport = ucx;
   auto onComplete = [work, t, host, wire, framed, mine, staged, isSend, peer, what, ready,
                      weakTransport, endpoints = sharedEndpoints_, self = rank_,
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
@@ -1208,13 +1218,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   transport::RequestPtr req;
   try {
     if (isSend) {
-      req = transport_->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
+      req = ucx->isend(endpoints_[peer], tag::pointToPoint(groupId_, rank_, userTag),
                               wire.data_ptr(), wireBytes, transport::MemType::Host, onComplete);
     } else {
       uint64_t tagValue = tag::pointToPoint(groupId_, peer < 0 ? 0 : peer, userTag);
-      req = transport_->irecv(peer < 0 ? -1 : endpoints_[peer], tagValue,
-                              peer < 0 ? tag::kAnySourceMask : tag::kFullMask, wire.data_ptr(),
-                              wireBytes, transport::MemType::Host, onComplete);
+      req = ucx->irecv(peer < 0 ? -1 : endpoints_[peer], tagValue,
+                       peer < 0 ? tag::kAnySourceMask : tag::kFullMask, wire.data_ptr(),
+                       wireBytes, transport::MemType::Host, onComplete);
     }
   } catch (const std::exception& e) {
     p2pInFlight_->fetch_sub(1);  // nothing was posted, so no completion will count it
@@ -1226,9 +1236,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     throw;
   }
   std::weak_ptr<transport::Request> weak = req;
+  bool closed = false;
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
-    if (p2pRequests_.size() >= p2pPruneAt_) {
+    closed = p2pClosed_;
+    if (closed) {
+      // Shut down on another thread since the check above; its cancel of the ops in
+      // flight has run, or is running, without this one.
+    } else if (p2pRequests_.size() >= p2pPruneAt_) {
       p2pRequests_.erase(std::remove_if(p2pRequests_.begin(), p2pRequests_.end(),
                                         [](const std::weak_ptr<transport::Request>& w) {
                                           auto r = w.lock();
@@ -1238,8 +1253,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       // Twice what is still live: with many ops in flight the sweep stays amortised O(1).
       p2pPruneAt_ = std::max<size_t>(64, 2 * p2pRequests_.size());
     }
-    p2pRequests_.push_back(weak);
+    if (!closed) p2pRequests_.push_back(weak);
   }
+  if (closed) ucx->cancel(*req, "the process group was shut down");
   // The transport is held weakly by the work too: one kept past its group must not keep
   // the transport alive.
   work->setOnTimeout([weakTransport, weak, fault = fault_, endpoints = sharedEndpoints_,
@@ -1383,6 +1399,10 @@ void ProcessGroupTDX::shutdownLocked() {
   // their completions. A receive left posted would take a message meant for a later
   // group that reuses this one's id.
   std::vector<std::weak_ptr<transport::Request>> unended;
+  {
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    p2pClosed_ = true;
+  }
   cancelPointToPoint("the process group was shut down",
                      lost || !brokenReason().empty() ? &unended : nullptr);
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
@@ -1394,7 +1414,12 @@ void ProcessGroupTDX::shutdownLocked() {
   for (auto& entry : p2pUnended_) unended.push_back(entry.first);
   p2pUnended_.clear();
   abandonReceives(unended, "the process group was shut down");
-  transport_.reset();
+  std::shared_ptr<transport::UcxTransport> dropped;
+  {
+    std::lock_guard<std::mutex> lock(transportMu_);
+    dropped.swap(transport_);
+  }
+  dropped.reset();  // outside the lock: the last reference stops the transport
   fault_->closed.store(true);  // before the id is free for another group
   GroupIds::get().retire(groupId_);
   TDX_LOG(Info, prefix()) << "shut down";
@@ -1462,7 +1487,10 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   for (auto& r : pending) {
     if (!r->done()) transport_->cancel(*r, "the process group was shut down");
   }
-  for (auto& r : pending) transport_->wait(*r, transport::Clock::now() + std::chrono::seconds(1));
+  // One deadline for all: a goodbye stuck on a hung peer (a send UCX cannot cancel) must
+  // not cost a second per peer.
+  const auto cancelled = Clock::now() + std::chrono::seconds(1);
+  for (auto& r : pending) transport_->wait(*r, cancelled);
 }
 
 void ProcessGroupTDX::abort() {

@@ -226,7 +226,13 @@ class ProcessGroupTDX : public c10d::Backend {
   std::string groupName_;
   std::vector<int64_t> globalRanks_;
   uint32_t groupId_;
+  // Dropped at shutdown, which may run on another thread (abort from a watchdog) while a
+  // caller's thread is in a point-to-point op: that thread takes its own reference under
+  // transportMu_, which the drop takes too. The worker thread, joined first, reads it
+  // freely.
   std::shared_ptr<transport::UcxTransport> transport_;
+  std::mutex transportMu_;
+  std::shared_ptr<transport::UcxTransport> liveTransport();
   std::vector<int> endpoints_;  // group rank -> transport endpoint
   // The same, for p2p completions, which may run after the group is gone.
   std::shared_ptr<const std::vector<int>> sharedEndpoints_;
@@ -307,6 +313,9 @@ class ProcessGroupTDX : public c10d::Backend {
   std::mutex p2pMu_;
   std::vector<std::weak_ptr<transport::Request>> p2pRequests_;
   size_t p2pPruneAt_ = 64;  // sweep finished requests out of p2pRequests_ at this size
+  // Set by shutdown before it cancels p2pRequests_: an op posted after that cancels its
+  // own request, or it would stay posted past the group.
+  bool p2pClosed_ = false;
   std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
   void cancelPointToPointIfBroken();
   // Ends every point-to-point request still in flight with `reason`. Any-source receives

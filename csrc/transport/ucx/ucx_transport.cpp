@@ -754,6 +754,13 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
     finishImmediately(r, st, 0, 0);
   } else {
     r->handle.store(s);
+    if (r->done()) {
+      // Completed inside the post (an any-source receive whose message was waiting): its
+      // completion is queued; run it here, as an immediate completion would have been,
+      // rather than leave it to the progress thread's next round.
+      drain();
+      return r;
+    }
     // The peer may have been declared lost between the check above and the store, when
     // its clean-up found no handle to cancel.
     if (endpoint >= 0 && endpointFailed(endpoint)) {
@@ -799,11 +806,14 @@ void UcxTransport::cancel(Request& r, const std::string& reason) {
   }
   defer([this, keep] {
     // Still tracked means UCX still owns the handle. UCX is called without inflightMu_
-    // held: its callbacks take that lock under UCX's worker lock.
+    // held: its callbacks take that lock under UCX's worker lock. A request that ended on
+    // this side only (abandoned at shutdown, failed for a lost peer) is still posted in
+    // UCX and is cancelled too: left posted, it could take a message meant for a later
+    // group. UCX ignores a cancel of a request it has completed.
     {
       std::lock_guard<std::mutex> lock(inflightMu_);
       auto it = inflight_.find(keep.get());
-      if (it == inflight_.end() || it->second != keep || keep->done()) return;
+      if (it == inflight_.end() || it->second != keep) return;
     }
     if (void* h = keep->handle.load()) ucp_request_cancel(worker_, h);
   });
@@ -978,7 +988,14 @@ void UcxTransport::progressLoop() {
     }
     sleeping_.store(true, std::memory_order_release);
     ucs_status_t st = ucp_worker_arm(worker_);
-    if (st == UCS_OK && !stop_.load()) {
+    bool queued = false;
+    {
+      // An action queued after the check above by a thread that saw sleeping_ still false
+      // sent no signal: look once more, now that a later one would.
+      std::lock_guard<std::mutex> lock(queueMu_);
+      queued = !queue_.empty();
+    }
+    if (st == UCS_OK && !queued && !stop_.load()) {
       bool pending = false;
       {
         // Requests failed for a lost watched peer may stay tracked for good: they do not
