@@ -456,6 +456,35 @@ def test_point_to_point_racing_an_abort_raises_and_never_crashes() -> None:
     assert not r["other"], r
 
 
+def _timeout_of_centuries(rank: int, n: int) -> dict:
+    import datetime
+
+    out: dict = {}
+    # Past about 292 years, now + timeout in nanoseconds overflowed into the past, and
+    # every op timed out at once.
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(days=10**6))
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t, group=g)  # through the shared-memory windows
+    out["all_reduce"] = t[0].item()
+    x = torch.zeros(4)
+    if rank == 0:
+        dist.send(torch.ones(4), 1, group=g)
+    else:
+        dist.recv(x, 0, group=g)
+    out["recv"] = x.tolist()
+    work = dist.all_reduce(torch.ones(4), group=g, async_op=True)
+    out["wait"] = work.wait(timeout=datetime.timedelta(days=10**6))
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_a_timeout_of_centuries_waits_rather_than_expiring_at_once() -> None:
+    results = run_ranks(_timeout_of_centuries, 2, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["all_reduce"] == 3.0 and r["wait"] is True, r
+        assert r["recv"] == ([1.0] * 4 if rank == 1 else [0.0] * 4), r
+
+
 def _nothing(rank: int, n: int) -> None:
     return None
 

@@ -286,3 +286,52 @@ def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str, algo: str) -
     assert r0["all_to_all s"] < 3.0, r0
     assert r0["broadcast"] == "no error", r0
     assert "rank 1 gave up" in r0["next"] and r0["next s"] < 3.0, r0
+
+
+def _same_bytes_other_reduction(rank: int, n: int) -> dict:
+    """Without DETAIL, ranks that reduce the same bytes as different dtypes, or with
+    different reduce ops, in the shared-memory windows: each case on a group of its own.
+    Rank 0 calls the first form, the others the second."""
+    cases = {
+        "dtype": lambda first: dist.all_reduce(
+            torch.ones(64) if first else torch.ones(64, dtype=torch.int32), group=g),
+        "op": lambda first: dist.all_reduce(
+            torch.ones(64), op=dist.ReduceOp.SUM if first else dist.ReduceOp.MAX, group=g),
+        # float32 against float64 of the same byte count: the chunks a half holds differ
+        # in bytes, so without the check rank 0 took part of the next op's data as its own.
+        "reduce_scatter": lambda first: dist.reduce_scatter_tensor(
+            torch.empty(174762) if first else torch.empty(87381, dtype=torch.float64),
+            torch.ones(174762 * n) if first else torch.ones(87381 * n, dtype=torch.float64),
+            group=g),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        g = dist.new_group(backend="tdx")
+        start = time.monotonic()
+        try:
+            call(rank == 0)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
+    t = torch.ones(8)
+    dist.all_reduce(t)  # the default group is untouched
+    out["ok"] = t.tolist() == [float(n)] * 8
+    return out
+
+
+@pytest.mark.parametrize("allreduce", ["shm", "shm_direct"])
+def test_windows_refuse_the_same_bytes_reduced_as_another_dtype_or_op(allreduce: str) -> None:
+    results = run_ranks(_same_bytes_other_reduction, 3, timeout=60,
+                        env={"TDX_ALGO": f"allreduce:{allreduce},reduce_scatter:shm"})
+    for rank, r in enumerate(results):
+        assert r["ok"], r
+        for name, (first, second) in {"dtype": ("float32 SUM", "int32 SUM"),
+                                      "op": ("float32 SUM", "float32 MAX"),
+                                      "reduce_scatter": ("float32 SUM", "float64 SUM")}.items():
+            msg = r[name]
+            assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
+            assert first in msg or rank != 0, (rank, name, msg)
+            assert second in msg, (rank, name, msg)
+            assert r[name + " seconds"] < 10, (rank, name, r)

@@ -57,8 +57,14 @@ const char* kindName(uint64_t k) {
   return k < sizeof(names) / sizeof(names[0]) ? names[k] : "?";
 }
 
+// The detail as written by a peer: bounded, whatever its last byte holds.
+std::string detailText(const HostWindow::OpInfo& i) {
+  return std::string(i.detail, strnlen(i.detail, sizeof(i.detail)));
+}
+
 std::string describe(const HostWindow::OpInfo& i) {
   std::string d = std::string(kindName(i.kind)) + " of " + std::to_string(i.bytes) + " bytes";
+  if (i.detail[0] != '\0') d += " (" + detailText(i) + ")";
   if (i.root >= 0) d += " (root " + std::to_string(i.root) + ")";
   return d;
 }
@@ -85,12 +91,14 @@ void verify(HostWindow& w, int h, int only = -1) {
           "the others did not. Every rank must issue the same collectives in the same "
           "order, with the same pins");
     }
-    if (theirs.kind != mine.kind || theirs.bytes != mine.bytes || theirs.root != mine.root) {
+    if (theirs.kind != mine.kind || theirs.bytes != mine.bytes || theirs.root != mine.root ||
+        std::strncmp(theirs.detail, mine.detail, sizeof(mine.detail)) != 0) {
       throw std::runtime_error("collective mismatch: rank " + std::to_string(q) + " called " +
                                describe(theirs) + " but this rank (" +
                                std::to_string(w.rank()) + ") called " + describe(mine) +
                                ". Every rank must call the same collectives with tensors of "
-                               "the same size and dtype, and the same root and algorithm");
+                               "the same size and dtype, and the same root, reduce op and "
+                               "algorithm");
     }
   }
 }

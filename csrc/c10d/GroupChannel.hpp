@@ -61,6 +61,14 @@ class GroupChannel final : public algorithms::Channel {
   uint64_t seq() const {
     return seq_;
   }
+  // What else the ranks must agree on (a reduction's dtype and reduce op), as text; the
+  // shared-memory ops compare it at their first signal.
+  const std::string& opDetail() const {
+    return opDetail_;
+  }
+  void setOpDetail(std::string detail) {
+    opDetail_ = std::move(detail);
+  }
   int rank() const override {
     return rank_;
   }
@@ -128,6 +136,7 @@ class GroupChannel final : public algorithms::Channel {
   int rank_;
   uint32_t groupId_;
   uint64_t seq_;
+  std::string opDetail_;
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;
   std::vector<Posted> posted_;

@@ -42,6 +42,9 @@ namespace {
 // the op methods right before they enqueue; thread_local so concurrent callers on other
 // threads cannot mix them up.
 thread_local std::string tFingerprintExtra;
+// The reduction's dtype and reduce op of the next enqueue() on this thread, which every
+// op checks in its shared-memory windows whatever the debug level (a few bytes).
+thread_local std::string tOpDetail;
 
 bool shapesMustMatch(c10d::OpType t) {
   switch (t) {
@@ -407,7 +410,9 @@ std::string ProcessGroupTDX::prefix() const {
 }
 
 std::chrono::milliseconds ProcessGroupTDX::timeout() const {
-  return std::chrono::milliseconds(timeoutMs_.load(std::memory_order_relaxed));
+  // Every deadline is now + this: bounded so that the sum cannot overflow.
+  return std::min(std::chrono::milliseconds(timeoutMs_.load(std::memory_order_relaxed)),
+                  kLongestTimeout);
 }
 
 void ProcessGroupTDX::setTimeout(std::chrono::milliseconds timeout) {
@@ -446,6 +451,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   // Taken first, so an op that fails its checks leaves nothing for the next one.
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
+  std::string opDetail = std::move(tOpDetail);
+  tOpDetail.clear();
   for (size_t i = 0; writesOutputs && i < outputs.size(); ++i) {
     // The message is built only for a tensor that fails: this runs on every op.
     if (!isWritable(outputs[i])) {
@@ -485,6 +492,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   } else {
     task.body = std::move(body);
   }
+  task.opDetail = std::move(opDetail);
   task.pins = algorithms::Registry::get().pins();
   if (checkFingerprints_) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
@@ -734,6 +742,7 @@ void ProcessGroupTDX::runTask(Task& task) {
       if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + timeout(), aborted_, scratch_);
+      ch.setOpDetail(task.opDetail);
       taskPins_ = task.pins.get();
       try {
         if (checkFingerprints_) {
@@ -1011,6 +1020,12 @@ void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine
 }
 
 void ProcessGroupTDX::noteFingerprint(int root, const Reduction* red) const {
+  tOpDetail.clear();
+  if (red) {
+    // The dtype reduced (a complex tensor's real parts), so all_reduce and
+    // all_reduce_into of one complex tensor agree.
+    tOpDetail = std::string(dtypeName(red->dtype)) + " " + red->name;
+  }
   if (!checkFingerprints_) return;
   tFingerprintExtra.clear();
   if (root >= 0) tFingerprintExtra += " root=" + std::to_string(root);

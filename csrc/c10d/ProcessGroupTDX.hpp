@@ -182,6 +182,7 @@ class ProcessGroupTDX : public c10d::Backend {
     std::shared_ptr<c10::Event> readyEvent;  // recorded on the caller's stream (CUDA)
     uint64_t flightId = 0;
     std::string fingerprint;  // checked across ranks before the op when enabled
+    std::string opDetail;     // checked in shared-memory windows (GroupChannel::opDetail)
     // The pinned algorithms when the op was issued: set_algorithm between issue and run
     // must not change it on one rank only.
     std::shared_ptr<const algorithms::Pins> pins;
@@ -209,7 +210,7 @@ class ProcessGroupTDX : public c10d::Backend {
                      std::exception_ptr& error);
   void checkFingerprint(GroupChannel& ch, const std::string& mine);
   // Root (-1: none) and reduce op (null: none) for the fingerprint of the next enqueue()
-  // on this thread; costs nothing unless fingerprints are checked.
+  // on this thread, and the reduction's dtype and op for its windows' check.
   void noteFingerprint(int root, const Reduction* red) const;
   void stopWorker(const std::string& reason);
   void shutdownLocked();

@@ -95,7 +95,7 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
   // behind slow ops is not failed by a clock that started at this call. Point-to-point
   // ops (those with an onTimeout) have no deadline but the wait's: the group's timeout.
   const bool unbounded = timeout == kNoTimeout && !onTimeout;
-  const auto limit = timeout == kNoTimeout ? timeout_ : timeout;
+  const auto limit = std::min(timeout == kNoTimeout ? timeout_ : timeout, kLongestTimeout);
   std::unique_lock<std::mutex> lock(mutex_);
   if (!completed_) {
     // Small ops finish within microseconds: poll briefly (yielding the core) before

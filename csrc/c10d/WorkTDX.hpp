@@ -17,6 +17,11 @@
 
 namespace tdx {
 
+// The longest timeout honoured as given: a deadline is now + timeout in nanoseconds on a
+// 64-bit clock, which overflows past about 292 years (timedelta.max, say) and lands in
+// the past. Longer ones wait this long, which is to say for good.
+constexpr std::chrono::milliseconds kLongestTimeout = std::chrono::hours(24 * 365 * 100);
+
 class WorkTDX : public c10d::Work {
  public:
   WorkTDX(c10d::OpType opType, std::string description, uint64_t seq,

@@ -215,7 +215,13 @@ void HostWindow::setOpInfo(int h, const OpInfo& info) {
   // Published by the post() that follows (a seq_cst store of the counter).
   OpInfo stamped = info;
   stamped.seq = opSeq_;
+  std::memcpy(stamped.detail, opDetail_, sizeof(opDetail_));
   *opInfoSlot(rank_, h) = stamped;
+}
+
+void HostWindow::setOpDetail(const char* text) {
+  std::strncpy(opDetail_, text, sizeof(opDetail_) - 1);
+  opDetail_[sizeof(opDetail_) - 1] = '\0';
 }
 
 HostWindow::OpInfo HostWindow::opInfo(int r, int h) const {

@@ -78,20 +78,26 @@ class HostWindow {
   // What a rank called, published with the first chunk of each op in the half it uses
   // (valid until every rank has released that half), so ranks that called different
   // ops or sizes find out at their first signal instead of reading garbage.
+  static constexpr size_t kOpDetailBytes = 24;
   struct OpInfo {
     uint64_t kind = 0;
     int64_t root = -1;
     uint64_t bytes = 0;
     uint64_t address = 0;  // the rank's buffer, for algorithms that read it in place
     uint64_t seq = 0;      // the op's sequence number in its group (setOpSeq), stamped
+    char detail[kOpDetailBytes] = {};  // setOpDetail's text, stamped; NUL-terminated
   };
-  // Stamps `info` with the op sequence number last set.
+  // Stamps `info` with the op sequence number and detail last set.
   void setOpInfo(int h, const OpInfo& info);
   // The group's sequence number of the op about to run: ranks that agree on kind and
   // size but not on which op this is (one skipped an op the others ran) are told apart.
   void setOpSeq(uint64_t seq) {
     opSeq_ = seq;
   }
+  // What else ranks must agree on for the op about to run, as short text the caller
+  // chooses (a reduction's dtype and reduce op: ranks that reduce the same bytes as
+  // different types would each return garbage). Cut to kOpDetailBytes - 1 characters.
+  void setOpDetail(const char* text);
   OpInfo opInfo(int r, int h) const;
 
   // Cross-memory attach (process_vm_readv): whether this rank can read every peer's
@@ -155,6 +161,7 @@ class HostWindow {
   static constexpr int kExited = -3;  // the rank was gone when its pidfd was opened
   int64_t spinUs_ = 0;
   uint64_t opSeq_ = 0;
+  char opDetail_[kOpDetailBytes] = {};
   bool crossMemory_ = false;
 };
 
