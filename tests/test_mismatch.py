@@ -335,3 +335,46 @@ def test_windows_refuse_the_same_bytes_reduced_as_another_dtype_or_op(allreduce:
             assert first in msg or rank != 0, (rank, name, msg)
             assert second in msg, (rank, name, msg)
             assert r[name + " seconds"] < 10, (rank, name, r)
+
+
+def _roots_disagree(rank: int, n: int) -> dict:
+    """Without DETAIL, in the windows: both ranks believe they are the root of a
+    broadcast or a scatter, or both believe the other is the root of a gather or a
+    direct reduce. No rank of those roles waits for the other, so each used to finish
+    with its own data and no error. Each case on a group of its own; then a barrier."""
+    other = 1 - rank
+    cases = {
+        "broadcast": lambda g: dist.broadcast(torch.full((100,), float(rank)), rank, group=g),
+        "scatter": lambda g: dist.scatter(torch.empty(100), [torch.ones(100)] * n, rank,
+                                          group=g),
+        "gather": lambda g: dist.gather(torch.ones(100), None, other, group=g),
+        "reduce": lambda g: dist.reduce(torch.ones(100), other, group=g),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        g = dist.new_group(backend="tdx")
+        errors = []
+        start = time.monotonic()
+        for step in (lambda: call(g), lambda: dist.barrier(group=g)):
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - the caller reads the text
+                errors.append(f"{type(e).__name__}: {e}")
+                break
+        out[name] = errors
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_windows_catch_ranks_that_disagree_on_the_root_where_none_waits() -> None:
+    results = run_ranks(_roots_disagree, 2, timeout=60, env={
+        "TDX_ALGO": "broadcast:shm,scatter:shm,gather:shm,reduce:shm_direct"})
+    for name in ("broadcast", "scatter", "gather", "reduce"):
+        # Every rank fails, in the op or at its next one, within seconds; at least one
+        # names the mismatch and both roots.
+        assert all(r[name] for r in results), (name, results)
+        assert all(r[name + " seconds"] < 10 for r in results), (name, results)
+        texts = [r[name][0] for r in results]
+        assert any("collective mismatch" in t and "root 0" in t and "root 1" in t
+                   for t in texts), (name, texts)

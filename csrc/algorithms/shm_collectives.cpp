@@ -103,6 +103,20 @@ void verify(HostWindow& w, int h, int only = -1) {
   }
 }
 
+// A rank whose role never waits for a peer (a broadcast's or a scatter's root, a
+// gather's or a direct reduce's other ranks) checks, on the op's first chunk after its
+// first post, the calls of the ranks it depends on (all of them, or `only`) that have
+// reached the op by then, without waiting for the others: waiting would cost every such
+// op a round trip. Of two ranks that both believe they are the root, the later one
+// finds the other already there and raises; its notice then fails the other's next op.
+void checkArrived(HostWindow& w, int h, int only = -1) {
+  const uint64_t target = w.posted();
+  for (int q = 0; q < w.size(); ++q) {
+    if (q == w.rank() || (only >= 0 && q != only)) continue;
+    if (w.reached(q, target)) verify(w, h, q);
+  }
+}
+
 // Whole elements per half.
 size_t chunkElems(const HostWindow& w, size_t elemSize) {
   return std::max<size_t>(1, w.halfBytes() / elemSize);
@@ -279,6 +293,8 @@ void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes
       w.waitRank(root, w.posted(), wc);
       if (off == 0) verify(w, h, root);
       std::memcpy(data + off, w.half(root, h), len);
+    } else if (off == 0) {
+      checkArrived(w, h);
     }
     w.post();
     w.releaseHalf(h);
@@ -337,6 +353,7 @@ void shmDirectReduce(HostWindow& w, const WaitContext& wc, const char* input, ch
       // every rank has released it.
       load(w.half(r, h), src, cnt * elemSize);
       w.post();
+      if (first == 0) checkArrived(w, h, root);
     } else {
       w.post();
       const uint64_t copied = w.posted();
@@ -470,6 +487,8 @@ void shmGather(HostWindow& w, const WaitContext& wc, const Block& mine,
       for (int q = 0; q < n; ++q) {
         if (q != r) std::memcpy(rootBlocks[q].data + off, w.half(q, h), len);
       }
+    } else if (off == 0) {
+      checkArrived(w, h, root);
     }
     w.post();
     w.releaseHalf(h);
@@ -497,6 +516,8 @@ void shmScatter(HostWindow& w, const WaitContext& wc, const std::vector<Block>& 
       w.waitRank(root, w.posted(), wc);
       if (off == 0) verify(w, h, root);
       std::memcpy(mine.data + off, w.half(root, h) + r * per, len);
+    } else if (off == 0) {
+      checkArrived(w, h);
     }
     w.post();
     w.releaseHalf(h);
