@@ -384,7 +384,7 @@ def _abort_during_shutdown(rank: int, n: int) -> dict:
     dist.all_reduce(torch.ones(1), group=sub)  # connected, so the goodbyes can go out
     out: dict = {}
     if rank == 0:
-        # The shutdown waits for rank 1's goodbye, which comes only after 6 s.
+        # The shutdown waits for rank 1's goodbye, which comes only after 9 s.
         ended: dict = {}
 
         def shut() -> None:
@@ -400,7 +400,7 @@ def _abort_during_shutdown(rank: int, n: int) -> dict:
         t.join(30)
         out["shutdown_after_abort"] = ended.get("at", float("inf")) - start
     else:
-        time.sleep(6)
+        time.sleep(9)
         sub.shutdown()
     dist.barrier()
     return out
@@ -410,8 +410,10 @@ def test_abort_cuts_short_a_shutdown_waiting_for_peers() -> None:
     """abort() from another thread while a shutdown waits for a peer's goodbye returns
     at once, and so does the shutdown, instead of both waiting out the goodbye wait."""
     r = run_ranks(_abort_during_shutdown, 2, timeout=60)[0]
-    assert r["abort_seconds"] < 2.0, r
-    assert r["shutdown_after_abort"] < 2.0, r
+    # Milliseconds when idle; the bound leaves room for a loaded host. Without the cut,
+    # both took until rank 1's goodbye (8.5 s).
+    assert r["abort_seconds"] < 4.0, r
+    assert r["shutdown_after_abort"] < 4.0, r
 
 
 def _abort_during_point_to_point(rank: int, n: int) -> dict:
@@ -483,6 +485,34 @@ def test_a_timeout_of_centuries_waits_rather_than_expiring_at_once() -> None:
     for rank, r in enumerate(results):
         assert r["all_reduce"] == 3.0 and r["wait"] is True, r
         assert r["recv"] == ([1.0] * 4 if rank == 1 else [0.0] * 4), r
+
+
+def _window_setup_fails(rank: int, n: int) -> dict:
+    import datetime
+    import os
+
+    out: dict = {}
+    sub = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if rank == 0:
+        # Rank 1 never joins: the window's setup times out waiting for it.
+        try:
+            dist.all_reduce(torch.ones(8), group=sub)
+            out["op"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the caller reads the text
+            out["op"] = f"{type(e).__name__}: {e}"
+        # The group still exists; its window must not.
+        out["left"] = sorted(f for f in os.listdir("/dev/shm")
+                             if f.startswith(f"tdx_{os.getpid()}_"))
+    dist.barrier()
+    return out
+
+
+def test_a_window_whose_setup_failed_is_gone_at_once() -> None:
+    """A window's setup that fails part way (a peer that never came) drops the window and
+    its name in /dev/shm with the op, not when the group is destroyed."""
+    r = run_ranks(_window_setup_fails, 2, timeout=30, env={"TDX_ALGO": "allreduce:shm"})[0]
+    assert r["op"].startswith("DistBackendError") and "shared memory" in r["op"], r
+    assert r["left"] == [], r
 
 
 def _nothing(rank: int, n: int) -> None:

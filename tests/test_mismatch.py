@@ -288,6 +288,13 @@ def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str, algo: str) -
     assert "rank 1 gave up" in r0["next"] and r0["next s"] < 3.0, r0
 
 
+def _coalesced_pair(g, a: torch.Tensor, b: torch.Tensor) -> None:
+    with dist._coalescing_manager(group=g, async_ops=True) as cm:
+        dist.all_reduce(a, group=g)
+        dist.all_reduce(b, group=g)
+    cm.wait()
+
+
 def _same_bytes_other_reduction(rank: int, n: int) -> dict:
     """Without DETAIL, ranks that reduce the same bytes as different dtypes, or with
     different reduce ops, in the shared-memory windows: each case on a group of its own.
@@ -303,6 +310,10 @@ def _same_bytes_other_reduction(rank: int, n: int) -> dict:
             torch.empty(174762) if first else torch.empty(87381, dtype=torch.float64),
             torch.ones(174762 * n) if first else torch.ones(87381 * n, dtype=torch.float64),
             group=g),
+        # Entry by entry: the first entries agree, the second does not.
+        "coalesced": lambda first: _coalesced_pair(
+            g, torch.ones(64, dtype=torch.int64),
+            torch.ones(64) if first else torch.ones(64, dtype=torch.int32)),
     }
     out: dict = {}
     for name, call in cases.items():
@@ -329,7 +340,8 @@ def test_windows_refuse_the_same_bytes_reduced_as_another_dtype_or_op(allreduce:
         assert r["ok"], r
         for name, (first, second) in {"dtype": ("float32 SUM", "int32 SUM"),
                                       "op": ("float32 SUM", "float32 MAX"),
-                                      "reduce_scatter": ("float32 SUM", "float64 SUM")}.items():
+                                      "reduce_scatter": ("float32 SUM", "float64 SUM"),
+                                      "coalesced": ("float32 SUM", "int32 SUM")}.items():
             msg = r[name]
             assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
             assert first in msg or rank != 0, (rank, name, msg)

@@ -61,8 +61,9 @@ class GroupChannel final : public algorithms::Channel {
   uint64_t seq() const {
     return seq_;
   }
-  // What else the ranks must agree on (a reduction's dtype and reduce op), as text; the
-  // shared-memory ops compare it at their first signal.
+  // What else the ranks must agree on for the op's next step (a reduction's dtype and
+  // reduce op, set by each reducing step, entry by entry in a coalesced op), as text;
+  // the shared-memory ops compare it at their first signal.
   const std::string& opDetail() const {
     return opDetail_;
   }

@@ -42,9 +42,6 @@ namespace {
 // the op methods right before they enqueue; thread_local so concurrent callers on other
 // threads cannot mix them up.
 thread_local std::string tFingerprintExtra;
-// The reduction's dtype and reduce op of the next enqueue() on this thread, which every
-// op checks in its shared-memory windows whatever the debug level (a few bytes).
-thread_local std::string tOpDetail;
 
 bool shapesMustMatch(c10d::OpType t) {
   switch (t) {
@@ -451,8 +448,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   // Taken first, so an op that fails its checks leaves nothing for the next one.
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
-  std::string opDetail = std::move(tOpDetail);
-  tOpDetail.clear();
+
   for (size_t i = 0; writesOutputs && i < outputs.size(); ++i) {
     // The message is built only for a tensor that fails: this runs on every op.
     if (!isWritable(outputs[i])) {
@@ -492,7 +488,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   } else {
     task.body = std::move(body);
   }
-  task.opDetail = std::move(opDetail);
   task.pins = algorithms::Registry::get().pins();
   if (checkFingerprints_) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
@@ -742,7 +737,6 @@ void ProcessGroupTDX::runTask(Task& task) {
       if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + timeout(), aborted_, scratch_);
-      ch.setOpDetail(task.opDetail);
       taskPins_ = task.pins.get();
       try {
         if (checkFingerprints_) {
@@ -927,10 +921,23 @@ std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key,
 
 transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext& wc) {
   if (windowState_ != 0) return window_.get();
+  windowState_ = -1;  // tried once, whatever the outcome
+  try {
+    return setUpWindow(wc);
+  } catch (...) {
+    // A peer lost or late while the window was set up: the group fails with the op. The
+    // window goes now, its name with it (rank 0), rather than stay half set up (no peer
+    // watch, no cross-memory decision) for the life of the group.
+    window_.reset();
+    windowOutcome_.store(-1);
+    throw;
+  }
+}
+
+transport::HostWindow* ProcessGroupTDX::setUpWindow(const transport::WaitContext& wc) {
   // Collective: every rank gets here in the same op. Rank 0 creates the object and
   // publishes its name; everyone reports whether it attached; rank 0 removes the name
   // once all have, so a crash later leaves nothing behind in /dev/shm.
-  windowState_ = -1;
   const std::string base = "tdx/shm/";
   std::string error;
   if (rank_ == 0) {
@@ -1020,12 +1027,6 @@ void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine
 }
 
 void ProcessGroupTDX::noteFingerprint(int root, const Reduction* red) const {
-  tOpDetail.clear();
-  if (red) {
-    // The dtype reduced (a complex tensor's real parts), so all_reduce and
-    // all_reduce_into of one complex tensor agree.
-    tOpDetail = std::string(dtypeName(red->dtype)) + " " + red->name;
-  }
   if (!checkFingerprints_) return;
   tFingerprintExtra.clear();
   if (root >= 0) tFingerprintExtra += " root=" + std::to_string(root);
@@ -1494,7 +1495,7 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   }
   std::vector<transport::RequestPtr> pending = std::move(sends);
   pending.insert(pending.end(), goodbyes.begin(), goodbyes.end());
-  if (!all && awaitPeers) {
+  if (!all && awaitPeers && !abortSeen) {
     TDX_LOG(Info, prefix()) << "shut down without every peer's goodbye (a peer has not shut "
                                "this group down yet)";
   }

@@ -182,7 +182,6 @@ class ProcessGroupTDX : public c10d::Backend {
     std::shared_ptr<c10::Event> readyEvent;  // recorded on the caller's stream (CUDA)
     uint64_t flightId = 0;
     std::string fingerprint;  // checked across ranks before the op when enabled
-    std::string opDetail;     // checked in shared-memory windows (GroupChannel::opDetail)
     // The pinned algorithms when the op was issued: set_algorithm between issue and run
     // must not change it on one rank only.
     std::shared_ptr<const algorithms::Pins> pins;
@@ -210,7 +209,7 @@ class ProcessGroupTDX : public c10d::Backend {
                      std::exception_ptr& error);
   void checkFingerprint(GroupChannel& ch, const std::string& mine);
   // Root (-1: none) and reduce op (null: none) for the fingerprint of the next enqueue()
-  // on this thread, and the reduction's dtype and op for its windows' check.
+  // on this thread; costs nothing unless fingerprints are checked.
   void noteFingerprint(int root, const Reduction* red) const;
   void stopWorker(const std::string& reason);
   void shutdownLocked();
@@ -253,6 +252,7 @@ class ProcessGroupTDX : public c10d::Backend {
   // The running op's pins (Task::pins); the worker thread's alone.
   const algorithms::Pins* taskPins_ = nullptr;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
+  transport::HostWindow* setUpWindow(const transport::WaitContext& wc);  // hostWindow's first call
   std::vector<uint8_t> storeGetWithin(const std::string& key, const transport::WaitContext& wc);
   std::unique_ptr<transport::HostWindow> window_;
   int windowState_ = 0;  // 0: not tried, 1: ready, -1: unavailable

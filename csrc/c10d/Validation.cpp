@@ -310,6 +310,10 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
 
 } // namespace
 
+std::string Reduction::detail() const {
+  return std::string(dtypeName(dtype)) + " " + name;
+}
+
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                         at::ScalarType scalar, int groupSize) {
   Reduction r;
