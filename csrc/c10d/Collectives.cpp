@@ -33,7 +33,7 @@ void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& outpu
   const bool inPlace = input.is_same(output);
   HostImage out(ch, output, /*copyIn=*/inPlace);
   HostImage in = inPlace ? out : HostImage(ch, input, /*copyIn=*/true);
-  ch.setOpDetail(red.detail());
+  ch.setOpDetail(red.detail.c_str());
   host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn,
                   red.load());
   finishAverage(out.data(), out.numel(), red, ch.size());
@@ -61,7 +61,7 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
   const size_t block = out.bytes();
   std::vector<Block> blocks;
   for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{in.data() + r * block, block});
-  ch.setOpDetail(red.detail());
+  ch.setOpDetail(red.detail.c_str());
   host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn, red.load());
   finishAverage(out.data(), out.numel(), red, ch.size());
   out.copyOut();
@@ -170,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
                  [this, t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(ch, t, true);
     // The root reduces into its own tensor; other ranks leave theirs untouched.
-    ch.setOpDetail(red.detail());
+    ch.setOpDetail(red.detail.c_str());
     host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,
                  red.load());
     if (isRoot) {
@@ -449,7 +449,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
                    for (const auto& i : ins) images.emplace_back(ch, i, true);
                    for (const auto& img : images) blocks.push_back(blockOf(img));
                    HostImage out(ch, output, false);
-                   ch.setOpDetail(red.detail());
+                   ch.setOpDetail(red.detail.c_str());
                    host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
                                        red.fn, red.load());
                    finishAverage(out.data(), out.numel(), red, ch.size());

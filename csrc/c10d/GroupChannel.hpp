@@ -62,13 +62,14 @@ class GroupChannel final : public algorithms::Channel {
     return seq_;
   }
   // What else the ranks must agree on for the op's next step (a reduction's dtype and
-  // reduce op, set by each reducing step, entry by entry in a coalesced op), as text;
-  // the shared-memory ops compare it at their first signal.
-  const std::string& opDetail() const {
+  // reduce op, set by each reducing step, entry by entry in a coalesced op), as text
+  // owned by the caller for the op's life; the shared-memory ops compare it at their
+  // first signal.
+  const char* opDetail() const {
     return opDetail_;
   }
-  void setOpDetail(std::string detail) {
-    opDetail_ = std::move(detail);
+  void setOpDetail(const char* detail) {
+    opDetail_ = detail;
   }
   int rank() const override {
     return rank_;
@@ -137,7 +138,7 @@ class GroupChannel final : public algorithms::Channel {
   int rank_;
   uint32_t groupId_;
   uint64_t seq_;
-  std::string opDetail_;
+  const char* opDetail_ = "";
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;
   std::vector<Posted> posted_;

@@ -51,7 +51,7 @@ template <class F>
 void onWindow(GroupChannel& ch, transport::HostWindow& w, F&& op) {
   ShmSteps steps(ch, w);
   w.setOpSeq(ch.seq());
-  w.setOpDetail(ch.opDetail().c_str());
+  w.setOpDetail(ch.opDetail());
   try {
     op();
   } catch (const std::exception& e) {

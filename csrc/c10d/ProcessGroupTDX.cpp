@@ -448,7 +448,6 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   // Taken first, so an op that fails its checks leaves nothing for the next one.
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
-
   for (size_t i = 0; writesOutputs && i < outputs.size(); ++i) {
     // The message is built only for a tensor that fails: this runs on every op.
     if (!isWritable(outputs[i])) {
@@ -693,16 +692,19 @@ std::shared_ptr<transport::UcxTransport> ProcessGroupTDX::liveTransport() {
 }
 
 std::string ProcessGroupTDX::brokenReason() {
+  return brokenReason(*transport_);
+}
+
+std::string ProcessGroupTDX::brokenReason(transport::UcxTransport& ucx) {
   // A member whose connection failed (kill -9, a crash) makes every later op of the group
   // impossible, even one whose data would not pass through it (a broadcast leaf, a send
   // to a live rank): refuse it now rather than let ranks disagree on which ops ran.
   if (!broken_.load() && fault_->happened.load()) markBroken(fault_->read());
-  const auto ucx = liveTransport();  // null once shut down (caller threads may be here)
-  const uint64_t failures = ucx ? ucx->failedEndpoints() : 0;
-  if (ucx && !broken_.load() && failures != failuresSeen_.load(std::memory_order_relaxed)) {
+  const uint64_t failures = ucx.failedEndpoints();
+  if (!broken_.load() && failures != failuresSeen_.load(std::memory_order_relaxed)) {
     std::lock_guard<std::mutex> lock(brokenMu_);
     failuresSeen_.store(failures, std::memory_order_relaxed);
-    const std::string lost = lostRanksNote(*ucx, endpoints_, rank_);
+    const std::string lost = lostRanksNote(ucx, endpoints_, rank_);
     if (!lost.empty() && brokenReason_.empty()) {
       brokenReason_ = "a member's connection failed" + lost;
       broken_.store(true);
@@ -1083,7 +1085,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   // In the flight record beside the collectives (sequence 0: point-to-point ops have
   // none), so a hang or failure in one leaves evidence of it too.
   const char* opName = isSend ? "send" : (peer < 0 ? "recv_any_source" : "recv");
-  const std::string broken = brokenReason();
+  const std::string broken = brokenReason(*ucx);
   if (!broken.empty()) {
     registerWork(work);
     flight_->finish(flight_->record(0, opName, what, "p2p"), false, 0, "p2p",
@@ -1451,9 +1453,9 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // aborted group still says goodbye, so its healthy peers are not held up, but waits for
   // nobody's.
   if (!transport_ || size_ <= 1) return;
-  const auto start = Clock::now();
-  auto deadline = start + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
-                                      : kGoodbyeSendWait);
+  auto deadline =
+      Clock::now() + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
+                                 : kGoodbyeSendWait);
   static const char kNothing = 0;
   char sink = 0;
   std::vector<transport::RequestPtr> sends;
@@ -1473,25 +1475,22 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // Waited for in slices: an abort() from another thread queues behind this shutdown,
   // and must not sit out a wait for peers' goodbyes. Once it comes, this shutdown waits
   // as an aborted one does: for its own goodbyes' sends only, briefly.
-  bool all = true;
   bool abortSeen = false;
-  auto waitFor = [&](transport::Request& r) {
+  auto waitFor = [&](transport::Request& r, bool peersGoodbye) {
     while (!r.done() && Clock::now() < deadline) {
       if (!abortSeen && aborted_.load()) {
         abortSeen = true;
         deadline = std::min(deadline, Clock::now() + kGoodbyeSendWait);
-        return;
       }
+      if (abortSeen && peersGoodbye) return;
       transport_->wait(r, std::min(deadline, Clock::now() + kAbortPoll));
     }
   };
-  for (auto& r : sends) waitFor(*r);
+  for (auto& r : sends) waitFor(*r, false);
+  bool all = true;
   for (auto& r : goodbyes) {
-    if (!abortSeen) waitFor(*r);
+    waitFor(*r, true);
     all = r->done() && all;
-  }
-  if (abortSeen) {
-    for (auto& r : sends) waitFor(*r);
   }
   std::vector<transport::RequestPtr> pending = std::move(sends);
   pending.insert(pending.end(), goodbyes.begin(), goodbyes.end());

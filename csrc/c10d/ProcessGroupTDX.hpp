@@ -280,7 +280,10 @@ class ProcessGroupTDX : public c10d::Backend {
   void markBroken(const std::string& reason);
   // Empty while the group is usable, else why it is not. Looks at this group's endpoints
   // only when the transport's failure count changed (one atomic load otherwise).
+  // The worker thread and shutdown (before it drops transport_) use the group's transport;
+  // a caller's thread passes its own reference (liveTransport()).
   std::string brokenReason();
+  std::string brokenReason(transport::UcxTransport& ucx);
   std::atomic<bool> broken_{false};
   std::mutex brokenMu_;       // guards brokenReason_ and the endpoint look-up
   std::string brokenReason_;

@@ -310,10 +310,6 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
 
 } // namespace
 
-std::string Reduction::detail() const {
-  return std::string(dtypeName(dtype)) + " " + name;
-}
-
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                         at::ScalarType scalar, int groupSize) {
   Reduction r;
@@ -323,6 +319,7 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                    "and complex (as its real and imaginary parts)");
   r.dtype = *dt;
   r.name = reduceOpName(op.op_);
+  r.detail = std::string(dtypeName(r.dtype)) + " " + r.name;
   const bool floating = isFloating(r.dtype);
   switch (op.op_) {
     case c10d::ReduceOp::SUM: r.kind = ReduceKind::Sum; break;

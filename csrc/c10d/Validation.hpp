@@ -75,11 +75,10 @@ struct Reduction {
   uint64_t premulWholeFactor = 0;
   at::Tensor premulTensor;             // a one-element factor read when the op runs
   std::string name;                    // "SUM", "AVG", ...
-
   // The dtype reduced and the reduce op, as the shared-memory windows compare them
   // across ranks ("float32 SUM"; a complex tensor's real dtype, as all_reduce and
-  // all_reduce_into of it both reduce that).
-  std::string detail() const;
+  // all_reduce_into of it both reduce that). Made with the rest, on the caller's thread.
+  std::string detail;
 
   double factor() const;               // the PREMUL_SUM factor
   // How this rank's input enters the reduction: scaled by factor() when premul. Reads the

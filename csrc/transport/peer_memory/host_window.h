@@ -75,10 +75,10 @@ class HostWindow {
   int acquireHalf(const WaitContext& wc);
   void releaseHalf(int h);
 
+  static constexpr size_t kOpDetailBytes = 24;  // setOpDetail's text, NUL included
   // What a rank called, published with the first chunk of each op in the half it uses
   // (valid until every rank has released that half), so ranks that called different
   // ops or sizes find out at their first signal instead of reading garbage.
-  static constexpr size_t kOpDetailBytes = 24;
   struct OpInfo {
     uint64_t kind = 0;
     int64_t root = -1;
