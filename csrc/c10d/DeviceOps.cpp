@@ -233,44 +233,9 @@ class CudaPeerMemory final : public PeerMemory {
       return deviceError_;
     }
     if (!hasPending()) return "";
-    const Pending& p = pending_.front();
-    if (std::chrono::steady_clock::now() < p.deadline) return "";
-    c10::cuda::CUDAGuard guard(p.device);
-    // A side stream: the backend stream is the one that is stuck.
-    c10::cuda::CUDAStream side = sideStream(p.device);
-    std::vector<uint64_t> flags(kPhases * kSlots, 0);
-    const size_t bytes = flags.size() * sizeof(uint64_t);
-    std::string missing;
-    if (cudaMemcpyAsync(flags.data(), signals_, bytes, cudaMemcpyDeviceToHost, side.stream()) ==
-            cudaSuccess &&
-        cudaStreamSynchronize(side.stream()) == cudaSuccess) {
-      for (int r = 0; r < p.ranks; ++r) {
-        if (r == rank_) continue;
-        const bool arrived = flags[kArrive * kSlots + r] >= p.seq;
-        const bool done = flags[kDone * kSlots + r] >= p.seq;
-        if (!arrived || !done) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r) +
-                     (arrived ? " (arrived, never finished)" : " (never arrived)");
-        }
-      }
-    }
-    // Every op queued behind the stuck one waits on the same flags with a higher
-    // sequence: release them all, or the stream stays blocked on the next one (and no
-    // later pass looks, the watchdog being off from here on).
-    uint64_t last = p.seq;
-    for (const auto& q : pending_) last = std::max(last, q.seq);
-    for (auto& f : flags) f = std::max(f, last);
-    cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
-    cudaStreamSynchronize(side.stream());
-    cudaGetLastError();
-    const uint64_t seq = p.seq;
-    const std::string what = p.what;  // `p` dies with the list
-    pending_.clear();
-    enabled_ = false;
-    return "CUDA peer-memory op " + what + " (flag sequence " + std::to_string(seq) +
-           ") still waited for rank(s) " + (missing.empty() ? std::string("?") : missing) +
-           " after the group timeout; this rank's stream was released, the op's output is "
-           "undefined";
+    if (std::chrono::steady_clock::now() < pending_.front().deadline) return "";
+    return releasePending() + " after the group timeout; this rank's stream was released, the "
+                              "op's output is undefined";
   }
 
   // One pass, in place: rank r reduces chunk r of every rank's tensor and writes it back
@@ -569,6 +534,46 @@ class CudaPeerMemory final : public PeerMemory {
   // Waits a little for this rank's device work to end: an op issued just before the
   // group was destroyed, not waited for. Stuck work is not waited for (the destructor
   // may run with the GIL held): false when some work, tracked or not, still runs.
+  // Raises this rank's copy of every flag to the highest pending sequence, so the stuck
+  // op and every op queued behind it on the backend stream (each waits on the same flags
+  // with a higher sequence) run to their end; their outputs are undefined. Names the
+  // ranks the first one still waited for. The watchdog is off from here on: no later
+  // pass would look. Requires hasPending().
+  std::string releasePending() {
+    const Pending& p = pending_.front();
+    c10::cuda::CUDAGuard guard(p.device);
+    // A side stream: the backend stream is the one that is stuck.
+    c10::cuda::CUDAStream side = sideStream(p.device);
+    std::vector<uint64_t> flags(kPhases * kSlots, 0);
+    const size_t bytes = flags.size() * sizeof(uint64_t);
+    std::string missing;
+    if (cudaMemcpyAsync(flags.data(), signals_, bytes, cudaMemcpyDeviceToHost, side.stream()) ==
+            cudaSuccess &&
+        cudaStreamSynchronize(side.stream()) == cudaSuccess) {
+      for (int r = 0; r < p.ranks; ++r) {
+        if (r == rank_) continue;
+        const bool arrived = flags[kArrive * kSlots + r] >= p.seq;
+        const bool done = flags[kDone * kSlots + r] >= p.seq;
+        if (!arrived || !done) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r) +
+                     (arrived ? " (arrived, never finished)" : " (never arrived)");
+        }
+      }
+    }
+    uint64_t last = p.seq;
+    for (const auto& q : pending_) last = std::max(last, q.seq);
+    for (auto& f : flags) f = std::max(f, last);
+    cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
+    cudaStreamSynchronize(side.stream());
+    cudaGetLastError();
+    const std::string told = "CUDA peer-memory op " + p.what + " (flag sequence " +
+                             std::to_string(p.seq) + ") still waited for rank(s) " +
+                             (missing.empty() ? std::string("?") : missing);
+    pending_.clear();  // `p` dies with the list
+    enabled_ = false;
+    return told;
+  }
+
   bool drain() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto idle = [&] {
@@ -580,11 +585,22 @@ class CudaPeerMemory final : public PeerMemory {
       }
       return true;
     };
-    while (!idle()) {
-      if (std::chrono::steady_clock::now() >= until) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return true;
+    auto waitIdle = [&](std::chrono::steady_clock::time_point deadline) {
+      while (!idle()) {
+        if (std::chrono::steady_clock::now() >= deadline) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      return true;
+    };
+    if (waitIdle(until)) return true;
+    if (!hasPending()) return false;  // not ours to release (not waiting on our flags)
+    // Work still waits on flags that no peer of this group will ever write now: release
+    // it, or the backend stream (and every caller stream and device-wide synchronize
+    // ordered after it) stays blocked for the life of the process.
+    const std::string released = releasePending();  // not inside the log: it may be off
+    TDX_LOG(Warn, prefix_) << "group destroyed while " << released
+                           << "; released this rank's wait, the op's output is undefined";
+    return waitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(2));
   }
 
   void ensureSignals(c10::DeviceIndex device) {
