@@ -2,9 +2,11 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
-#   TDX_STAGES="build smoke failures cpubench cuda bench cpu"
+#   TDX_STAGES="build smoke failures cpubench membw autocheck cuda bench cpu"
 #     (default: all, in that order). failures: the CUDA failure-path tests; cpubench: CPU
-#     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4.
+#     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
+#     membw: the host's memory-copy bandwidth by threads; autocheck: tdx's automatic
+#     choice against every fixed CPU all_reduce algorithm at 2 and 4 ranks.
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds
 #                           after the script starts (default 3600)
@@ -23,7 +25,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-STAGES=${TDX_STAGES:-build smoke failures cpubench cuda bench cpu}
+STAGES=${TDX_STAGES:-build smoke failures cpubench membw autocheck cuda bench cpu}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${TDX_DEADLINE:-3600}
@@ -98,6 +100,22 @@ if has cpubench; then
       --json "$OUT/bench_cpu_all_w4.json" > "$OUT/bench_cpu_all_w4.txt" 2>&1
     pack
   fi
+fi
+
+if has membw; then
+  timeout "$(limit 60)" $PY scripts/membw_probe.py 2>&1 | tee "$OUT/membw.txt"
+  pack
+fi
+
+if has autocheck; then
+  for w in 2 4; do
+    [ "$(limit 80)" -gt 30 ] || break
+    timeout "$(limit 80)" $PY -m torchdist_ext.bench --device cpu --world $w \
+      --backends tdx,tdx:all -b 4K -e 64M -f 4 -n 10 -w 3 --rounds 3 --check-auto report \
+      --no-progress --json "$OUT/autocheck_w$w.json" > "$OUT/autocheck_w$w.txt" 2>&1
+    tail -25 "$OUT/autocheck_w$w.txt"
+    pack
+  done
 fi
 
 if has bench; then

@@ -27,6 +27,9 @@ from torchdist_ext.testing import run_ranks
 TIMEOUT = 6.0
 SYNCS = ["host", "gpu"]
 BIG = 1 << 20
+# torch.cuda._sleep cycles that hold a rank's stream well past the group timeout (about
+# 10 s at the H100's 1.98 GHz boost clock).
+STALL_CYCLES = 20_000_000_000
 
 
 def _device(rank: int, kind: str) -> torch.device:
@@ -123,6 +126,48 @@ def test_cuda_kill_during_op(op: str, victim: int, sync: str) -> None:
     print(f"{op} sync={sync} victim {victim}: " + ", ".join(
         f"r{r}: {v['seconds']:.2f} s {v['paths']}" for r, v in enumerate(results) if v))
     _check(results, f"{op} sync={sync}", victim, TIMEOUT + 5)
+
+
+def _stalled(rank: int, n: int, kind: str = "cuda") -> dict:
+    """Rank 1 calls the op, but its stream is stuck behind a long kernel: its host side
+    reaches the op (the exchanges over UCX see it), its device side does not."""
+    dev = _device(rank, kind)
+    _call("all_reduce", dev, n)
+    _sync(dev)
+    out: dict = {}
+    if rank == 1:
+        if kind == "cuda":
+            torch.cuda._sleep(STALL_CYCLES)
+        try:
+            _call("all_reduce", dev, n)
+        except Exception:  # noqa: BLE001 - this rank's own outcome is not checked
+            pass
+        time.sleep(TIMEOUT + 3)
+        return out
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            _call("all_reduce", dev, n)
+            _sync(dev)
+        out["error"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the caller checks
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    return _after_error(dev, out)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("sync", SYNCS)
+def test_cuda_a_peer_whose_stream_never_reaches_the_op(sync: str) -> None:
+    """With GPU-side flags the survivors' streams wait for rank 1's flags, which never
+    come within the timeout: the watchdog releases them and names rank 1. With host
+    synchronisation rank 1's own thread gives up waiting for its stream and tells the
+    others."""
+    results = run_ranks(_stalled, 3, timeout=TIMEOUT, env={"TDX_CUDA_PEER_SYNC": sync})
+    print(f"stalled stream, sync={sync}: " + ", ".join(
+        f"r{r}: {v['seconds']:.2f} s: {v['error'][:400]}" for r, v in enumerate(results)
+        if v))
+    _check(results, f"stalled stream, sync={sync}", 1, TIMEOUT + 5)
 
 
 def _never_called(rank: int, n: int, kind: str = "cuda") -> dict:

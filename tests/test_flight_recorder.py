@@ -116,3 +116,35 @@ def test_timeout_leaves_evidence(tmp_path) -> None:
 def test_needs_a_tdx_group() -> None:
     with pytest.raises((ValueError, RuntimeError)):
         torchdist_ext.flight_recorder()  # no process group at all in the test process
+
+
+def _one_never_calls(rank: int, n: int) -> dict:
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)  # everyone connected
+    if rank == n - 1:
+        time.sleep(6)  # never calls the next op, and outlives the others' timeout
+        return {}
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_a_timeout_names_the_ranks_that_reached_the_op_and_those_that_did_not(shm: str) -> None:
+    """Over messages a rank waits on one peer, which may itself wait on the rank that
+    never called (rank 1's ring neighbour is rank 0, not rank 2): every rank that reached
+    the op says so, and each error lists who did and who did not. Windows list the ranks
+    that got as far from the window itself."""
+    results = run_ranks(_one_never_calls, 3, timeout=3, env={"TDX_SHM": shm})
+    for rank, r in enumerate(results[:2]):
+        assert r["error"].startswith("DistBackendError"), (rank, r)
+        assert 2.5 < r["seconds"] < 8.0, (rank, r)
+        if shm == "0":
+            assert "Reached this op and timed out on it: ranks 0, 1" in r["error"], (rank, r)
+            assert "no word within 1 s from rank 2 " in r["error"], (rank, r)
+        else:
+            assert "rank 2" in r["error"], (rank, r)

@@ -134,7 +134,7 @@ void GroupChannel::wait(const RequestPtr& r) {
       }
     }
     if (Clock::now() >= deadline_) {
-      throw std::runtime_error(
+      throw TimedOut(
           std::string("timed out waiting to ") + (r->isSend ? "send to" : "receive from") +
           " rank " + std::to_string(p.peer) + " (step " + std::to_string(p.step) +
           "); that rank has not reached this op, is behind, or is gone. Every rank must "

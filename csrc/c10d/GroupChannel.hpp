@@ -14,6 +14,12 @@
 
 namespace tdx {
 
+// A transfer of a collective that reached the group timeout: the peer never posted its
+// side. The group then finds out which ranks reached the op (see ProcessGroupTDX).
+struct TimedOut : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // "; lost so far: rank 1, rank 2" for the ranks of a group (endpoints indexed by group
 // rank) whose connections failed, or "" when none did. When several ranks went down (a
 // dead rank, then survivors that gave up and exited), the transfer that failed first need

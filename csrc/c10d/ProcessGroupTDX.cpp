@@ -680,6 +680,44 @@ void ProcessGroupTDX::tellPeers(const std::string& text) {
   sendNotice(*transport_, endpoints_, rank_, groupId_, text);
 }
 
+std::string ProcessGroupTDX::timeoutNote(uint64_t seq) {
+  // A transfer names only the peer it waited for, which may itself be waiting on the rank
+  // that never called. Every rank that reached the op times out on it, each at the group
+  // timeout after its own start, so those that did are the ones that say so here within
+  // a short grace. The store is the one channel left that needs no peer's cooperation.
+  constexpr auto kGrace = std::chrono::seconds(1);
+  const std::string base = "tdx/timedout/" + std::to_string(seq) + "/";
+  std::vector<int> reached, silent;
+  try {
+    store_->set(base + std::to_string(rank_), bytesOf("1"));
+    const auto until = Clock::now() + kGrace;
+    for (;;) {
+      reached.assign(1, rank_);
+      silent.clear();
+      for (int r = 0; r < size_; ++r) {
+        if (r == rank_) continue;
+        (store_->check({base + std::to_string(r)}) ? reached : silent).push_back(r);
+      }
+      if (silent.empty() || Clock::now() >= until) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  } catch (const std::exception& e) {  // the store may be gone with the job
+    return " (the store could not say which ranks reached this op: " + errorText(e) + ")";
+  }
+  auto list = [](const std::vector<int>& ranks) {
+    std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+    return s;
+  };
+  std::sort(reached.begin(), reached.end());
+  std::string note = ". Reached this op and timed out on it: " + list(reached);
+  if (!silent.empty()) {
+    note += "; no word within 1 s from " + list(silent) +
+            " (never called this op, is behind in an earlier one, or is gone)";
+  }
+  return note;
+}
+
 void ProcessGroupTDX::markBroken(const std::string& reason) {
   std::lock_guard<std::mutex> lock(brokenMu_);
   if (brokenReason_.empty()) brokenReason_ = reason;
@@ -780,6 +818,9 @@ void ProcessGroupTDX::runTask(Task& task) {
         handleFailure(task, what, e.what(), steps, path, /*refused=*/true, error);
       } else {
         std::string why = errorText(e);
+        if (dynamic_cast<const TimedOut*>(&e) != nullptr && !fault_->cutShort.load()) {
+          why += timeoutNote(task.seq);
+        }
         if (fault_->cutShort.load()) {
           why = fault_->read() + " (this op was cut short by it)";
         } else {

@@ -344,6 +344,9 @@ class ProcessGroupTDX : public c10d::Backend {
   // Sends `text` to every other member's notice receive: they give the group up at once,
   // with this as the reason, instead of waiting for this rank until their timeout.
   void tellPeers(const std::string& text);
+  // After op `seq` timed out on this rank: says so in the store, and names the ranks that
+  // said the same within a short grace (they reached the op) and those that did not.
+  std::string timeoutNote(uint64_t seq);
 
   std::mutex enqueueMu_;  // held from taking a sequence number to queueing the op
   std::mutex queueMu_;
