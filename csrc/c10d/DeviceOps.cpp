@@ -531,9 +531,6 @@ class CudaPeerMemory final : public PeerMemory {
     ++opsRun_;
   }
 
-  // Waits a little for this rank's device work to end: an op issued just before the
-  // group was destroyed, not waited for. Stuck work is not waited for (the destructor
-  // may run with the GIL held): false when some work, tracked or not, still runs.
   // Raises this rank's copy of every flag to the highest pending sequence, so the stuck
   // op and every op queued behind it on the backend stream (each waits on the same flags
   // with a higher sequence) run to their end; their outputs are undefined. Names the
@@ -546,17 +543,20 @@ class CudaPeerMemory final : public PeerMemory {
     c10::cuda::CUDAStream side = sideStream(p.device);
     std::vector<uint64_t> flags(kPhases * kSlots, 0);
     const size_t bytes = flags.size() * sizeof(uint64_t);
-    std::string missing;
+    // Ranks whose flag for the op never came are the cause; ranks that arrived but did
+    // not finish are, as a rule, waiting on those too.
+    std::vector<int> absent, unfinished;
+    bool read = false;
     if (cudaMemcpyAsync(flags.data(), signals_, bytes, cudaMemcpyDeviceToHost, side.stream()) ==
             cudaSuccess &&
         cudaStreamSynchronize(side.stream()) == cudaSuccess) {
+      read = true;
       for (int r = 0; r < p.ranks; ++r) {
         if (r == rank_) continue;
-        const bool arrived = flags[kArrive * kSlots + r] >= p.seq;
-        const bool done = flags[kDone * kSlots + r] >= p.seq;
-        if (!arrived || !done) {
-          missing += (missing.empty() ? "" : ", ") + std::to_string(r) +
-                     (arrived ? " (arrived, never finished)" : " (never arrived)");
+        if (flags[kArrive * kSlots + r] < p.seq) {
+          absent.push_back(r);
+        } else if (flags[kDone * kSlots + r] < p.seq) {
+          unfinished.push_back(r);
         }
       }
     }
@@ -566,14 +566,31 @@ class CudaPeerMemory final : public PeerMemory {
     cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
     cudaStreamSynchronize(side.stream());
     cudaGetLastError();
-    const std::string told = "CUDA peer-memory op " + p.what + " (flag sequence " +
-                             std::to_string(p.seq) + ") still waited for rank(s) " +
-                             (missing.empty() ? std::string("?") : missing);
+    auto list = [](const std::vector<int>& ranks) {
+      std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+      for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+      return s;
+    };
+    std::string told = "CUDA peer-memory op " + p.what + " (flag sequence " +
+                       std::to_string(p.seq) + ") still waited";
+    if (!read) {
+      told += " (the flags could not be read)";
+    } else if (!absent.empty()) {
+      told += " for " + list(absent) + ", which never arrived" +
+              (unfinished.empty() ? "" : " (" + list(unfinished) + " arrived, not finished)");
+    } else if (!unfinished.empty()) {
+      told += " for " + list(unfinished) + ", which arrived but never finished";
+    }
     pending_.clear();  // `p` dies with the list
     enabled_ = false;
     return told;
   }
 
+  // Waits a little for this rank's device work to end: an op issued just before the
+  // group was destroyed, not waited for. Work that waits on this group's flags is then
+  // released (no peer will write them now); other stuck work is not waited for (the
+  // destructor may run with the GIL held): false when some work, tracked or not, still
+  // runs.
   bool drain() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto idle = [&] {
