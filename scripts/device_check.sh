@@ -2,8 +2,9 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
-#   TDX_STAGES="build smoke failures cpubench membw autocheck cuda bench cpu"
-#     (default: all, in that order). failures: the CUDA failure-path tests; cpubench: CPU
+#   TDX_STAGES="build smoke failures cuda cpubench membw autocheck bench cpu"
+#     (default: all, in that order; correctness first, so a short session still gets
+#     it). failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
 #     membw: the host's memory-copy bandwidth by threads; autocheck: tdx's automatic
 #     choice against every fixed CPU all_reduce algorithm at 2 and 4 ranks.
@@ -25,7 +26,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-STAGES=${TDX_STAGES:-build smoke failures cpubench membw autocheck cuda bench cpu}
+STAGES=${TDX_STAGES:-build smoke failures cuda cpubench membw autocheck bench cpu}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${TDX_DEADLINE:-3600}
@@ -86,6 +87,13 @@ if has failures && [ "$(limit 200)" -gt 30 ]; then
   pack
 fi
 
+if has cuda && [ "$(limit ${TDX_CUDA_TIMEOUT:-300})" -gt 30 ]; then
+  timeout "$(limit ${TDX_CUDA_TIMEOUT:-300})" $PY -m pytest -q -m cuda --durations=10 \
+    --deselect tests/test_cuda_failures.py ${TDX_CUDA_TESTS:-tests} 2>&1 \
+    | tee "$OUT/pytest_cuda.log" | tail -40
+  pack
+fi
+
 if has cpubench; then
   for w in 2 4; do
     [ "$(limit 90)" -gt 30 ] || break
@@ -125,13 +133,6 @@ if has bench; then
       ${TDX_BENCH_ARGS:--b 4K -e 256M -f 4 -n 20 -w 5} --json "$OUT/bench_cuda_w$w.json" 2>&1 \
       | tee "$OUT/bench_cuda_w$w.txt" | tail -30
   done
-fi
-
-if has cuda && [ "$(limit ${TDX_CUDA_TIMEOUT:-300})" -gt 30 ]; then
-  timeout "$(limit ${TDX_CUDA_TIMEOUT:-300})" $PY -m pytest -q -m cuda --durations=10 \
-    --deselect tests/test_cuda_failures.py ${TDX_CUDA_TESTS:-tests} 2>&1 \
-    | tee "$OUT/pytest_cuda.log" | tail -40
-  pack
 fi
 
 if has cpu && [ "$(limit 300)" -gt 30 ]; then
