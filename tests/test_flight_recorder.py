@@ -145,6 +145,6 @@ def test_a_timeout_names_the_ranks_that_reached_the_op_and_those_that_did_not(sh
         assert 2.5 < r["seconds"] < 8.0, (rank, r)
         if shm == "0":
             assert "Reached this op and timed out on it: ranks 0, 1" in r["error"], (rank, r)
-            assert "no word within 1 s from rank 2 " in r["error"], (rank, r)
+            assert "not timed out on it within 1 s: rank 2 " in r["error"], (rank, r)
         else:
             assert "rank 2" in r["error"], (rank, r)

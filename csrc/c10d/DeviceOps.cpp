@@ -587,10 +587,10 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
   // Waits a little for this rank's device work to end: an op issued just before the
-  // group was destroyed, not waited for. Work that waits on this group's flags is then
-  // released (no peer will write them now); other stuck work is not waited for (the
-  // destructor may run with the GIL held): false when some work, tracked or not, still
-  // runs.
+  // group was destroyed, not waited for. Stuck work is not waited for (the destructor
+  // may run with the GIL held), nor released: a peer that is only slow would later
+  // write its share into this rank's tensors after they went back to the allocator.
+  // False when some work, tracked or not, still runs.
   bool drain() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto idle = [&] {
@@ -602,22 +602,11 @@ class CudaPeerMemory final : public PeerMemory {
       }
       return true;
     };
-    auto waitIdle = [&](std::chrono::steady_clock::time_point deadline) {
-      while (!idle()) {
-        if (std::chrono::steady_clock::now() >= deadline) return false;
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      return true;
-    };
-    if (waitIdle(until)) return true;
-    if (!hasPending()) return false;  // not ours to release (not waiting on our flags)
-    // Work still waits on flags that no peer of this group will ever write now: release
-    // it, or the backend stream (and every caller stream and device-wide synchronize
-    // ordered after it) stays blocked for the life of the process.
-    const std::string released = releasePending();  // not inside the log: it may be off
-    TDX_LOG(Warn, prefix_) << "group destroyed while " << released
-                           << "; released this rank's wait, the op's output is undefined";
-    return waitIdle(std::chrono::steady_clock::now() + std::chrono::seconds(2));
+    while (!idle()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
   }
 
   void ensureSignals(c10::DeviceIndex device) {

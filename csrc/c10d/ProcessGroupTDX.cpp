@@ -16,11 +16,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "algorithms/collectives.h"
 #include "algorithms/executor.h"
@@ -686,34 +688,67 @@ std::string ProcessGroupTDX::timeoutNote(uint64_t seq) {
   // timeout after its own start, so those that did are the ones that say so here within
   // a short grace. The store is the one channel left that needs no peer's cooperation.
   constexpr auto kGrace = std::chrono::seconds(1);
+  struct Exchange {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::vector<int> reached, silent;
+    std::string error;
+  };
+  auto ex = std::make_shared<Exchange>();
   const std::string base = "tdx/timedout/" + std::to_string(seq) + "/";
-  std::vector<int> reached, silent;
-  try {
-    store_->set(base + std::to_string(rank_), bytesOf("1"));
-    const auto until = Clock::now() + kGrace;
-    for (;;) {
-      reached.assign(1, rank_);
-      silent.clear();
-      for (int r = 0; r < size_; ++r) {
-        if (r == rank_) continue;
-        (store_->check({base + std::to_string(r)}) ? reached : silent).push_back(r);
+  // On a thread of its own: a store call has no deadline (a server that stops answering,
+  // or another thread's call on the same client, can hold it for minutes), and this
+  // thread must go on to tell the peers and end the op. One counter polled, not a key
+  // per rank, so the store's load does not grow with the square of the group's size.
+  std::thread([ex, store = store_, base, rank = rank_, size = size_, kGrace] {
+    std::vector<int> reached{rank}, silent;
+    std::string error;
+    try {
+      store->set(base + std::to_string(rank), bytesOf("1"));
+      int64_t count = store->add(base + "count", 1);
+      const auto until = Clock::now() + kGrace;
+      while (count < size && Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        count = store->add(base + "count", 0);
       }
-      if (silent.empty() || Clock::now() >= until) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      for (int r = 0; r < size; ++r) {
+        if (r == rank) continue;
+        const bool said = count >= size || store->check({base + std::to_string(r)});
+        (said ? reached : silent).push_back(r);
+      }
+    } catch (const std::exception& e) {  // the store may be gone with the job
+      error = errorText(e);
     }
-  } catch (const std::exception& e) {  // the store may be gone with the job
-    return " (the store could not say which ranks reached this op: " + errorText(e) + ")";
+    std::lock_guard<std::mutex> lock(ex->mu);
+    ex->reached = std::move(reached);
+    ex->silent = std::move(silent);
+    ex->error = std::move(error);
+    ex->done = true;
+    ex->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(ex->mu);
+  const auto until = Clock::now() + kGrace + std::chrono::milliseconds(500);
+  while (!ex->done && !aborted_.load() && Clock::now() < until) {
+    ex->cv.wait_for(lock, std::chrono::milliseconds(50));
+  }
+  if (!ex->done) {
+    return aborted_.load() ? "" : " (the store did not say in time which ranks reached this op)";
+  }
+  if (!ex->error.empty()) {
+    return " (the store could not say which ranks reached this op: " + ex->error + ")";
   }
   auto list = [](const std::vector<int>& ranks) {
     std::string s = ranks.size() == 1 ? "rank " : "ranks ";
     for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
     return s;
   };
-  std::sort(reached.begin(), reached.end());
-  std::string note = ". Reached this op and timed out on it: " + list(reached);
-  if (!silent.empty()) {
-    note += "; no word within 1 s from " + list(silent) +
-            " (never called this op, is behind in an earlier one, or is gone)";
+  std::sort(ex->reached.begin(), ex->reached.end());
+  std::string note = ". Reached this op and timed out on it: " + list(ex->reached);
+  if (!ex->silent.empty()) {
+    note += "; not timed out on it within 1 s: " + list(ex->silent) +
+            " (never called it, is behind in an earlier op, reached it later, finished it "
+            "without waiting, or is gone)";
   }
   return note;
 }
