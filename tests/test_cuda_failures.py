@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -24,25 +25,18 @@ import torch.distributed as dist
 
 from torchdist_ext.testing import run_ranks
 
+try:  # tests/ is on sys.path under pytest's default (prepend) import mode
+    from test_cuda import _rank_device as _device, _sync
+except ImportError:  # pragma: no cover - other import modes / rootdirs
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_cuda import _rank_device as _device, _sync
+
 TIMEOUT = 6.0
 SYNCS = ["host", "gpu"]
 BIG = 1 << 20
 # torch.cuda._sleep cycles that hold a rank's stream well past the group timeout (about
 # 10 s at the H100's 1.98 GHz boost clock).
 STALL_CYCLES = 20_000_000_000
-
-
-def _device(rank: int, kind: str) -> torch.device:
-    if kind == "cpu":
-        return torch.device("cpu")
-    dev = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _call(op: str, dev: torch.device, n: int, async_op: bool = False):
@@ -77,6 +71,22 @@ def _after_error(dev: torch.device, out: dict) -> dict:
         out["device_after"] = f"{type(e).__name__}: {e}"
     out["sync_seconds"] = time.monotonic() - start
     return out
+
+
+def _all_reduce_until_error(dev: torch.device, n: int) -> dict:
+    """A survivor's side: all_reduce until one raises (the error may come from the op or
+    from the next one), then check the device (see _after_error)."""
+    out: dict = {}
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            _call("all_reduce", dev, n)
+            _sync(dev)
+        out["error"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the caller checks
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    return _after_error(dev, out)
 
 
 def _killed(rank: int, n: int, op: str, victim: int, kind: str = "cuda") -> dict:
@@ -144,16 +154,7 @@ def _stalled(rank: int, n: int, kind: str = "cuda") -> dict:
             pass
         time.sleep(TIMEOUT + 3)
         return out
-    start = time.monotonic()
-    try:
-        for _ in range(3):
-            _call("all_reduce", dev, n)
-            _sync(dev)
-        out["error"] = "no error"
-    except Exception as e:  # noqa: BLE001 - the caller checks
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - start
-    return _after_error(dev, out)
+    return _all_reduce_until_error(dev, n)
 
 
 @pytest.mark.cuda
@@ -178,16 +179,7 @@ def _never_called(rank: int, n: int, kind: str = "cuda") -> dict:
     if rank == n - 1:  # never calls the op; stays alive past the others' timeout
         time.sleep(TIMEOUT + 2)
         return out
-    start = time.monotonic()
-    try:
-        for _ in range(3):  # the error may come from the op or from the next one
-            _call("all_reduce", dev, n)
-            _sync(dev)
-        out["error"] = "no error"
-    except Exception as e:  # noqa: BLE001 - the caller checks
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - start
-    return _after_error(dev, out)
+    return _all_reduce_until_error(dev, n)
 
 
 @pytest.mark.cuda
