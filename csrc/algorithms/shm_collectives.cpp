@@ -14,6 +14,8 @@
 // critical path, which wins for small messages.
 #include "algorithms/shm_collectives.h"
 
+#include "algorithms/pass_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -138,7 +140,7 @@ template <class PeerData>
 void reduceAsReady(HostWindow& w, const WaitContext& wc, int h, uint64_t target,
                    bool verifyPeers, const char* own, char* dst, size_t bytes,
                    size_t elemSize, kernels::ReduceFn reduce, const kernels::Load& load,
-                   const PeerData& peerData, char* publish) {
+                   const PeerData& peerData, char* publish, int ways = 1) {
   const int n = w.size(), r = w.rank();
   const size_t block = std::max(elemSize, kReduceBlockBytes / elemSize * elemSize);
   bool loaded = false;
@@ -153,17 +155,31 @@ void reduceAsReady(HostWindow& w, const WaitContext& wc, int h, uint64_t target,
       }
     }
     const bool last = end == n;
-    for (size_t off = 0; off < bytes; off += block) {
-      const size_t b = std::min(block, bytes - off);
-      if (!loaded) load(dst + off, own + off, b);
-      for (int k = next; k < end; ++k) {
-        reduce(dst + off, peerData((r + k) % n) + off, b / elemSize);
+    // Threads split the blocks, never one block: cuts fall on multiples of `block`.
+    parallelPass(bytes, block, ways, [&](size_t from, size_t to) {
+      for (size_t off = from; off < to; off += block) {
+        const size_t b = std::min(block, to - off);
+        if (!loaded) load(dst + off, own + off, b);
+        for (int k = next; k < end; ++k) {
+          reduce(dst + off, peerData((r + k) % n) + off, b / elemSize);
+        }
+        if (last && publish != nullptr) std::memcpy(publish + off, dst + off, b);
       }
-      if (last && publish != nullptr) std::memcpy(publish + off, dst + off, b);
-    }
+    });
     loaded = true;
     next = end;
   }
+}
+
+// fn(begin, end) over [0, total) less [skip, skip + skipBytes), split over `ways`
+// threads: a rank's copies into and out of the window cover every piece but its own.
+template <class Fn>
+void allButPiece(size_t skip, size_t skipBytes, size_t total, size_t grain, int ways,
+                 const Fn& fn) {
+  parallelPass(total - skipBytes, grain, ways, [&](size_t from, size_t to) {
+    if (from < skip) fn(from, std::min(to, skip));
+    if (to > skip) fn(std::max(from, skip) + skipBytes, to + skipBytes);
+  });
 }
 
 } // namespace
@@ -173,6 +189,8 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char*
                   const kernels::Load& load) {
   const int n = w.size(), r = w.rank();
   const size_t per = chunkElems(w, elemSize);
+  const int ways = w.passThreads();
+  const size_t grain = std::max(elemSize, kReduceBlockBytes / elemSize * elemSize);
   for (size_t first = 0; first == 0 || first < count; first += per) {
     const size_t cnt = std::min(per, count - first);
     const char* src = input + first * elemSize;
@@ -184,21 +202,34 @@ void shmAllreduce(HostWindow& w, const WaitContext& wc, const char* input, char*
     char* mine = w.half(r, h);
     // Only the pieces other ranks reduce go into the slot; this rank's own piece is
     // reduced in place in the output.
-    for (int q = 0; q < n; ++q) {
-      if (q != r) load(mine + at(q), src + at(q), len(q));
-    }
+    allButPiece(at(r), len(r), cnt * elemSize, grain, ways,
+                [&](size_t b, size_t e) { load(mine + b, src + b, e - b); });
     w.post();
     // This rank's piece: its own input reduced with the peers' as they become ready,
     // and published for the others (the slot's piece r is read by no one until then).
     const uint64_t copied = w.posted();
     reduceAsReady(w, wc, h, copied, first == 0, src + at(r), dst + at(r), len(r), elemSize,
-                  reduce, load, [&](int q) { return w.half(q, h) + at(r); }, mine + at(r));
+                  reduce, load, [&](int q) { return w.half(q, h) + at(r); }, mine + at(r),
+                  ways);
     w.post();
     const uint64_t reduced = w.posted();
-    for (int k = 1; k < n; ++k) {
-      const int q = (r + k) % n;
-      w.waitRank(q, reduced, wc);
-      std::memcpy(dst + at(q), w.half(q, h) + at(q), len(q));
+    if (ways <= 1) {
+      // One thread: each piece as soon as its rank has published it.
+      for (int k = 1; k < n; ++k) {
+        const int q = (r + k) % n;
+        w.waitRank(q, reduced, wc);
+        std::memcpy(dst + at(q), w.half(q, h) + at(q), len(q));
+      }
+    } else {
+      // Several: every piece published first, then one pass split over the threads,
+      // each range copied from the slots of the ranks whose pieces it covers.
+      for (int k = 1; k < n; ++k) w.waitRank((r + k) % n, reduced, wc);
+      allButPiece(at(r), len(r), cnt * elemSize, grain, ways, [&](size_t b, size_t e) {
+        for (int q = 0; q < n; ++q) {
+          const size_t lo = std::max(b, at(q)), hi = std::min(e, at(q) + len(q));
+          if (lo < hi) std::memcpy(dst + lo, w.half(q, h) + lo, hi - lo);
+        }
+      });
     }
     w.post();
     w.releaseHalf(h);

@@ -226,6 +226,11 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // Read only when a window opens, where a bad value would quietly cost the group its
   // windows: checked now, as the other knobs are.
   if (env::get("TDX_SHM_SPIN_US") != "auto") (void)env::getInt("TDX_SHM_SPIN_US");
+  if (env::get("TDX_SHM_THREADS") != "auto") {
+    const int64_t threads = env::getInt("TDX_SHM_THREADS");
+    TORCH_CHECK_VALUE(threads >= 1 && threads <= 16, prefix(),
+                      ": TDX_SHM_THREADS must be auto or 1 to 16, got ", threads);
+  }
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
   fault_ = std::make_shared<Fault>();

@@ -51,6 +51,12 @@ class HostWindow {
   int rank() const {
     return rank_;
   }
+  // Threads (this one and helpers) each of this rank's memory passes may be split over:
+  // TDX_SHM_THREADS, or with "auto" the window's CPUs shared out among its ranks, at
+  // most 4.
+  int passThreads() const {
+    return passThreads_;
+  }
   int size() const {
     return size_;
   }
@@ -160,6 +166,7 @@ class HostWindow {
   std::vector<int> pidfds_;  // per rank; -1: not open, -2: unavailable, kExited
   static constexpr int kExited = -3;  // the rank was gone when its pidfd was opened
   int64_t spinUs_ = 0;
+  int passThreads_ = 1;
   uint64_t opSeq_ = 0;
   char opDetail_[kOpDetailBytes] = {};
   bool crossMemory_ = false;

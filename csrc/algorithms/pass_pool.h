@@ -1,0 +1,26 @@
+// Helper threads for the memory passes of one rank's shared-memory collectives.
+//
+// On a host whose cores outnumber the ranks of a window, one thread per rank copies and
+// reduces at a fraction of what the host's memory gives several threads (the 16-core
+// GPU test host: 12.4 GB/s for one thread, 41.7 GB/s for four; docs/PERFORMANCE.md).
+// A rank can then split each pass (a copy into or out of the window, a reduction) over
+// helper threads of its process. The helpers are shared by the process's groups; a pass
+// that finds them busy with another group's runs on its caller alone.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+namespace tdx {
+namespace algorithms {
+
+// Runs fn over [0, bytes) in up to `ways` contiguous parts, cut at multiples of `grain`
+// (a whole number of elements and blocks), the calling thread taking the first part;
+// returns when every part is done. fn must not throw. Parts smaller than 64 KiB are not
+// worth waking a helper for: such passes, and any pass with `ways` <= 1 or while another
+// thread holds the helpers, run as fn(0, bytes) on the caller.
+void parallelPass(size_t bytes, size_t grain, int ways,
+                  const std::function<void(size_t begin, size_t end)>& fn);
+
+} // namespace algorithms
+} // namespace tdx
