@@ -2,10 +2,11 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
-#   TDX_STAGES="build smoke failures cuda cpubench membw autocheck bench cpu"
+#   TDX_STAGES="build smoke failures cuda cpubench threads membw autocheck bench cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
+#     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2 and 4 at 2 and 4 ranks;
 #     membw: the host's memory-copy bandwidth by threads; autocheck: tdx's automatic
 #     choice against every fixed CPU all_reduce algorithm at 2 and 4 ranks.
 # Other settings:
@@ -26,7 +27,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-STAGES=${TDX_STAGES:-build smoke failures cuda cpubench membw autocheck bench cpu}
+STAGES=${TDX_STAGES:-build smoke failures cuda cpubench threads membw autocheck bench cpu}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${TDX_DEADLINE:-3600}
@@ -108,6 +109,19 @@ if has cpubench; then
       --json "$OUT/bench_cpu_all_w4.json" > "$OUT/bench_cpu_all_w4.txt" 2>&1
     pack
   fi
+fi
+
+if has threads; then
+  for w in 2 4; do
+    for t in 1 2 4; do
+      [ "$(limit 60)" -gt 30 ] || break 2
+      TDX_SHM_THREADS=$t timeout "$(limit 60)" $PY -m torchdist_ext.bench --device cpu \
+        --world $w --backends tdx,gloo -b 1M -e 128M -f 4 -n 10 -w 3 --no-progress \
+        --json "$OUT/threads_w${w}_t$t.json" > "$OUT/threads_w${w}_t$t.txt" 2>&1
+      grep -A12 "tdx vs gloo" "$OUT/threads_w${w}_t$t.txt" | sed "s/^/w$w t$t /"
+    done
+    pack
+  done
 fi
 
 if has membw; then
