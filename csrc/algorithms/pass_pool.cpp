@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 namespace tdx {
@@ -42,7 +43,10 @@ class PassPool {
            const std::function<void(size_t, size_t)>& fn) {
     std::unique_lock<std::mutex> busy(runMu_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
-    ensureHelpers(ways - 1);
+    // The helpers that exist: a thread that could not be started (a process or cgroup
+    // limit) leaves fewer, and the pass is split fewer ways.
+    ways = std::min(ways, ensureHelpers(ways - 1) + 1);
+    if (ways <= 1) return false;
     fn_ = &fn;
     bytes_ = bytes;
     grain_ = grain;
@@ -53,19 +57,35 @@ class PassPool {
       generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
-    runPart(0);
-    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+    try {
+      runPart(0);
+    } catch (...) {  // fn must not throw; if it did, the helpers still use the job
+      waitForHelpers();
+      throw;
+    }
+    waitForHelpers();
     return true;
   }
 
  private:
-  void ensureHelpers(int want) {
+  void waitForHelpers() {
+    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  }
+
+  // Starts helpers up to `want` (at most kMaxHelpers); returns how many exist.
+  int ensureHelpers(int want) {
     want = std::min(want, kMaxHelpers);
     while (helpers_ < want) {
-      const int index = ++helpers_;  // parts 1, 2, ...; part 0 is the caller's
+      const int index = helpers_ + 1;  // parts 1, 2, ...; part 0 is the caller's
       const uint64_t seen = generation_.load(std::memory_order_acquire);
-      std::thread([this, index, seen] { helperLoop(index, seen); }).detach();
+      try {
+        std::thread([this, index, seen] { helperLoop(index, seen); }).detach();
+      } catch (const std::system_error&) {
+        break;  // counted only once running: every counted helper counts itself off
+      }
+      helpers_ = index;
     }
+    return helpers_;
   }
 
   void helperLoop(int index, uint64_t seen) {

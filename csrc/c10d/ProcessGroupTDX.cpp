@@ -279,6 +279,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   bool windowsEverywhere = true;
   std::vector<std::string> cpuTexts;
   try {
+    // Which incarnation of this group's store prefix this is (a group re-created under
+    // the same name on a reused store), so that keys written after setup (timeout notes)
+    // never meet an earlier incarnation's. Every rank counts its own, once per group.
+    incarnation_ = store_->add("tdx/incarnation/" + std::to_string(rank), 1);
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
                         "|" + tuningText + "@" + cpuText() + "|" + key));
@@ -701,7 +705,8 @@ std::string ProcessGroupTDX::timeoutNote(uint64_t seq) {
     std::string error;
   };
   auto ex = std::make_shared<Exchange>();
-  const std::string base = "tdx/timedout/" + std::to_string(seq) + "/";
+  const std::string base =
+      "tdx/timedout/" + std::to_string(incarnation_) + "/" + std::to_string(seq) + "/";
   // On a thread of its own: a store call has no deadline (a server that stops answering,
   // or another thread's call on the same client, can hold it for minutes), and this
   // thread must go on to tell the peers and end the op. One counter polled, not a key

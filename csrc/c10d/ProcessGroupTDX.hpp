@@ -224,6 +224,7 @@ class ProcessGroupTDX : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> options_;
   std::atomic<int64_t> timeoutMs_;  // options_->timeout, for threads other than the caller's
   std::string groupName_;
+  int64_t incarnation_ = 0;  // see the constructor: keys of this incarnation only
   std::vector<int64_t> globalRanks_;
   uint32_t groupId_;
   // Dropped at shutdown, which may run on another thread (abort from a watchdog) while a
