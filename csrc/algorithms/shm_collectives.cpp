@@ -11,7 +11,9 @@
 // block at a time across every peer ready by then, so the piece is written once per
 // run of ready peers (once when all are ready), not once per peer. The direct
 // variant reduces all N slots (N-1) S but needs a single signal per chunk on its
-// critical path, which wins for small messages.
+// critical path, which wins for small messages. With TDX_SHM_THREADS above 1 the shm
+// all_reduce splits each of its passes (copy in, reduce, copy out) over helper threads
+// (pass_pool.h); the signals stay on the calling thread.
 #include "algorithms/shm_collectives.h"
 
 #include "algorithms/pass_pool.h"
