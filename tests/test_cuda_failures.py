@@ -89,10 +89,16 @@ def _all_reduce_until_error(dev: torch.device, n: int) -> dict:
     return _after_error(dev, out)
 
 
-def _killed(rank: int, n: int, op: str, victim: int, kind: str = "cuda") -> dict:
+def _connected(rank: int, n: int, kind: str) -> torch.device:
+    """This rank's device, after one all_reduce: everyone connected, the peer path set up."""
     dev = _device(rank, kind)
-    _call("all_reduce", dev, n)  # everyone connected, the peer path set up
+    _call("all_reduce", dev, n)
     _sync(dev)
+    return dev
+
+
+def _killed(rank: int, n: int, op: str, victim: int, kind: str = "cuda") -> dict:
+    dev = _connected(rank, n, kind)
     if rank == victim:
         _call(op, dev, n, async_op=True)  # queued when the process dies
         time.sleep(0.01)
@@ -141,9 +147,7 @@ def test_cuda_kill_during_op(op: str, victim: int, sync: str) -> None:
 def _stalled(rank: int, n: int, kind: str = "cuda") -> dict:
     """Rank 1 calls the op, but its stream is stuck behind a long kernel: its host side
     reaches the op (the exchanges over UCX see it), its device side does not."""
-    dev = _device(rank, kind)
-    _call("all_reduce", dev, n)
-    _sync(dev)
+    dev = _connected(rank, n, kind)
     out: dict = {}
     if rank == 1:
         if kind == "cuda":
@@ -172,9 +176,7 @@ def test_cuda_a_peer_whose_stream_never_reaches_the_op(sync: str) -> None:
 
 
 def _never_called(rank: int, n: int, kind: str = "cuda") -> dict:
-    dev = _device(rank, kind)
-    _call("all_reduce", dev, n)
-    _sync(dev)
+    dev = _connected(rank, n, kind)
     out: dict = {}
     if rank == n - 1:  # never calls the op; stays alive past the others' timeout
         time.sleep(TIMEOUT + 2)

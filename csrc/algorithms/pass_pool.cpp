@@ -39,15 +39,16 @@ class PassPool {
   }
 
   // False when another thread holds the helpers.
-  bool run(size_t bytes, size_t grain, int ways,
-           const std::function<void(size_t, size_t)>& fn) {
+  bool run(size_t bytes, size_t grain, int ways, void (*call)(const void*, size_t, size_t),
+           const void* fn) {
     std::unique_lock<std::mutex> busy(runMu_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
     // The helpers that exist: a thread that could not be started (a process or cgroup
     // limit) leaves fewer, and the pass is split fewer ways.
     ways = std::min(ways, ensureHelpers(ways - 1) + 1);
     if (ways <= 1) return false;
-    fn_ = &fn;
+    call_ = call;
+    fn_ = fn;
     bytes_ = bytes;
     grain_ = grain;
     ways_ = ways;
@@ -114,7 +115,7 @@ class PassPool {
     const size_t count = base + (static_cast<size_t>(index) < extra ? 1 : 0);
     const size_t begin = std::min(bytes_, first * grain_);
     const size_t end = std::min(bytes_, (first + count) * grain_);
-    if (begin < end) (*fn_)(begin, end);
+    if (begin < end) call_(fn_, begin, end);
   }
 
   std::mutex runMu_;  // one job at a time
@@ -125,21 +126,26 @@ class PassPool {
   int helpers_ = 0;              // under runMu_
   // The current job, written under runMu_ before the generation moves on, read by the
   // helpers after they see it move.
-  const std::function<void(size_t, size_t)>* fn_ = nullptr;
+  void (*call_)(const void*, size_t, size_t) = nullptr;
+  const void* fn_ = nullptr;
   size_t bytes_ = 0, grain_ = 1;
   int ways_ = 1;
 };
 
 } // namespace
 
-void parallelPass(size_t bytes, size_t grain, int ways,
-                  const std::function<void(size_t, size_t)>& fn) {
+namespace detail {
+
+bool splitPass(size_t bytes, size_t grain, int ways,
+               void (*call)(const void*, size_t, size_t), const void* fn) {
   grain = std::max<size_t>(1, grain);
   const size_t worth = std::max<size_t>(1, bytes / std::max(grain, kMinPartBytes));
-  ways = static_cast<int>(std::min<size_t>({static_cast<size_t>(std::max(ways, 1)), worth,
+  ways = static_cast<int>(std::min<size_t>({static_cast<size_t>(ways), worth,
                                             static_cast<size_t>(kMaxHelpers + 1)}));
-  if (ways <= 1 || !PassPool::instance()->run(bytes, grain, ways, fn)) fn(0, bytes);
+  return ways > 1 && PassPool::instance()->run(bytes, grain, ways, call, fn);
 }
+
+} // namespace detail
 
 } // namespace algorithms
 } // namespace tdx

@@ -9,18 +9,32 @@
 #pragma once
 
 #include <cstddef>
-#include <functional>
 
 namespace tdx {
 namespace algorithms {
+namespace detail {
 
-// Runs fn over [0, bytes) in up to `ways` contiguous parts, cut at multiples of `grain`
-// (a whole number of elements and blocks), the calling thread taking the first part;
-// returns when every part is done. fn must not throw. Parts smaller than 64 KiB are not
-// worth waking a helper for: such passes, and any pass with `ways` <= 1 or while another
-// thread holds the helpers, run as fn(0, bytes) on the caller.
-void parallelPass(size_t bytes, size_t grain, int ways,
-                  const std::function<void(size_t begin, size_t end)>& fn);
+// The pool's side of parallelPass: runs the parts through `call(fn, begin, end)` and
+// returns true, or returns false (nothing run) when the pass is not worth splitting or
+// another thread holds the helpers.
+bool splitPass(size_t bytes, size_t grain, int ways,
+               void (*call)(const void* fn, size_t begin, size_t end), const void* fn);
+
+} // namespace detail
+
+// Runs fn(begin, end) over [0, bytes) in up to `ways` contiguous parts, cut at multiples
+// of `grain` (a whole number of elements and blocks), the calling thread taking the
+// first part; returns when every part is done. fn must not throw. Parts smaller than
+// 64 KiB are not worth waking a helper for: such passes, and any pass with `ways` <= 1
+// or while another thread holds the helpers, run as fn(0, bytes) on the caller, with
+// nothing allocated or locked on the way.
+template <class Fn>
+void parallelPass(size_t bytes, size_t grain, int ways, const Fn& fn) {
+  auto call = [](const void* f, size_t begin, size_t end) {
+    (*static_cast<const Fn*>(f))(begin, end);
+  };
+  if (ways <= 1 || !detail::splitPass(bytes, grain, ways, call, &fn)) fn(size_t{0}, bytes);
+}
 
 } // namespace algorithms
 } // namespace tdx

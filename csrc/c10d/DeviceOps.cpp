@@ -566,20 +566,15 @@ class CudaPeerMemory final : public PeerMemory {
     cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
     cudaStreamSynchronize(side.stream());
     cudaGetLastError();
-    auto list = [](const std::vector<int>& ranks) {
-      std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-      for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-      return s;
-    };
     std::string told = "CUDA peer-memory op " + p.what + " (flag sequence " +
                        std::to_string(p.seq) + ") still waited";
     if (!read) {
       told += " (the flags could not be read)";
     } else if (!absent.empty()) {
-      told += " for " + list(absent) + ", which never arrived" +
-              (unfinished.empty() ? "" : " (" + list(unfinished) + " arrived, not finished)");
+      told += " for " + rankList(absent) + ", which never arrived" +
+              (unfinished.empty() ? "" : " (" + rankList(unfinished) + " arrived, not finished)");
     } else if (!unfinished.empty()) {
-      told += " for " + list(unfinished) + ", which arrived but never finished";
+      told += " for " + rankList(unfinished) + ", which arrived but never finished";
     }
     pending_.clear();  // `p` dies with the list
     enabled_ = false;

@@ -21,6 +21,12 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
   return lost.empty() ? "" : "; lost so far: " + lost;
 }
 
+std::string rankList(const std::vector<int>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
 char* ScratchBuffer::get(size_t bytes) {
   if (bytes > size_) {
     data_.reset();  // the old contents are not needed: give the memory back first

@@ -20,6 +20,9 @@ struct TimedOut : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// "rank 2" or "ranks 0, 1" (in the order given), for errors that list ranks.
+std::string rankList(const std::vector<int>& ranks);
+
 // "; lost so far: rank 1, rank 2" for the ranks of a group (endpoints indexed by group
 // rank) whose connections failed, or "" when none did. When several ranks went down (a
 // dead rank, then survivors that gave up and exited), the transfer that failed first need

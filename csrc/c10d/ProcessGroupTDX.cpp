@@ -748,15 +748,10 @@ std::string ProcessGroupTDX::timeoutNote(uint64_t seq) {
   if (!ex->error.empty()) {
     return " (the store could not say which ranks reached this op: " + ex->error + ")";
   }
-  auto list = [](const std::vector<int>& ranks) {
-    std::string s = ranks.size() == 1 ? "rank " : "ranks ";
-    for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-    return s;
-  };
   std::sort(ex->reached.begin(), ex->reached.end());
-  std::string note = ". Reached this op and timed out on it: " + list(ex->reached);
+  std::string note = ". Reached this op and timed out on it: " + rankList(ex->reached);
   if (!ex->silent.empty()) {
-    note += "; not timed out on it within 1 s: " + list(ex->silent) +
+    note += "; not timed out on it within 1 s: " + rankList(ex->silent) +
             " (never called it, is behind in an earlier op, reached it later, finished it "
             "without waiting, or is gone)";
   }

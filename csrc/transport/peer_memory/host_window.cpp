@@ -150,9 +150,9 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }
   const std::string threads = env::get("TDX_SHM_THREADS");
-  w->passThreads_ = threads == "auto"
-                        ? std::clamp(cpus / std::max(size, 1), 1, 4)
-                        : static_cast<int>(std::clamp<int64_t>(env::getInt("TDX_SHM_THREADS"), 1, 16));
+  w->passThreads_ = threads == "auto" ? std::clamp(cpus / std::max(size, 1), 1, 4)
+                                      : static_cast<int>(std::clamp<int64_t>(
+                                            env::getInt("TDX_SHM_THREADS"), 1, 16));
   return w;
 }
 
