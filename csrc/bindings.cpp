@@ -117,6 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                d["one_host"] = pg.placement().oneHost;
                                d["windows"] = pg.placement().windows;
                                d["crowded"] = pg.placement().crowded;
+                               d["pass_threads"] = pg.placement().passThreads;
                                return d;
                              })
       .def("predict",

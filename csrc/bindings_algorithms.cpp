@@ -1,5 +1,6 @@
 // The algorithm registry, cost model and plans, for torchdist_ext.algorithms(),
 // set_algorithm(), the bench's calibration and the plan-invariant tests.
+#include <algorithm>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -123,9 +124,10 @@ void bindAlgorithms(py::module& m) {
   m.def(
       "_algorithm_cost",
       [](const std::string& collective, const std::string& name, double bytes, int world,
-         bool oneHost, bool crowded) {
+         bool oneHost, bool crowded, int passThreads) {
         const Algorithm& a = lookup(collective, name);
-        const Placement p = Placement::of(oneHost, crowded);
+        Placement p = Placement::of(oneHost, crowded);
+        p.passThreads = std::max(1, passThreads);
         const Cost c = a.cost(bytes, world);
         py::dict d;
         d["steps"] = c.steps;
@@ -138,21 +140,22 @@ void bindAlgorithms(py::module& m) {
         return d;
       },
       py::arg("collective"), py::arg("name"), py::arg("bytes"), py::arg("world"),
-      py::arg("one_host") = true, py::arg("crowded") = false);
+      py::arg("one_host") = true, py::arg("crowded") = false, py::arg("pass_threads") = 1);
   m.def(
       "_choose_algorithm",
       [](const std::string& collective, double bytes, int world, bool sameHost, bool oneHost,
-         bool crowded) {
+         bool crowded, int passThreads) {
         Placement p;
         p.oneHost = oneHost || sameHost;
         p.windows = sameHost;
         p.crowded = p.oneHost && crowded;
+        p.passThreads = sameHost ? std::max(1, passThreads) : 1;
         const Choice c = Registry::get().choose(collectiveFromName(collective), bytes, world,
                                                 p, Registry::get().costModel());
         return py::make_tuple(c.algorithm->name, c.predicted);
       },
       py::arg("collective"), py::arg("bytes"), py::arg("world"), py::arg("same_host") = true,
-      py::arg("one_host") = false, py::arg("crowded") = false);
+      py::arg("one_host") = false, py::arg("crowded") = false, py::arg("pass_threads") = 1);
   m.def(
       "_plan",
       [](const std::string& collective, const std::string& name, int world, int rank,

@@ -4,9 +4,10 @@
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
 #   TDX_STAGES="build smoke failures cuda cpubench threads membw autocheck bench cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
-#     it). failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
+#     it). Stages run in the order given; build, when named, always runs first. failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
-#     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2 and 4 at 2 and 4 ranks;
+#     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2, 4 (and 8 at 2 ranks) at
+#     2 and 4 ranks, gloo beside the one-thread run;
 #     membw: the host's memory-copy bandwidth by threads; autocheck: tdx's automatic
 #     choice against every fixed CPU all_reduce algorithm at 2 and 4 ranks.
 # Other settings:
@@ -17,6 +18,7 @@
 #                           (default: -b 4K -e 256M -f 4 -n 20 -w 5)
 #   TDX_CUDA_TESTS=PATHS    what the cuda stage passes to pytest (default: tests)
 #   TDX_CUDA_TIMEOUT=S      the cuda stage's time limit in seconds (default: 300)
+#   TDX_FAILURES_K=EXPR     pytest -k expression for the failures stage (default: all)
 #   PY, MAX_JOBS            the Python to use (python3), build jobs (16)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,7 +74,7 @@ print(f"d2d copy {2 * x.numel() * 20 / (s.elapsed_time(e) * 1e-3) / 1e9:.0f} GB/
 print("stream memops", _C.stream_memops_available())
 EOF
 
-if has smoke; then
+stage_smoke() {
   # A crash is re-run under cuda-gdb (it debugs host code too) for a native backtrace.
   timeout 60 $PY -X faulthandler scripts/device_smoke.py 2>&1 | tee "$OUT/smoke.log"
   if ! grep -q "cuda ok" "$OUT/smoke.log"; then
@@ -80,22 +82,24 @@ if has smoke; then
       --args $PY scripts/device_smoke.py 2>&1 | tail -60 | tee -a "$OUT/smoke.log"
     exit 1
   fi
-fi
+}
 
-if has failures && [ "$(limit 200)" -gt 30 ]; then
+stage_failures() {
+  [ "$(limit 200)" -gt 30 ] || return 0
   timeout "$(limit 200)" $PY -m pytest -q -s -m cuda --durations=10 tests/test_cuda_failures.py \
-    2>&1 | tee "$OUT/pytest_cuda_failures.log" | tail -40
+    ${TDX_FAILURES_K:+-k "$TDX_FAILURES_K"} 2>&1 | tee "$OUT/pytest_cuda_failures.log" | tail -40
   pack
-fi
+}
 
-if has cuda && [ "$(limit ${TDX_CUDA_TIMEOUT:-300})" -gt 30 ]; then
+stage_cuda() {
+  [ "$(limit ${TDX_CUDA_TIMEOUT:-300})" -gt 30 ] || return 0
   timeout "$(limit ${TDX_CUDA_TIMEOUT:-300})" $PY -m pytest -q -m cuda --durations=10 \
     --deselect tests/test_cuda_failures.py ${TDX_CUDA_TESTS:-tests} 2>&1 \
     | tee "$OUT/pytest_cuda.log" | tail -40
   pack
-fi
+}
 
-if has cpubench; then
+stage_cpubench() {
   for w in 2 4; do
     [ "$(limit 90)" -gt 30 ] || break
     timeout "$(limit 90)" $PY -m torchdist_ext.bench --device cpu --world $w --backends tdx,gloo \
@@ -109,27 +113,30 @@ if has cpubench; then
       --json "$OUT/bench_cpu_all_w4.json" > "$OUT/bench_cpu_all_w4.txt" 2>&1
     pack
   fi
-fi
+}
 
-if has threads; then
+stage_threads() {
+  # gloo runs beside the one-thread row only: the thread count is tdx's alone.
+  local w t backends
   for w in 2 4; do
-    for t in 1 2 4; do
+    for t in 1 2 4 $([ $w = 2 ] && echo 8); do
       [ "$(limit 60)" -gt 30 ] || break 2
+      backends=tdx; [ $t = 1 ] && backends=tdx,gloo
       TDX_SHM_THREADS=$t timeout "$(limit 60)" $PY -m torchdist_ext.bench --device cpu \
-        --world $w --backends tdx,gloo -b 1M -e 128M -f 4 -n 10 -w 3 --no-progress \
+        --world $w --backends $backends -b 1M -e 128M -f 2 -n 10 -w 3 --no-progress \
         --json "$OUT/threads_w${w}_t$t.json" > "$OUT/threads_w${w}_t$t.txt" 2>&1
-      grep -A12 "tdx vs gloo" "$OUT/threads_w${w}_t$t.txt" | sed "s/^/w$w t$t /"
+      grep -E "^ +(tdx|gloo) " "$OUT/threads_w${w}_t$t.txt" | sed "s/^/w$w t$t /"
     done
     pack
   done
-fi
+}
 
-if has membw; then
+stage_membw() {
   timeout "$(limit 60)" $PY scripts/membw_probe.py 2>&1 | tee "$OUT/membw.txt"
   pack
-fi
+}
 
-if has autocheck; then
+stage_autocheck() {
   for w in 2 4; do
     [ "$(limit 80)" -gt 30 ] || break
     timeout "$(limit 80)" $PY -m torchdist_ext.bench --device cpu --world $w \
@@ -138,17 +145,25 @@ if has autocheck; then
     tail -25 "$OUT/autocheck_w$w.txt"
     pack
   done
-fi
+}
 
-if has bench; then
+stage_bench() {
   for w in 2 4; do
     [ "$(limit 150)" -gt 30 ] || break
     timeout "$(limit 150)" $PY -m torchdist_ext.bench --device cuda --world $w --backends tdx,gloo \
       ${TDX_BENCH_ARGS:--b 4K -e 256M -f 4 -n 20 -w 5} --json "$OUT/bench_cuda_w$w.json" 2>&1 \
       | tee "$OUT/bench_cuda_w$w.txt" | tail -30
   done
-fi
+}
 
-if has cpu && [ "$(limit 300)" -gt 30 ]; then
+stage_cpu() {
+  [ "$(limit 300)" -gt 30 ] || return 0
   timeout "$(limit 300)" $PY -m pytest -q -m "not cuda" tests 2>&1 | tee "$OUT/pytest_cpu.log" | tail -15
-fi
+}
+
+for stage in $STAGES; do
+  [ "$stage" = build ] && continue
+  declare -F "stage_$stage" > /dev/null || { echo "unknown stage: $stage"; exit 2; }
+  [ "$(limit 60)" -gt 20 ] || { echo "deadline: $stage not started"; break; }
+  "stage_$stage"
+done

@@ -236,3 +236,55 @@ def test_cuda_destroy_while_device_work_waits_for_a_peer(sync: str) -> None:
     assert r0["destroy_seconds"] < 10.0, r0
     assert r0["device_after"] == 20.0 and r0["sync_seconds"] < 5.0, r0
     assert all(r["default_after"] == 3.0 for r in results), results
+
+
+def _destroyed_while_waiting_on_flags(rank: int, n: int, kind: str = "cuda") -> dict:
+    """Rank 1's stream is stuck behind a long kernel when both ranks call an all_reduce on
+    GPU-side flags: the host exchanges complete, and rank 0's stream waits for rank 1's
+    flag. Both destroy the group at once; rank 1 is killed after that, so the flag never
+    comes and no group of rank 0's is left to notice. Rank 0's stream must still
+    run again, at the op's deadline (the group timeout after it), and its tensor must
+    not go back to the allocator: rank 1, had it been only slow, would write into it."""
+    dev = _device(rank, kind)
+    g = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(BIG, device=dev), group=g)  # the peer path is set up
+    _sync(dev)
+    if rank == 1:
+        if kind == "cuda":
+            torch.cuda._sleep(STALL_CYCLES)
+        dist.all_reduce(torch.ones(BIG, device=dev), group=g, async_op=True)
+        time.sleep(0.3)
+        # Both say goodbye, so rank 0's destroy stops its group's thread (the watchdog)
+        # before rank 1 dies; a live group would notice the death and release at once.
+        dist.destroy_process_group(g)
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    out: dict = {}
+    t = torch.ones(BIG, device=dev)
+    start = time.monotonic()
+    dist.all_reduce(t, group=g)  # returns once queued; the current stream waits for its end
+    time.sleep(0.5)
+    begun = time.monotonic()
+    dist.destroy_process_group(g)
+    out["destroy_seconds"] = time.monotonic() - begun
+    _after_error(dev, out)
+    out["stream_back_after"] = time.monotonic() - start
+    if kind == "cuda":
+        ptr = t.data_ptr()
+        del t
+        torch.cuda.synchronize()
+        out["memory_kept"] = torch.empty(BIG, device=dev).data_ptr() != ptr
+    return out
+
+
+@pytest.mark.cuda
+def test_cuda_destroyed_group_releases_device_work_whose_peer_never_arrives() -> None:
+    results = run_ranks(_destroyed_while_waiting_on_flags, 2, timeout=TIMEOUT, may_exit=[1],
+                        env={"TDX_CUDA_PEER_SYNC": "gpu"})
+    r0 = results[0]
+    print(f"destroyed while waiting on flags: {r0}")
+    assert r0["destroy_seconds"] < 5.0, r0
+    assert r0["device_after"] == 20.0, r0
+    # Released at the deadline, not at the destroy (a slow peer could still arrive).
+    assert TIMEOUT - 1.0 < r0["stream_back_after"] < TIMEOUT + 5.0, r0
+    assert r0["memory_kept"], r0

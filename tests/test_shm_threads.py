@@ -101,3 +101,75 @@ def test_the_helpers_take_part() -> None:
         == [2, 2]
     assert run_ranks(_threads_started, 2, timeout=60, env={**env, "TDX_SHM_THREADS": "1"}) \
         == [0, 0]
+
+
+def _placed(rank: int, n: int) -> dict:
+    import torchdist_ext
+
+    return torchdist_ext.placement()
+
+
+def test_auto_shares_the_cpus_out_among_the_ranks() -> None:
+    """The default (auto): the CPUs the ranks may run on together, divided among them, at
+    most 8; a number is taken as it is. The group reports what its window will use."""
+    from torchdist_ext import _C
+
+    cpus = _C._usable_cpus()
+    placed = run_ranks(_placed, 2, timeout=60)
+    assert [p["pass_threads"] for p in placed] == [max(1, min(8, cpus // 2))] * 2
+    placed = run_ranks(_placed, 2, timeout=60, env={"TDX_SHM_THREADS": "5"})
+    assert [p["pass_threads"] for p in placed] == [5, 5]
+    # Two ranks pinned to one CPU each: auto has no spare core to give.
+    placed = run_ranks(_placed, 2, timeout=60, affinity={0: [0], 1: [0]})
+    assert [p["pass_threads"] for p in placed] == [1, 1]
+    # Without windows the all_reduce has no passes to split.
+    placed = run_ranks(_placed, 2, timeout=60, env={"TDX_SHM": "0", "TDX_SHM_THREADS": "5"})
+    assert [p["pass_threads"] for p in placed] == [1, 1]
+
+
+def _nothing(rank: int, n: int) -> None:
+    return None
+
+
+def test_ranks_must_agree_on_the_thread_count() -> None:
+    """Threads change the model's price of the window all_reduce, so ranks that disagree
+    could pick different algorithms for one op: the group refuses to start, naming both."""
+    from torchdist_ext.testing import RankFailure
+
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_nothing, 2, timeout=60, rank_env={1: {"TDX_SHM_THREADS": "3"}})
+    msg = str(info.value)
+    assert ("TDX_SHM_THREADS is auto on rank 0 but 3 on this rank" in msg
+            or "TDX_SHM_THREADS is 3 on rank 1 but auto on this rank" in msg), msg
+    assert "same value on every rank" in msg, msg
+
+
+def test_the_model_prices_the_split_passes() -> None:
+    """The window all_reduce's byte terms shrink by sqrt(threads); its steps and every
+    other algorithm keep their price."""
+    import math
+
+    import torchdist_ext
+    from torchdist_ext import _C
+
+    nbytes = float(16 << 20)
+    one = _C._algorithm_cost("allreduce", "shm", nbytes, 2)
+    four = _C._algorithm_cost("allreduce", "shm", nbytes, 2, pass_threads=4)
+    model = torchdist_ext.cost_model()["shm"]
+    fixed = model["alpha"] * one["steps"]
+    assert four["seconds"] - fixed == pytest.approx((one["seconds"] - fixed) / 2, rel=1e-9)
+    nine = _C._algorithm_cost("allreduce", "shm", nbytes, 2, pass_threads=9)
+    assert nine["seconds"] - fixed == pytest.approx((one["seconds"] - fixed) / math.sqrt(9),
+                                                    rel=1e-9)
+    for coll, name in (("allreduce", "cma"), ("allreduce", "shm_direct"),
+                       ("allreduce", "ring"), ("broadcast", "shm"), ("reduce", "shm")):
+        assert _C._algorithm_cost(coll, name, nbytes, 2, pass_threads=4)["seconds"] == \
+            _C._algorithm_cost(coll, name, nbytes, 2)["seconds"], (coll, name)
+    # predict() takes the count, checked.
+    assert torchdist_ext.predict("allreduce", nbytes, 2, pass_threads=4)[1] <= \
+        torchdist_ext.predict("allreduce", nbytes, 2)[1]
+    for bad in (0, 17, 2.5, "4"):
+        with pytest.raises(ValueError, match="pass_threads"):
+            torchdist_ext.predict("allreduce", nbytes, 2, pass_threads=bad)
+    with pytest.raises(ValueError, match="same_host"):
+        torchdist_ext.predict("allreduce", nbytes, 2, same_host=False, pass_threads=4)

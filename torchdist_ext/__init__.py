@@ -344,7 +344,7 @@ def _check_predict(collective: Any, nbytes: Any, world: Any) -> tuple[float, int
 
 def predict(collective: str, nbytes: int, world: int | None = None, same_host: bool = True,
             one_host: bool = False, crowded: bool = False,
-            group: Any = None) -> tuple[str, float]:
+            group: Any = None, pass_threads: int = 1) -> tuple[str, float]:
     """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds.
     Auto follows a measured rule (``python -m torchdist_ext.bench tune``) that matches the
     op and can run it, else the cheapest algorithm by the cost model.
@@ -360,6 +360,9 @@ def predict(collective: str, nbytes: int, world: int | None = None, same_host: b
     priced as same-host ones, no windows). Both False: ranks on several hosts.
     ``crowded`` (with one host, so an error when both are False): the ranks outnumber the
     host's CPUs, so each message step also pays a wake-up (``TDX_CROWDED_STEP_US``).
+    ``pass_threads`` (with ``same_host``; 1 to 16): the threads each rank splits the
+    window all_reduce's copies and reductions over (``TDX_SHM_THREADS``; a group's own is
+    ``placement(group)["pass_threads"]``).
 
     ``nbytes`` must be a finite number >= 0; a bad argument is a TypeError or ValueError
     naming it."""
@@ -375,17 +378,26 @@ def predict(collective: str, nbytes: int, world: int | None = None, same_host: b
         # priced as crowded, so the flag would be silently dropped.
         raise ValueError("predict: crowded=True describes ranks that share one host's CPUs; "
                          "pass same_host=True or one_host=True with it, or drop it")
+    threads = _whole(pass_threads)
+    if threads is None or not 1 <= threads <= 16:
+        raise ValueError(f"predict: pass_threads must be a whole number from 1 to 16, got "
+                         f"{_calibration._shown(pass_threads)}")
+    if threads > 1 and not same_host:
+        raise ValueError("predict: pass_threads above 1 describes the shared-memory "
+                         "windows' all_reduce; pass same_host=True with it, or drop it")
     return tuple(_C._choose_algorithm(collective, size, world, bool(same_host),
-                                      bool(one_host), bool(crowded)))
+                                      bool(one_host), bool(crowded), threads))
 
 
-def placement(group: Any = None) -> dict[str, bool]:
+def placement(group: Any = None) -> dict[str, Any]:
     """Where ``group``'s ranks are (default: the world), as its ranks agreed at creation:
     ``one_host`` (every rank on this host: same boot id and mount, IPC and pid
     namespaces; messages are priced on the ``local`` link), ``windows`` (that, with
     ``TDX_SHM`` not 0 on every rank: shared-memory algorithms may run) and ``crowded``
     (one host, and the group's ranks outnumber the CPUs they may run on together: each
-    message step is priced with a wake-up, ``TDX_CROWDED_STEP_US``)."""
+    message step is priced with a wake-up, ``TDX_CROWDED_STEP_US``), and
+    ``pass_threads`` (an int: the threads each rank splits the window all_reduce's copies
+    and reductions over, ``TDX_SHM_THREADS``; 1 without windows)."""
     return dict(_tdx_backend(group, "placement").placement)
 
 

@@ -1,5 +1,6 @@
 #include "algorithms/registry.h"
 
+#include <cmath>
 #include <limits>
 #include <locale>
 #include <sstream>
@@ -222,7 +223,7 @@ Registry::Registry() : model_(CostModel::defaults()) {
       {C::Allreduce, "direct", L::Net, false, 64.0 * (1 << 20), false, directAllreducePlan,
        directAllreduceCost, "one step: everyone sends everything to everyone"},
       {C::Allreduce, "shm", L::Shm, false, noLimit, false, nullptr, shmAllreduceCost,
-       "same host: reduce-scatter + all-gather through a shared-memory window"},
+       "same host: reduce-scatter + all-gather through a shared-memory window", true},
       {C::Allreduce, "cma", L::Cma, false, noLimit, true, nullptr, cmaAllreduceCost,
        "same host: ranks read each other's buffers in place (process_vm_readv), 3 signals"},
       {C::Allreduce, "shm_direct", L::Shm, false, noLimit, false, nullptr, shmDirectAllreduceCost,
@@ -313,7 +314,15 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const Placemen
   // chain broadcast was picked from 1 MiB and lost to the tree by 1.2-3.7x from 4 MiB
   // at 3 and 4 ranks on 2 cores).
   const double alpha = l.alpha + (p.crowded && link == Link::Local ? model.wake : 0.0);
-  return alpha * c.steps + l.beta * c.bytesMoved + l.gamma * c.bytesReduced;
+  // Threads share the host's memory bandwidth with each other and with the other ranks'
+  // threads, so t threads do not make a pass t times faster. On the 16-core GPU host
+  // (docs/PERFORMANCE.md) 4 threads per rank made the 16 MiB all_reduce 3.4x faster at
+  // 2 ranks and 1.8x at 4, 8 threads 2.8x at 2 ranks; sqrt(t), 2 for 4 threads and 2.8
+  // for 8, lies within that spread. The terms calibrate with one thread (`bench
+  // calibrate` sets it), so the speedup is not counted twice.
+  const double split =
+      a.splitsPasses && p.passThreads > 1 ? std::sqrt(static_cast<double>(p.passThreads)) : 1.0;
+  return alpha * c.steps + (l.beta * c.bytesMoved + l.gamma * c.bytesReduced) / split;
 }
 
 Choice Registry::cheapest(Collective c, double bytes, int n, const Placement& p,

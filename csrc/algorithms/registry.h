@@ -114,10 +114,12 @@ struct Placement {
                             // window exists; assumed until then)
   bool crowded = false;     // one host, whose ranks outnumber the CPUs they may run on
                             // together: message steps also pay CostModel::wake
+  int passThreads = 1;      // threads each rank splits the window all_reduce's memory
+                            // passes over (HostWindow::passThreadsFor)
 
   // One host with its windows (`sameHost`), or ranks on several hosts.
   static Placement of(bool sameHost, bool crowded = false) {
-    return Placement{sameHost, sameHost, true, sameHost && crowded};
+    return Placement{sameHost, sameHost, true, sameHost && crowded, 1};
   }
   Spread spread() const {
     return !oneHost ? Spread::Hosts : windows ? Spread::Windows : Spread::Host;
@@ -137,6 +139,9 @@ struct Algorithm {
   Plan (*plan)(const PlanArgs&);  // null for shared-memory algorithms
   Cost (*cost)(double bytes, int n);
   const char* summary;
+  // Splits its memory passes over Placement::passThreads threads per rank, which the
+  // model prices as a speedup of its byte terms (Registry::predict).
+  bool splitsPasses = false;
 };
 
 // The pinned algorithm of each collective ("" for auto), as of one moment: an op runs

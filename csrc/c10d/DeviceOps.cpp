@@ -20,6 +20,8 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -29,6 +31,7 @@
 #include <mutex>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 #include <unistd.h>
 
@@ -161,6 +164,182 @@ class StreamPool {
   std::map<std::pair<c10::DeviceIndex, bool>, std::vector<cudaStream_t>> free_;
 };
 
+// Signal page layout: kPhases rows of kSlots 64-bit flags; row `phase`, column `p` is
+// written by rank p. Flags only grow (they hold the op's sequence number).
+constexpr int kArrive = 0;
+constexpr int kDone = 1;
+constexpr int kPhases = 2;
+constexpr int kSlots = kernels::kMaxMultiBuffers;
+
+// A group's op on GPU-side flags whose end event has not been seen yet.
+struct Pending {
+  std::shared_ptr<c10::Event> done;
+  uint64_t seq;
+  int ranks;
+  c10::DeviceIndex device;
+  std::chrono::steady_clock::time_point deadline;
+  std::string what;
+  // This rank's tensors of the op, weakly: holding them would keep memory the caller has
+  // freed from serving its next allocation until the group's thread looks again.
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+};
+
+std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> weakly(const std::vector<at::Tensor>& ts) {
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(t.storage().getWeakStorageImpl());
+  return out;
+}
+
+// Keeps the tensors of released ops that are still alive for the life of the process: a
+// peer that was only slow, not gone, still writes its share into them through its
+// mapping when its stream gets there, which must not land in memory the caching
+// allocator has handed to another tensor since. (A tensor the caller freed while the op
+// waited went back to the allocator then, and is reused once the released work passes
+// it.) Never destroyed: at exit the allocator may already be gone.
+void quarantine(const std::deque<Pending>& released) {
+  static std::mutex mu;
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10::StorageImpl>>();
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& p : released) {
+    for (const auto& weak : p.storages) {
+      if (auto strong = weak.lock()) kept->push_back(std::move(strong));
+    }
+  }
+}
+
+// Raises this rank's copy of every flag to the highest pending sequence, so the stuck
+// op and every op queued behind it on the backend stream (each waits on the same flags
+// with a higher sequence) run to their end; their outputs are undefined. `side` is a
+// stream other than the stuck one. Returns what the first op still waited for, naming
+// the ranks whose flags never came. Requires a non-empty `pending`.
+std::string raiseFlags(const std::deque<Pending>& pending, uint64_t* signals, cudaStream_t side,
+                       int rank) {
+  const Pending& p = pending.front();
+  c10::cuda::CUDAGuard guard(p.device);
+  std::vector<uint64_t> flags(kPhases * kSlots, 0);
+  const size_t bytes = flags.size() * sizeof(uint64_t);
+  // Ranks whose flag for the op never came are the cause; ranks that arrived but did
+  // not finish are, as a rule, waiting on those too.
+  std::vector<int> absent, unfinished;
+  bool read = false;
+  if (cudaMemcpyAsync(flags.data(), signals, bytes, cudaMemcpyDeviceToHost, side) ==
+          cudaSuccess &&
+      cudaStreamSynchronize(side) == cudaSuccess) {
+    read = true;
+    for (int r = 0; r < p.ranks; ++r) {
+      if (r == rank) continue;
+      if (flags[kArrive * kSlots + r] < p.seq) {
+        absent.push_back(r);
+      } else if (flags[kDone * kSlots + r] < p.seq) {
+        unfinished.push_back(r);
+      }
+    }
+  }
+  uint64_t last = p.seq;
+  for (const auto& q : pending) last = std::max(last, q.seq);
+  for (auto& f : flags) f = std::max(f, last);
+  cudaMemcpyAsync(signals, flags.data(), bytes, cudaMemcpyHostToDevice, side);
+  cudaStreamSynchronize(side);
+  cudaGetLastError();
+  std::string told = "CUDA peer-memory op " + p.what + " (flag sequence " +
+                     std::to_string(p.seq) + ") still waited";
+  if (!read) {
+    told += " (the flags could not be read)";
+  } else if (!absent.empty()) {
+    told += " for " + rankList(absent) + ", which never arrived" +
+            (unfinished.empty() ? "" : " (" + rankList(unfinished) + " arrived, not finished)");
+  } else if (!unfinished.empty()) {
+    told += " for " + rankList(unfinished) + ", which arrived but never finished";
+  }
+  return told;
+}
+
+// Device work of destroyed groups still waiting on GPU-side flags. A destroy must not
+// wait for it (it may hold the GIL, and a lost peer's flags never come), nor release it
+// at once: a peer that is only slow expects this rank's kernel to run after its own
+// arrival, not before. So a thread of its own does what the group's watchdog would
+// have done: releases each group's work at its deadline (the group timeout after the
+// op), or lets it go when it ends by itself. The group's signal page, mappings and
+// streams stay, as a destroy with device work pending always left them.
+class OrphanReleaser {
+ public:
+  static void adopt(std::deque<Pending> pending, uint64_t* signals, cudaStream_t side,
+                    int rank, std::string prefix) {
+    auto& r = instance();
+    {
+      std::lock_guard<std::mutex> lock(r.mu_);
+      if (r.exiting_) return;
+      r.orphans_.push_back(Orphan{std::move(pending), signals, side, rank, std::move(prefix)});
+      if (!r.started_) {
+        r.started_ = true;
+        // Before CUDA's own exit handlers (registered earlier, so run later): the thread
+        // makes no CUDA call once the process is exiting.
+        std::atexit([] {
+          std::lock_guard<std::mutex> lock(instance().mu_);
+          instance().exiting_ = true;
+        });
+        std::thread([&r] { r.loop(); }).detach();
+      }
+    }
+    r.cv_.notify_one();
+  }
+
+ private:
+  struct Orphan {
+    std::deque<Pending> pending;
+    uint64_t* signals;
+    cudaStream_t side;
+    int rank;
+    std::string prefix;
+  };
+
+  static OrphanReleaser& instance() {
+    static auto* r = new OrphanReleaser();  // never destroyed: its thread is detached
+    return *r;
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!exiting_) {
+      auto next = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+      for (size_t i = 0; i < orphans_.size();) {
+        Orphan& o = orphans_[i];
+        try {
+          while (!o.pending.empty() && o.pending.front().done->query()) o.pending.pop_front();
+        } catch (...) {  // a sticky CUDA error: nothing on this device runs any more
+          o.pending.clear();
+        }
+        if (!o.pending.empty() && std::chrono::steady_clock::now() >= o.pending.front().deadline) {
+          const std::string told = raiseFlags(o.pending, o.signals, o.side, o.rank);
+          TDX_LOG(Error, o.prefix) << told << " after the group timeout, the group already "
+                                   << "destroyed; its stream was released, the op's output "
+                                   << "is undefined";
+          quarantine(o.pending);
+          o.pending.clear();
+        }
+        if (o.pending.empty()) {
+          orphans_.erase(orphans_.begin() + static_cast<std::ptrdiff_t>(i));
+          continue;
+        }
+        next = std::min(next, o.pending.front().deadline);
+        ++i;
+      }
+      if (orphans_.empty()) {
+        cv_.wait(lock, [&] { return exiting_ || !orphans_.empty(); });
+      } else {
+        cv_.wait_until(lock, next);
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Orphan> orphans_;
+  bool started_ = false;
+  bool exiting_ = false;
+};
+
 // The tensors of one op on every rank, mapped into this process, and the op's place in
 // the group's flag sequence.
 struct Mapped {
@@ -189,7 +368,7 @@ class CudaPeerMemory final : public PeerMemory {
     // peer buffer. What does not end keeps all of them for the life of the process.
     bool idle = false;
     try {
-      idle = drain();
+      idle = !orphaned_ && drain();
     } catch (...) {  // a destructor must not throw; the state is kept below
     }
     if (!idle) {
@@ -209,6 +388,21 @@ class CudaPeerMemory final : public PeerMemory {
 
   uint64_t opsRun() const override {
     return opsRun_;
+  }
+
+  void orphanPending() override {
+    bool idle = false;
+    try {
+      idle = drain();
+    } catch (...) {
+    }
+    if (idle || pending_.empty() || signals_ == nullptr) return;
+    try {
+      const cudaStream_t side = sideStream(pending_.front().device).stream();
+      OrphanReleaser::adopt(std::exchange(pending_, {}), signals_, side, rank_, prefix_);
+      orphaned_ = true;
+    } catch (...) {  // no side stream: the work stays waiting, as it did before
+    }
   }
 
   bool hasPending() override {
@@ -323,13 +517,6 @@ class CudaPeerMemory final : public PeerMemory {
   }
 
  private:
-  // Signal page layout: kPhases rows of kSlots 64-bit flags; row `phase`, column `p` is
-  // written by rank p. Flags only grow (they hold the op's sequence number).
-  static constexpr int kArrive = 0;
-  static constexpr int kDone = 1;
-  static constexpr int kPhases = 2;
-  static constexpr int kSlots = kernels::kMaxMultiBuffers;
-
   // A byte copy (one input, any dtype): a one-input reduction of bytes.
   static kernels::MultiReduceArgs copy(size_t bytes) {
     kernels::MultiReduceArgs a;
@@ -515,7 +702,8 @@ class CudaPeerMemory final : public PeerMemory {
         auto end = std::make_shared<c10::Event>(c10::DeviceType::CUDA);
         end->record(stream);
         pending_.push_back(Pending{end, m.seq, n, stream.device_index(),
-                                   std::chrono::steady_clock::now() + timeout_(), what});
+                                   std::chrono::steady_clock::now() + timeout_(), what,
+                                   weakly(ts)});
       } catch (...) {  // the op's own error says more than this one
       }
       throw;
@@ -526,66 +714,29 @@ class CudaPeerMemory final : public PeerMemory {
     if (!m.hostSync) {
       // Only GPU-side waits can outlive a dead peer; host-synchronised ops finished above.
       pending_.push_back(Pending{ctx.done, m.seq, n, stream.device_index(),
-                                 std::chrono::steady_clock::now() + timeout_(), what});
+                                 std::chrono::steady_clock::now() + timeout_(), what,
+                                 weakly(ts)});
     }
     ++opsRun_;
   }
 
-  // Raises this rank's copy of every flag to the highest pending sequence, so the stuck
-  // op and every op queued behind it on the backend stream (each waits on the same flags
-  // with a higher sequence) run to their end; their outputs are undefined. Names the
-  // ranks the first one still waited for. The watchdog is off from here on: no later
-  // pass would look. Requires hasPending().
+  // Releases the stuck op and every op queued behind it (raiseFlags) and keeps their
+  // tensors for good (quarantine). The watchdog is off from here on: no later pass would
+  // look. Requires hasPending().
   std::string releasePending() {
-    const Pending& p = pending_.front();
-    c10::cuda::CUDAGuard guard(p.device);
-    // A side stream: the backend stream is the one that is stuck.
-    c10::cuda::CUDAStream side = sideStream(p.device);
-    std::vector<uint64_t> flags(kPhases * kSlots, 0);
-    const size_t bytes = flags.size() * sizeof(uint64_t);
-    // Ranks whose flag for the op never came are the cause; ranks that arrived but did
-    // not finish are, as a rule, waiting on those too.
-    std::vector<int> absent, unfinished;
-    bool read = false;
-    if (cudaMemcpyAsync(flags.data(), signals_, bytes, cudaMemcpyDeviceToHost, side.stream()) ==
-            cudaSuccess &&
-        cudaStreamSynchronize(side.stream()) == cudaSuccess) {
-      read = true;
-      for (int r = 0; r < p.ranks; ++r) {
-        if (r == rank_) continue;
-        if (flags[kArrive * kSlots + r] < p.seq) {
-          absent.push_back(r);
-        } else if (flags[kDone * kSlots + r] < p.seq) {
-          unfinished.push_back(r);
-        }
-      }
-    }
-    uint64_t last = p.seq;
-    for (const auto& q : pending_) last = std::max(last, q.seq);
-    for (auto& f : flags) f = std::max(f, last);
-    cudaMemcpyAsync(signals_, flags.data(), bytes, cudaMemcpyHostToDevice, side.stream());
-    cudaStreamSynchronize(side.stream());
-    cudaGetLastError();
-    std::string told = "CUDA peer-memory op " + p.what + " (flag sequence " +
-                       std::to_string(p.seq) + ") still waited";
-    if (!read) {
-      told += " (the flags could not be read)";
-    } else if (!absent.empty()) {
-      told += " for " + rankList(absent) + ", which never arrived" +
-              (unfinished.empty() ? "" : " (" + rankList(unfinished) + " arrived, not finished)");
-    } else if (!unfinished.empty()) {
-      told += " for " + rankList(unfinished) + ", which arrived but never finished";
-    }
-    pending_.clear();  // `p` dies with the list
+    const std::string told =
+        raiseFlags(pending_, signals_, sideStream(pending_.front().device).stream(), rank_);
+    quarantine(pending_);
+    pending_.clear();
     enabled_ = false;
     return told;
   }
 
   // Waits a little for this rank's device work to end: an op issued just before the
   // group was destroyed, not waited for. Stuck work is not waited for (the destructor
-  // may run with the GIL held), nor released: a peer that is only slow would later
-  // write its share into this rank's tensors after they went back to the allocator.
-  // False when some work, tracked or not, still runs.
+  // may run with the GIL held), nor released here: the destructor hands it to
+  // OrphanReleaser, which releases it at its deadline. False when some work, tracked or
+  // not, still runs.
   bool drain() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto idle = [&] {
@@ -667,15 +818,6 @@ class CudaPeerMemory final : public PeerMemory {
     std::memcpy(data, buf, n * bytes);
   }
 
-  struct Pending {
-    std::shared_ptr<c10::Event> done;
-    uint64_t seq;
-    int ranks;
-    c10::DeviceIndex device;
-    std::chrono::steady_clock::time_point deadline;
-    std::string what;
-  };
-
   static std::string describeOp(const at::Tensor& t) {
     std::ostringstream os;
     os << "on " << c10::toString(t.scalar_type()) << t.sizes() << " " << t.device();
@@ -688,6 +830,9 @@ class CudaPeerMemory final : public PeerMemory {
   Sync sync_;               // TDX_CUDA_PEER_SYNC
   std::function<std::chrono::milliseconds()> timeout_;
   std::deque<Pending> pending_;  // GPU-flag ops whose end event has not been seen yet
+  // Pending work went to OrphanReleaser, which may still write the signal page and use
+  // the side stream: both are kept for good.
+  bool orphaned_ = false;
   bool sharedGpu_ = false;  // the last exchange showed two ranks on one GPU
   bool enabled_ = true;
   uint64_t seq_ = 0;

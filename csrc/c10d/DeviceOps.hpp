@@ -112,9 +112,16 @@ class PeerMemory {
   // when that work has waited past the group timeout: it writes the flags the stream
   // waits on, turns the path off, and returns a message naming the peers that never
   // signalled. The op's output is then undefined and the group must be treated as
-  // broken. It returns "" when nothing stalled.
+  // broken; those of its tensors still alive stay allocated for the life of the
+  // process, since a peer that is only slow may still write into them. It returns ""
+  // when nothing stalled.
   virtual bool hasPending() = 0;
   virtual std::string releaseStalled() = 0;
+  // At shutdown, once the group's thread has stopped: waits a little for device work to
+  // end, then hands what still waits on peers' flags to a process-wide thread that
+  // releases it at its deadline, as the watchdog would have (the shutdown does not wait
+  // for it).
+  virtual void orphanPending() = 0;
 };
 
 } // namespace tdx

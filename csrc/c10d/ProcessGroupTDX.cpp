@@ -252,15 +252,23 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   //   different algorithms for the same op and wait on each other forever;
   // - the tuning variables must agree: ranks that cut messages into segments of
   //   different sizes post receives that do not match their peers' sends, and ranks that
-  //   price the window's chunks differently may choose different algorithms. Both would
-  //   fail mid-op with an error that says nothing of the cause.
+  //   price the window's chunks (or its all_reduce's threads) differently may choose
+  //   different algorithms. Both would fail mid-op with an error that says nothing of the
+  //   cause.
   struct Knob {
     const char* name;
     uint64_t value;
+    const char* unit;  // "" for a count; 0 stands for "auto" where the knob takes it
   };
+  const std::string threadsText = env::get("TDX_SHM_THREADS");
   const Knob kTuning[] = {
-      {"TDX_SEGMENT_BYTES", algorithms::defaultSegmentBytes()},
-      {"TDX_SHM_SLOT_BYTES", transport::HostWindow::defaultSlotBytes()},
+      {"TDX_SEGMENT_BYTES", algorithms::defaultSegmentBytes(), " bytes"},
+      {"TDX_SHM_SLOT_BYTES", transport::HostWindow::defaultSlotBytes(), " bytes"},
+      {"TDX_SHM_THREADS",
+       threadsText == "auto" ? 0 : static_cast<uint64_t>(env::getInt("TDX_SHM_THREADS")), ""},
+  };
+  const auto knobText = [](const Knob& k, uint64_t v) {
+    return *k.unit == '\0' && v == 0 ? std::string("auto") : std::to_string(v) + k.unit;
   };
   std::string tuningText;
   for (const auto& k : kTuning) {
@@ -309,9 +317,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]) && disagreement.empty(); ++k) {
         const uint64_t v = std::strtoull(text.substr(tuningAt + 16 * k, 16).c_str(), nullptr, 16);
         if (v != kTuning[k].value) {
-          disagreement = std::string(kTuning[k].name) + " is " + std::to_string(v) +
-                         " bytes on rank " + std::to_string(r) + " but " +
-                         std::to_string(kTuning[k].value) + " on this rank";
+          disagreement = std::string(kTuning[k].name) + " is " + knobText(kTuning[k], v) +
+                         " on rank " + std::to_string(r) + " but " +
+                         knobText(kTuning[k], kTuning[k].value) + " on this rank" +
+                         (*kTuning[k].unit != '\0' ? " (after rounding)" : "");
         }
       }
       if (text.compare(keyAt, std::string::npos, key) == 0) {
@@ -323,8 +332,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     if (!disagreement.empty()) {
       C10_THROW_ERROR(DistBackendError,
                       prefix() + " " + disagreement +
-                          " (after rounding): set it to the same value on every rank, or "
-                          "leave it unset everywhere");
+                          ": set it to the same value on every rank, or leave it unset "
+                          "everywhere");
     }
   } catch (...) {
     GroupIds::get().settle(idCandidates, idsFree, -1);
@@ -358,6 +367,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // and gather's per-rank lines): with the smallest slots, beyond 64 ranks it does not.
   const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
   placement_.windows = oneHost && windowsEverywhere && halfFits;
+  // What the window will use (it opens with the same ranks and CPUs), for the cost model.
+  placement_.passThreads =
+      placement_.windows ? transport::HostWindow::passThreadsFor(size, hostCpus_) : 1;
 
   try {
     transport::UcxTransport::Hints hints;
@@ -1508,6 +1520,8 @@ void ProcessGroupTDX::shutdownLocked() {
   // not hang on a peer that is gone.
   aborted_ = true;
   stopWorker("the process group was shut down before the op ran");
+  // Device work still waiting on a peer's flags has no watchdog from here on.
+  if (peer_) peer_->orphanPending();
   // The worker is gone now (or this is it). Any-source receives that a lost sender left
   // part-filled end here, as no cancel ends them, rather than at the group timeout.
   for (auto& entry : p2pUnended_) unended.push_back(entry.first);

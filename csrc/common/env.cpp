@@ -67,10 +67,12 @@ const std::vector<Knob>& knobs() {
        "group's ranks, all on one host, outnumber the CPUs they may run on together (a "
        "step then waits for a peer to be scheduled); rank 0's value counts; 0 prices such "
        "groups as uncrowded; negative is an error"},
-      {"TDX_SHM_THREADS", "1",
+      {"TDX_SHM_THREADS", "auto",
        "threads each rank splits a shared-memory all_reduce's copies and reductions over "
        "(1 to 16; passes under 64 KiB per thread stay on one); auto: the CPUs the "
-       "window's ranks may run on together, shared out among them, at most 4"},
+       "window's ranks may run on together, shared out among them, at most 8 (1 when "
+       "ranks have no spare cores); the same on every rank (checked when a group is "
+       "created)"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
        "sleeps on a futex; auto: 100 while the window's ranks fit the CPUs they may run on "

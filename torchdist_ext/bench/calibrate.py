@@ -11,7 +11,8 @@ Calibration spawns ranks with the benchmark's runner, times every algorithm of t
 ``DEFAULT_OPS`` (all_reduce, all_gather, broadcast, reduce_scatter, all_to_all and reduce,
 or those of ``--ops``) pinned in turn (``tdx:<algorithm>``) at a few sizes, and fits alpha, beta, gamma per link by non-negative least squares on the relative
 error (each point weighted by 1 / its measured time, so small sizes count as much as large
-ones). The time of a point is the in-place one (the op alone), the median of its
+ones), with ``TDX_SHM_THREADS=1`` (the model scales the window all_reduce by its
+threads itself). The time of a point is the in-place one (the op alone), the median of its
 iterations timed one by one, so a stall of a busy machine does not move it. The result goes to
 :func:`torchdist_ext.calibration.save` (``calibration_path()``, read by every later
 ``import torchdist_ext``) unless ``--dry-run``.
@@ -223,6 +224,21 @@ def _labels(ops: Sequence[str], links: Sequence[str]) -> list[str]:
     return [f"tdx:{n}" for n in names]
 
 
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """Sets environment variables for the ranks this process starts, then restores them."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
               ops: Sequence[str] = DEFAULT_OPS, links: Sequence[str] = LINKS,
               iters: int = 20, warmup: int = 3, stat: str = "median", timeout: float = 300.0,
@@ -241,7 +257,11 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops, links)), world=world,
                    sizes=tuple(sizes), iters=iters, warmup=warmup, stat=stat, timeout=timeout,
                    quiet=True, progress=progress, rounds=rounds)
-    rows = run(opts)
+    # The shm link's terms are one thread's: the model divides the window all_reduce's
+    # byte terms by its threads' speedup itself (TDX_SHM_THREADS), which a fit of
+    # threaded points would count a second time.
+    with _env(TDX_SHM_THREADS="1"):
+        rows = run(opts)
     points = points_from_rows(rows, links)
     previous = torchdist_ext.cost_model()
     fitted: dict[str, dict[str, float]] = {}

@@ -335,7 +335,8 @@ def _ran_algorithm(group: Any, collective: str) -> str | None:
 
 
 def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, same_host: bool,
-                 one_host: bool, crowded: bool, group: Any = None) -> dict[str, Any]:
+                 one_host: bool, crowded: bool, group: Any = None,
+                 pass_threads: int = 1) -> dict[str, Any]:
     """For tdx rows: ``algo``, the algorithm that ran (the flight recorder's, when ``group``
     is given and names one; else the pinned one, or what auto picks as
     ``torchdist_ext.predict`` says), ``algo_from`` (``flight recorder``, ``pinned`` or
@@ -357,12 +358,13 @@ def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, sam
         chosen_for = 0 if collective == "alltoall" else nbytes
         try:  # predict() answers for a pin set outside the bench (TDX_ALGO) too
             name = torchdist_ext.predict(collective, chosen_for, world, same_host, one_host,
-                                         crowded)[0]
+                                         crowded, pass_threads=pass_threads)[0]
         except (RuntimeError, ValueError):  # a pin that cannot run this op
             return out
     out["algo"], out["algo_from"] = name, source
     if name in torchdist_ext.algorithms(collective)[collective]:
-        cost = _C._algorithm_cost(collective, name, float(nbytes), world, one_host, crowded)
+        cost = _C._algorithm_cost(collective, name, float(nbytes), world, one_host, crowded,
+                                  pass_threads if same_host else 1)
         out["predicted_us"] = float(cost["seconds"]) * 1e6
     return out
 
@@ -598,7 +600,9 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
         placed = torchdist_ext.placement(groups[TDX])
         meta["one_host"], meta["same_host"] = placed["one_host"], placed["windows"]
         meta["crowded"] = placed["crowded"]
+        meta["pass_threads"] = placed["pass_threads"]
     same_host = bool(meta["same_host"])
+    pass_threads = int(meta.get("pass_threads", 1))
     one_host = bool(meta["one_host"])
     crowded = bool(meta["crowded"])
 
@@ -695,7 +699,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                             # what this label's last timed op really ran
                             ran[lb.label] = _algo_fields(lb, collective, nbytes, world,
                                                          same_host, one_host, crowded,
-                                                         groups[lb.backend])
+                                                         groups[lb.backend], pass_threads)
                         progress.advance()
                 for lb in labels:
                     why = whys[lb.label]
@@ -707,7 +711,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         "root": opts.root if spec.rooted else None,
                     }
                     row.update(_algo_fields(lb, collective, nbytes, world, same_host,
-                                            one_host, crowded))
+                                            one_host, crowded, pass_threads=pass_threads))
                     for prefix, results in taken[lb.label].items():
                         t, wrong, error = _combine(results)
                         algbw = nbytes / (t * 1e-6) / 1e9 if t else None
@@ -720,6 +724,7 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                     row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
                                rounds=opts.rounds, host=meta["host"],
                                one_host=one_host, windows=same_host, crowded=crowded,
+                               pass_threads=pass_threads,
                                torch_version=meta["torch_version"],
                                tdx_version=meta["tdx_version"],
                                ucx_version=meta["ucx_version"], date=meta["date"])

@@ -149,11 +149,15 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   } else {
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }
-  const std::string threads = env::get("TDX_SHM_THREADS");
-  w->passThreads_ = threads == "auto" ? std::clamp(cpus / std::max(size, 1), 1, 4)
-                                      : static_cast<int>(std::clamp<int64_t>(
-                                            env::getInt("TDX_SHM_THREADS"), 1, 16));
+  w->passThreads_ = passThreadsFor(size, cpus);
   return w;
+}
+
+int HostWindow::passThreadsFor(int ranks, int cpus) {
+  if (env::get("TDX_SHM_THREADS") == "auto") {
+    return std::clamp(cpus / std::max(ranks, 1), 1, kAutoPassThreads);
+  }
+  return static_cast<int>(std::clamp<int64_t>(env::getInt("TDX_SHM_THREADS"), 1, 16));
 }
 
 HostWindow::~HostWindow() {

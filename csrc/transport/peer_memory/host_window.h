@@ -37,6 +37,14 @@ class HostWindow {
   // decides whether waiting polls first. Throws std::runtime_error on failure.
   static std::unique_ptr<HostWindow> open(const std::string& name, bool create, int rank,
                                           int size, size_t slotBytes, int cpus);
+  // Threads each rank's memory passes split over in a window of `ranks` ranks that may
+  // run on `cpus` CPUs together: TDX_SHM_THREADS, or with "auto" the CPUs shared out
+  // among the ranks, at most kAutoPassThreads. The group prices its shm all_reduce with
+  // it too, so both read it here.
+  static int passThreadsFor(int ranks, int cpus);
+  // On the 16-core GPU host (docs/PERFORMANCE.md) 2 ranks gained up to 8 threads each
+  // from 32 MiB on; more threads than that only add wake-ups to a pass.
+  static constexpr int kAutoPassThreads = 8;
   ~HostWindow();
   HostWindow(const HostWindow&) = delete;
   HostWindow& operator=(const HostWindow&) = delete;
@@ -51,9 +59,8 @@ class HostWindow {
   int rank() const {
     return rank_;
   }
-  // Threads (this one and helpers) each of this rank's memory passes may be split over:
-  // TDX_SHM_THREADS, or with "auto" the window's CPUs shared out among its ranks, at
-  // most 4.
+  // Threads (this one and helpers) each of this rank's memory passes may be split over
+  // (passThreadsFor).
   int passThreads() const {
     return passThreads_;
   }
