@@ -183,6 +183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("proc_cgroup") = "/proc/self/cgroup", py::arg("root") = "/sys/fs/cgroup");
   m.def("_cpu_text", [] { return tdx::cpuText(); });
   m.def("_cpus_together", &tdx::cpusTogether, py::arg("texts"));
+  m.def("_cpus_shared", &tdx::cpusShared, py::arg("texts"));
   m.def("transport_info", [] {
     py::dict info;
     auto t = tdx::transport::UcxTransport::current();

@@ -82,9 +82,30 @@ def test_cpus_together(texts: list[str], together: int) -> None:
     assert _C._cpus_together(texts) == together
 
 
+@pytest.mark.parametrize("texts, shared", [
+    ([FOUR + ","] * 4, 4),                                   # the masks' CPUs, not one each
+    (["1,", "1,", "f,"], 4),                                 # two pinned to CPU 0, one not
+    (["ff,"] * 2, 8),                                        # two ranks, eight CPUs
+    (["3,", "c,"], 4),                                       # masks apart: they add up
+    (["1,"] * 3, 1),                                         # all on one CPU
+    ([FOUR + ",x:2"] * 4, 2),                                # one cgroup of 2 CPUs for all
+    ([FOUR + f",x{r}:1" for r in range(4)], 4),              # a cgroup of 1 CPU each
+    ([FOUR + f",x{r}:1;p:3" for r in range(4)], 3),          # ... under a parent of 3
+    (["ffff,x:6"] * 2, 6),                                   # the cgroup allows 6 of 16
+    ([FOUR + ",x:1", FOUR + ","], 4),                        # one limited, one not
+    (["zz", "f,"], 4),                                       # a malformed text is left out
+])
+def test_cpus_shared(texts: list[str], shared: int) -> None:
+    """What ranks that each run several threads may keep busy at once (the shared-memory
+    all_reduce's helper threads): the CPUs of their masks together, within their
+    cgroups' limits."""
+    assert _C._cpus_shared(texts) == shared
+
+
 def test_this_process_publishes_what_it_counts() -> None:
     """k ranks with this process's mask and cgroups run min(k, its usable CPUs) at once."""
     text = _C._cpu_text()
     assert "|" not in text and "#" not in text and "," in text
     for k in range(1, 5):
         assert _C._cpus_together([text] * k) == min(k, _C._usable_cpus())
+        assert _C._cpus_shared([text] * k) == _C._usable_cpus()

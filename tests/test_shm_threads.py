@@ -117,6 +117,9 @@ def test_auto_shares_the_cpus_out_among_the_ranks() -> None:
     cpus = _C._usable_cpus()
     placed = run_ranks(_placed, 2, timeout=60)
     assert [p["pass_threads"] for p in placed] == [max(1, min(8, cpus // 2))] * 2
+    # One rank has every CPU to itself (not one, as when counting one thread per rank).
+    placed = run_ranks(_placed, 1, timeout=60)
+    assert placed[0]["pass_threads"] == (min(8, cpus) if placed[0]["windows"] else 1)
     placed = run_ranks(_placed, 2, timeout=60, env={"TDX_SHM_THREADS": "5"})
     assert [p["pass_threads"] for p in placed] == [5, 5]
     # Two ranks pinned to one CPU each: auto has no spare core to give.

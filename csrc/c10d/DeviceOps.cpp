@@ -20,8 +20,6 @@
 
 #include <algorithm>
 #include <array>
-#include <condition_variable>
-#include <cstdlib>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -31,7 +29,6 @@
 #include <mutex>
 #include <set>
 #include <thread>
-#include <utility>
 #include <vector>
 #include <unistd.h>
 
@@ -255,91 +252,6 @@ std::string raiseFlags(const std::deque<Pending>& pending, uint64_t* signals, cu
   return told;
 }
 
-// Device work of destroyed groups still waiting on GPU-side flags. A destroy must not
-// wait for it (it may hold the GIL, and a lost peer's flags never come), nor release it
-// at once: a peer that is only slow expects this rank's kernel to run after its own
-// arrival, not before. So a thread of its own does what the group's watchdog would
-// have done: releases each group's work at its deadline (the group timeout after the
-// op), or lets it go when it ends by itself. The group's signal page, mappings and
-// streams stay, as a destroy with device work pending always left them.
-class OrphanReleaser {
- public:
-  static void adopt(std::deque<Pending> pending, uint64_t* signals, cudaStream_t side,
-                    int rank, std::string prefix) {
-    auto& r = instance();
-    {
-      std::lock_guard<std::mutex> lock(r.mu_);
-      if (r.exiting_) return;
-      r.orphans_.push_back(Orphan{std::move(pending), signals, side, rank, std::move(prefix)});
-      if (!r.started_) {
-        r.started_ = true;
-        // Before CUDA's own exit handlers (registered earlier, so run later): the thread
-        // makes no CUDA call once the process is exiting.
-        std::atexit([] {
-          std::lock_guard<std::mutex> lock(instance().mu_);
-          instance().exiting_ = true;
-        });
-        std::thread([&r] { r.loop(); }).detach();
-      }
-    }
-    r.cv_.notify_one();
-  }
-
- private:
-  struct Orphan {
-    std::deque<Pending> pending;
-    uint64_t* signals;
-    cudaStream_t side;
-    int rank;
-    std::string prefix;
-  };
-
-  static OrphanReleaser& instance() {
-    static auto* r = new OrphanReleaser();  // never destroyed: its thread is detached
-    return *r;
-  }
-
-  void loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!exiting_) {
-      auto next = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
-      for (size_t i = 0; i < orphans_.size();) {
-        Orphan& o = orphans_[i];
-        try {
-          while (!o.pending.empty() && o.pending.front().done->query()) o.pending.pop_front();
-        } catch (...) {  // a sticky CUDA error: nothing on this device runs any more
-          o.pending.clear();
-        }
-        if (!o.pending.empty() && std::chrono::steady_clock::now() >= o.pending.front().deadline) {
-          const std::string told = raiseFlags(o.pending, o.signals, o.side, o.rank);
-          TDX_LOG(Error, o.prefix) << told << " after the group timeout, the group already "
-                                   << "destroyed; its stream was released, the op's output "
-                                   << "is undefined";
-          quarantine(o.pending);
-          o.pending.clear();
-        }
-        if (o.pending.empty()) {
-          orphans_.erase(orphans_.begin() + static_cast<std::ptrdiff_t>(i));
-          continue;
-        }
-        next = std::min(next, o.pending.front().deadline);
-        ++i;
-      }
-      if (orphans_.empty()) {
-        cv_.wait(lock, [&] { return exiting_ || !orphans_.empty(); });
-      } else {
-        cv_.wait_until(lock, next);
-      }
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<Orphan> orphans_;
-  bool started_ = false;
-  bool exiting_ = false;
-};
-
 // The tensors of one op on every rank, mapped into this process, and the op's place in
 // the group's flag sequence.
 struct Mapped {
@@ -368,7 +280,7 @@ class CudaPeerMemory final : public PeerMemory {
     // peer buffer. What does not end keeps all of them for the life of the process.
     bool idle = false;
     try {
-      idle = !orphaned_ && drain();
+      idle = drain();
     } catch (...) {  // a destructor must not throw; the state is kept below
     }
     if (!idle) {
@@ -388,21 +300,6 @@ class CudaPeerMemory final : public PeerMemory {
 
   uint64_t opsRun() const override {
     return opsRun_;
-  }
-
-  void orphanPending() override {
-    bool idle = false;
-    try {
-      idle = drain();
-    } catch (...) {
-    }
-    if (idle || pending_.empty() || signals_ == nullptr) return;
-    try {
-      const cudaStream_t side = sideStream(pending_.front().device).stream();
-      OrphanReleaser::adopt(std::exchange(pending_, {}), signals_, side, rank_, prefix_);
-      orphaned_ = true;
-    } catch (...) {  // no side stream: the work stays waiting, as it did before
-    }
   }
 
   bool hasPending() override {
@@ -734,9 +631,9 @@ class CudaPeerMemory final : public PeerMemory {
 
   // Waits a little for this rank's device work to end: an op issued just before the
   // group was destroyed, not waited for. Stuck work is not waited for (the destructor
-  // may run with the GIL held), nor released here: the destructor hands it to
-  // OrphanReleaser, which releases it at its deadline. False when some work, tracked or
-  // not, still runs.
+  // may run with the GIL held), nor released: a peer that is only slow would find this
+  // rank's kernel run before its own arrival, and would write its share into tensors
+  // this rank may have freed since. False when some work, tracked or not, still runs.
   bool drain() {
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
     auto idle = [&] {
@@ -830,9 +727,6 @@ class CudaPeerMemory final : public PeerMemory {
   Sync sync_;               // TDX_CUDA_PEER_SYNC
   std::function<std::chrono::milliseconds()> timeout_;
   std::deque<Pending> pending_;  // GPU-flag ops whose end event has not been seen yet
-  // Pending work went to OrphanReleaser, which may still write the signal page and use
-  // the side stream: both are kept for good.
-  bool orphaned_ = false;
   bool sharedGpu_ = false;  // the last exchange showed two ranks on one GPU
   bool enabled_ = true;
   uint64_t seq_ = 0;

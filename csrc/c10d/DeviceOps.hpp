@@ -117,11 +117,6 @@ class PeerMemory {
   // when nothing stalled.
   virtual bool hasPending() = 0;
   virtual std::string releaseStalled() = 0;
-  // At shutdown, once the group's thread has stopped: waits a little for device work to
-  // end, then hands what still waits on peers' flags to a process-wide thread that
-  // releases it at its deadline, as the watchdog would have (the shutdown does not wait
-  // for it).
-  virtual void orphanPending() = 0;
 };
 
 } // namespace tdx

@@ -367,9 +367,12 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // and gather's per-rank lines): with the smallest slots, beyond 64 ranks it does not.
   const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
   placement_.windows = oneHost && windowsEverywhere && halfFits;
-  // What the window will use (it opens with the same ranks and CPUs), for the cost model.
+  // Threads for the window all_reduce's passes, from the CPUs the ranks may keep busy
+  // together (not hostCpus_, which counts one thread per rank); the window takes it.
   placement_.passThreads =
-      placement_.windows ? transport::HostWindow::passThreadsFor(size, hostCpus_) : 1;
+      placement_.windows
+          ? transport::HostWindow::passThreadsFor(size, std::max(1, cpusShared(cpuTexts)))
+          : 1;
 
   try {
     transport::UcxTransport::Hints hints;
@@ -1041,7 +1044,8 @@ transport::HostWindow* ProcessGroupTDX::setUpWindow(const transport::WaitContext
                              std::to_string(groupId_) + "_" + std::to_string(++counter);
     const size_t slot = transport::HostWindow::defaultSlotBytes();
     try {
-      window_ = transport::HostWindow::open(name, true, rank_, size_, slot, hostCpus_);
+      window_ = transport::HostWindow::open(name, true, rank_, size_, slot, hostCpus_,
+                                            placement_.passThreads);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -1055,7 +1059,8 @@ transport::HostWindow* ProcessGroupTDX::setUpWindow(const transport::WaitContext
     } else {
       try {
         window_ = transport::HostWindow::open(text.substr(0, bar), false, rank_, size_,
-                                              std::stoull(text.substr(bar + 1)), hostCpus_);
+                                              std::stoull(text.substr(bar + 1)), hostCpus_,
+                                              placement_.passThreads);
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -1520,8 +1525,6 @@ void ProcessGroupTDX::shutdownLocked() {
   // not hang on a peer that is gone.
   aborted_ = true;
   stopWorker("the process group was shut down before the op ran");
-  // Device work still waiting on a peer's flags has no watchdog from here on.
-  if (peer_) peer_->orphanPending();
   // The worker is gone now (or this is it). Any-source receives that a lost sender left
   // part-filled end here, as no cancel ends them, rather than at the group timeout.
   for (auto& entry : p2pUnended_) unended.push_back(entry.first);

@@ -130,17 +130,17 @@ bool assign(int r, const std::vector<std::vector<int>>& allowed, std::vector<int
   return false;
 }
 
-} // namespace
-
-int cpusTogether(const std::vector<std::string>& texts) {
+// cpusTogether (each process one thread) and cpusShared (each as many threads as its
+// mask has CPUs): what a process may keep busy is its demand, 1 or its mask's size.
+int cpusAtOnce(const std::vector<std::string>& texts, bool threaded) {
   std::vector<std::vector<int>> allowed;
   size_t width = 0;
   // The cgroups with a limit, as a forest: a process counts in its innermost one, and
-  // each cgroup runs at most its limit of its own and its descendants' processes.
+  // each cgroup runs at most its limit of its own and its descendants' demand.
   struct Cgroup {
     int cpus = 0;
     std::string parent;
-    int processes = 0;
+    int processes = 0;  // their demand
     std::vector<std::string> children;
   };
   std::map<std::string, Cgroup> cgroups;
@@ -157,6 +157,7 @@ int cpusTogether(const std::vector<std::string>& texts) {
       }
     }
     width = std::max(width, 4 * comma);
+    const int demand = threaded ? static_cast<int>(cpus.size()) : 1;
     allowed.push_back(std::move(cpus));
     std::vector<CpuLimit> chain;
     for (size_t at = comma + 1; at < t.size();) {
@@ -168,10 +169,10 @@ int cpusTogether(const std::vector<std::string>& texts) {
       at = end + 1;
     }
     if (chain.empty()) {
-      ++unlimited;
+      unlimited += demand;
       continue;
     }
-    ++cgroups[chain[0].cgroup].processes;
+    cgroups[chain[0].cgroup].processes += demand;
     for (size_t i = 0; i < chain.size(); ++i) {
       auto& c = cgroups[chain[i].cgroup];
       c.cpus = chain[i].cpus;
@@ -184,11 +185,20 @@ int cpusTogether(const std::vector<std::string>& texts) {
   // How many processes can each hold a CPU of their own at once: a maximum matching of
   // processes to the CPUs they may run on. Two ranks pinned to one CPU share it however
   // many other CPUs a third rank may use.
-  std::vector<int> holder(width, -1);
+  // With threads, the CPUs any of them may use.
   int held = 0;
-  for (size_t r = 0; r < allowed.size(); ++r) {
-    std::vector<char> seen(width, 0);
-    held += assign(static_cast<int>(r), allowed, holder, seen) ? 1 : 0;
+  if (threaded) {
+    std::vector<char> any(width, 0);
+    for (const auto& cpus : allowed) {
+      for (int c : cpus) any[c] = 1;
+    }
+    held = static_cast<int>(std::count(any.begin(), any.end(), 1));
+  } else {
+    std::vector<int> holder(width, -1);
+    for (size_t r = 0; r < allowed.size(); ++r) {
+      std::vector<char> seen(width, 0);
+      held += assign(static_cast<int>(r), allowed, holder, seen) ? 1 : 0;
+    }
   }
   if (cgroups.empty()) return held;
   // Bottom-up: a cgroup runs min(its limit, its own processes + what its children run).
@@ -212,6 +222,16 @@ int cpusTogether(const std::vector<std::string>& texts) {
     if (!reached.count(name)) together += c.processes;
   }
   return std::min(held, together);
+}
+
+} // namespace
+
+int cpusTogether(const std::vector<std::string>& texts) {
+  return cpusAtOnce(texts, false);
+}
+
+int cpusShared(const std::vector<std::string>& texts) {
+  return cpusAtOnce(texts, true);
 }
 
 } // namespace tdx

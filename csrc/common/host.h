@@ -41,5 +41,9 @@ std::string cpuText();
 // grant: each cgroup's processes, its child cgroups' included, run at most its limit at
 // once, and processes in different cgroups add up. Malformed texts are left out.
 int cpusTogether(const std::vector<std::string>& texts);
+// How many CPUs these processes may keep busy at once when each runs threads: the CPUs
+// of their masks together, and no more than their cgroups grant (a cgroup's processes,
+// its child cgroups' included, at most its limit).
+int cpusShared(const std::vector<std::string>& texts);
 
 } // namespace tdx

@@ -86,7 +86,8 @@ size_t HostWindow::defaultSlotBytes() {
 }
 
 std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool create, int rank,
-                                             int size, size_t slotBytes, int cpus) {
+                                             int size, size_t slotBytes, int cpus,
+                                             int passThreads) {
   std::unique_ptr<HostWindow> w(new HostWindow());
   w->name_ = name;
   w->rank_ = rank;
@@ -149,7 +150,7 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   } else {
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }
-  w->passThreads_ = passThreadsFor(size, cpus);
+  w->passThreads_ = std::clamp(passThreads, 1, 16);
   return w;
 }
 

@@ -33,14 +33,16 @@ struct WaitContext {
 class HostWindow {
  public:
   // Creates (rank 0) or opens the shm object `name` sized for `size` slots of
-  // `slotBytes`. `cpus`: how many CPUs the window's ranks may run on together, which
-  // decides whether waiting polls first. Throws std::runtime_error on failure.
+  // `slotBytes`. `cpus`: how many of the window's ranks may run at once, one thread
+  // each, which decides whether waiting polls first; `passThreads`: see passThreads().
+  // Throws std::runtime_error on failure.
   static std::unique_ptr<HostWindow> open(const std::string& name, bool create, int rank,
-                                          int size, size_t slotBytes, int cpus);
-  // Threads each rank's memory passes split over in a window of `ranks` ranks that may
-  // run on `cpus` CPUs together: TDX_SHM_THREADS, or with "auto" the CPUs shared out
-  // among the ranks, at most kAutoPassThreads. The group prices its shm all_reduce with
-  // it too, so both read it here.
+                                          int size, size_t slotBytes, int cpus,
+                                          int passThreads);
+  // Threads each rank's memory passes split over in a window of `ranks` ranks whose
+  // threads may keep `cpus` CPUs busy together (cpusShared): TDX_SHM_THREADS, or with
+  // "auto" the CPUs shared out among the ranks, at most kAutoPassThreads. The group
+  // decides it once, prices its shm all_reduce with it and opens its window with it.
   static int passThreadsFor(int ranks, int cpus);
   // On the 16-core GPU host (docs/PERFORMANCE.md) 2 ranks gained up to 8 threads each
   // from 32 MiB on; more threads than that only add wake-ups to a pass.
