@@ -4,7 +4,8 @@
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
 #   TDX_STAGES="build smoke failures cuda cpubench threads membw autocheck bench cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
-#     it). Stages run in the order given; build, when named, always runs first. failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
+#     it). Stages run in the order given; build, when named, runs first.
+#     failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
 #     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2, 4 (and 8 at 2 ranks) at
 #     2 and 4 ranks, gloo beside the one-thread run;
@@ -29,7 +30,11 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-STAGES=${TDX_STAGES:-build smoke failures cuda cpubench threads membw autocheck bench cpu}
+KNOWN="build smoke failures cuda cpubench threads membw autocheck bench cpu"
+STAGES=${TDX_STAGES:-$KNOWN}
+for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
+  [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
+done
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 T0=$(date +%s)
 DEADLINE=${TDX_DEADLINE:-3600}
@@ -163,7 +168,6 @@ stage_cpu() {
 
 for stage in $STAGES; do
   [ "$stage" = build ] && continue
-  declare -F "stage_$stage" > /dev/null || { echo "unknown stage: $stage"; exit 2; }
   [ "$(limit 60)" -gt 20 ] || { echo "deadline: $stage not started"; break; }
   "stage_$stage"
 done

@@ -236,4 +236,3 @@ def test_cuda_destroy_while_device_work_waits_for_a_peer(sync: str) -> None:
     assert r0["destroy_seconds"] < 10.0, r0
     assert r0["device_after"] == 20.0 and r0["sync_seconds"] < 5.0, r0
     assert all(r["default_after"] == 3.0 for r in results), results
-

@@ -94,6 +94,7 @@ def test_cpus_together(texts: list[str], together: int) -> None:
     (["ffff,x:6"] * 2, 6),                                   # the cgroup allows 6 of 16
     ([FOUR + ",x:1", FOUR + ","], 4),                        # one limited, one not
     (["zz", "f,"], 4),                                       # a malformed text is left out
+    ([",", "f,"], 4),                                        # an empty mask adds nothing
 ])
 def test_cpus_shared(texts: list[str], shared: int) -> None:
     """What ranks that each run several threads may keep busy at once (the shared-memory

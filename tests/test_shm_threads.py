@@ -136,7 +136,8 @@ def _nothing(rank: int, n: int) -> None:
 
 def test_ranks_must_agree_on_the_thread_count() -> None:
     """Threads change the model's price of the window all_reduce, so ranks that disagree
-    could pick different algorithms for one op: the group refuses to start, naming both."""
+    could pick different algorithms for one op: the group refuses to start, naming both.
+    Without windows the count does nothing, and ranks may differ."""
     from torchdist_ext.testing import RankFailure
 
     with pytest.raises(RankFailure) as info:
@@ -145,6 +146,24 @@ def test_ranks_must_agree_on_the_thread_count() -> None:
     assert ("TDX_SHM_THREADS is auto on rank 0 but 3 on this rank" in msg
             or "TDX_SHM_THREADS is 3 on rank 1 but auto on this rank" in msg), msg
     assert "same value on every rank" in msg, msg
+    assert run_ranks(_nothing, 2, timeout=60, env={"TDX_SHM": "0"},
+                     rank_env={1: {"TDX_SHM_THREADS": "3"}}) == [None, None]
+
+
+def _subgroup_threads(rank: int, n: int) -> int:
+    import torchdist_ext
+
+    groups = [dist.new_group([r]) for r in range(n)]  # every rank creates every group
+    return torchdist_ext.placement(groups[rank])["pass_threads"]
+
+
+def test_a_subgroup_keeps_to_its_share_of_the_job() -> None:
+    """A one-rank subgroup of a 2-rank job may not take every CPU of the host for its
+    threads: the job's ranks of this host share them out, as the default group does."""
+    from torchdist_ext import _C
+
+    cpus = _C._usable_cpus()
+    assert run_ranks(_subgroup_threads, 2, timeout=60) == [max(1, min(8, cpus // 2))] * 2
 
 
 def test_the_model_prices_the_split_passes() -> None:
@@ -161,9 +180,15 @@ def test_the_model_prices_the_split_passes() -> None:
     model = torchdist_ext.cost_model()["shm"]
     fixed = model["alpha"] * one["steps"]
     assert four["seconds"] - fixed == pytest.approx((one["seconds"] - fixed) / 2, rel=1e-9)
+    # A 1 MiB half cut into 2 pieces of 512 KiB splits at most 8 ways (64 KiB a part):
+    # 9 threads are priced as the 8 the pass can use.
     nine = _C._algorithm_cost("allreduce", "shm", nbytes, 2, pass_threads=9)
-    assert nine["seconds"] - fixed == pytest.approx((one["seconds"] - fixed) / math.sqrt(9),
+    assert nine["seconds"] - fixed == pytest.approx((one["seconds"] - fixed) / math.sqrt(8),
                                                     rel=1e-9)
+    # 64 KiB at 2 ranks: pieces of 32 KiB, not worth a helper, so no speedup.
+    small = float(64 << 10)
+    assert _C._algorithm_cost("allreduce", "shm", small, 2, pass_threads=8)["seconds"] == \
+        _C._algorithm_cost("allreduce", "shm", small, 2)["seconds"]
     for coll, name in (("allreduce", "cma"), ("allreduce", "shm_direct"),
                        ("allreduce", "ring"), ("broadcast", "shm"), ("reduce", "shm")):
         assert _C._algorithm_cost(coll, name, nbytes, 2, pass_threads=4)["seconds"] == \

@@ -12,6 +12,10 @@
 
 namespace tdx {
 namespace algorithms {
+
+// Parts smaller than this are not worth waking a helper for (see parallelPass).
+constexpr size_t kMinPassPartBytes = 64 << 10;
+
 namespace detail {
 
 // The pool's side of parallelPass: runs the parts through `call(fn, begin, end)` and

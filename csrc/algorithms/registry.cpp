@@ -318,10 +318,11 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const Placemen
   // threads, so t threads do not make a pass t times faster. On the 16-core GPU host
   // (docs/PERFORMANCE.md) 4 threads per rank made the 16 MiB all_reduce 3.4x faster at
   // 2 ranks and 1.8x at 4, 8 threads 2.8x at 2 ranks; sqrt(t), 2 for 4 threads and 2.8
-  // for 8, lies within that spread. The terms calibrate with one thread (`bench
-  // calibrate` sets it), so the speedup is not counted twice.
-  const double split =
-      a.splitsPasses && p.passThreads > 1 ? std::sqrt(static_cast<double>(p.passThreads)) : 1.0;
+  // for 8, lies within that spread. t counts only the threads a pass of this size
+  // really splits over. The terms calibrate with one thread (`bench calibrate` sets it),
+  // so the speedup is not counted twice.
+  const int ways = a.splitsPasses ? shmAllreduceWays(bytes, n, p.passThreads) : 1;
+  const double split = std::sqrt(static_cast<double>(ways));
   return alpha * c.steps + (l.beta * c.bytesMoved + l.gamma * c.bytesReduced) / split;
 }
 

@@ -574,6 +574,13 @@ Cost shmAllreduceCost(double bytes, int n) {
           double(n - 1) / n * bytes};
 }
 
+int shmAllreduceWays(double bytes, int n, int threads) {
+  if (threads <= 1 || n < 1) return 1;
+  const double piece = std::min(bytes, halfBytes()) / n;
+  const double worth = std::floor(piece / static_cast<double>(kMinPassPartBytes));
+  return static_cast<int>(std::clamp(worth, 1.0, static_cast<double>(threads)));
+}
+
 Cost shmDirectAllreduceCost(double bytes, int n) {
   if (n == 1) return {};
   return {chunks(bytes, halfBytes()), 2 * bytes, (n - 1) * bytes};

@@ -77,6 +77,9 @@ void shmBarrier(HostWindow& w, const WaitContext& wc);
 // Cost terms (collectives.h conventions), for windows of the default slot size
 // (TDX_SHM_SLOT_BYTES), whose halves set the chunks.
 Cost shmAllreduceCost(double bytes, int n);
+// How many threads shmAllreduce really splits its reduction over with `threads` per rank:
+// a chunk's piece (a window half over n) cut into parts of at least kMinPassPartBytes.
+int shmAllreduceWays(double bytes, int n, int threads);
 Cost shmDirectAllreduceCost(double bytes, int n);
 Cost cmaAllreduceCost(double bytes, int n);
 Cost shmBroadcastCost(double bytes, int n);

@@ -617,16 +617,20 @@ class CudaPeerMemory final : public PeerMemory {
     ++opsRun_;
   }
 
-  // Releases the stuck op and every op queued behind it (raiseFlags) and keeps their
-  // tensors for good (quarantine). The watchdog is off from here on: no later pass would
+  // Keeps the stuck op's and every later op's live tensors for good (quarantine), then
+  // releases them all (raiseFlags). The watchdog is off from here on: no later pass would
   // look. Requires hasPending().
   std::string releasePending() {
-    const std::string told =
-        raiseFlags(pending_, signals_, sideStream(pending_.front().device).stream(), rank_);
-    quarantine(pending_);
+    const std::deque<Pending> released = std::move(pending_);
     pending_.clear();
     enabled_ = false;
-    return told;
+    // Kept before the stream moves on: a tensor the caller frees after the release could
+    // otherwise go back to the allocator once the stream passes it.
+    try {
+      quarantine(released);
+    } catch (...) {  // out of memory: the release matters more
+    }
+    return raiseFlags(released, signals_, sideStream(released.front().device).stream(), rank_);
   }
 
   // Waits a little for this rank's device work to end: an op issued just before the

@@ -92,6 +92,14 @@ std::string fingerprintOf(c10d::OpType type, const std::string& what,
 
 // How often a shutdown's goodbye wait looks for an abort() from another thread.
 constexpr std::chrono::milliseconds kAbortPoll{50};
+// CPUs per rank of this host's ranks of the default group (their masks together, within
+// their cgroups, over their count), the most a subgroup's rank may fill with threads; 0
+// before a tdx default group exists. The same on every process of the host.
+std::atomic<int>& jobCpusPerRank() {
+  static std::atomic<int> share{0};
+  return share;
+}
+
 // How long a shutdown that waits for no peer gives its own goodbyes to go out.
 constexpr std::chrono::milliseconds kGoodbyeSendWait{1000};
 
@@ -259,13 +267,15 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     const char* name;
     uint64_t value;
     const char* unit;  // "" for a count; 0 stands for "auto" where the knob takes it
+    bool windowsOnly;  // matters only to a group on one host with its windows
   };
   const std::string threadsText = env::get("TDX_SHM_THREADS");
   const Knob kTuning[] = {
-      {"TDX_SEGMENT_BYTES", algorithms::defaultSegmentBytes(), " bytes"},
-      {"TDX_SHM_SLOT_BYTES", transport::HostWindow::defaultSlotBytes(), " bytes"},
+      {"TDX_SEGMENT_BYTES", algorithms::defaultSegmentBytes(), " bytes", false},
+      {"TDX_SHM_SLOT_BYTES", transport::HostWindow::defaultSlotBytes(), " bytes", false},
       {"TDX_SHM_THREADS",
-       threadsText == "auto" ? 0 : static_cast<uint64_t>(env::getInt("TDX_SHM_THREADS")), ""},
+       threadsText == "auto" ? 0 : static_cast<uint64_t>(env::getInt("TDX_SHM_THREADS")), "",
+       true},
   };
   const auto knobText = [](const Knob& k, uint64_t v) {
     return *k.unit == '\0' && v == 0 ? std::string("auto") : std::to_string(v) + k.unit;
@@ -286,6 +296,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   int localRanks = 0;
   bool windowsEverywhere = true;
   std::vector<std::string> cpuTexts;
+  std::string windowsDisagreement;  // a windowsOnly knob's
   try {
     // Which incarnation of this group's store prefix this is (a group re-created under
     // the same name on a reused store), so that keys written after setup (timeout notes)
@@ -314,13 +325,13 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                             "group must run the same torchdist_ext version");
       }
       idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
-      for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]) && disagreement.empty(); ++k) {
+      for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]); ++k) {
         const uint64_t v = std::strtoull(text.substr(tuningAt + 16 * k, 16).c_str(), nullptr, 16);
-        if (v != kTuning[k].value) {
-          disagreement = std::string(kTuning[k].name) + " is " + knobText(kTuning[k], v) +
-                         " on rank " + std::to_string(r) + " but " +
-                         knobText(kTuning[k], kTuning[k].value) + " on this rank" +
-                         (*kTuning[k].unit != '\0' ? " (after rounding)" : "");
+        std::string& told = kTuning[k].windowsOnly ? windowsDisagreement : disagreement;
+        if (v != kTuning[k].value && told.empty()) {
+          told = std::string(kTuning[k].name) + " is " + knobText(kTuning[k], v) + " on rank " +
+                 std::to_string(r) + " but " + knobText(kTuning[k], kTuning[k].value) +
+                 " on this rank" + (*kTuning[k].unit != '\0' ? " (after rounding)" : "");
         }
       }
       if (text.compare(keyAt, std::string::npos, key) == 0) {
@@ -328,6 +339,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
         cpuTexts.push_back(text.substr(cpusAt, cpusEnd - cpusAt));
       }
       windowsEverywhere = windowsEverywhere && text[0] == '1';
+    }
+    if (disagreement.empty() && localRanks == size && windowsEverywhere) {
+      disagreement = windowsDisagreement;
     }
     if (!disagreement.empty()) {
       C10_THROW_ERROR(DistBackendError,
@@ -368,11 +382,18 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
   placement_.windows = oneHost && windowsEverywhere && halfFits;
   // Threads for the window all_reduce's passes, from the CPUs the ranks may keep busy
-  // together (not hostCpus_, which counts one thread per rank); the window takes it.
+  // together (not hostCpus_, which counts one thread per rank); the window takes it. A
+  // subgroup's ranks share the host with the rest of the job: no more CPUs each than the
+  // default group's ranks of this host have each, or the job's subgroups working at once
+  // would run more threads than there are CPUs.
+  int threadCpus = std::max(1, cpusShared(cpuTexts));
+  if (defaultGroup) {
+    jobCpusPerRank().store(std::max(1, threadCpus / std::max(1, localRanks)));
+  } else if (const int share = jobCpusPerRank().load(); share > 0) {
+    threadCpus = std::min(threadCpus, share * size);
+  }
   placement_.passThreads =
-      placement_.windows
-          ? transport::HostWindow::passThreadsFor(size, std::max(1, cpusShared(cpuTexts)))
-          : 1;
+      placement_.windows ? transport::HostWindow::passThreadsFor(size, threadCpus) : 1;
 
   try {
     transport::UcxTransport::Hints hints;
