@@ -70,8 +70,9 @@ const std::vector<Knob>& knobs() {
       {"TDX_SHM_THREADS", "auto",
        "threads each rank splits a shared-memory all_reduce's copies and reductions over "
        "(1 to 16; passes under 64 KiB per thread stay on one); auto: the CPUs the "
-       "window's ranks may run on together, shared out among them, at most 8 (1 when "
-       "ranks have no spare cores); the same on every rank (checked when a group is "
+       "window's ranks may keep busy together, shared out among them, at most 8 (1 when "
+       "ranks have no spare cores; a subgroup's ranks no more than the default group's "
+       "have each); the same on every rank of a group with windows (checked when it is "
        "created)"},
       {"TDX_SHM_SPIN_US", "auto",
        "microseconds a rank polls a shared-memory window (yielding the core) before it "
