@@ -140,7 +140,8 @@ struct Algorithm {
   Cost (*cost)(double bytes, int n);
   const char* summary;
   // Splits its memory passes over Placement::passThreads threads per rank, which the
-  // model prices as a speedup of its byte terms (Registry::predict).
+  // model prices as a speedup of its byte terms (Registry::predict; shmAllreduceWays
+  // says how many threads a pass of a given size uses).
   bool splitsPasses = false;
 };
 

@@ -44,8 +44,8 @@ class HostWindow {
   // "auto" the CPUs shared out among the ranks, at most kAutoPassThreads. The group
   // decides it once, prices its shm all_reduce with it and opens its window with it.
   static int passThreadsFor(int ranks, int cpus);
-  // On the 16-core GPU host (docs/PERFORMANCE.md) 2 ranks gained up to 8 threads each
-  // from 32 MiB on; more threads than that only add wake-ups to a pass.
+  // On the 16-core GPU host (docs/PERFORMANCE.md) 2 ranks still gained from 4 to 8
+  // threads each from 64 MiB on; 8 is the most measured.
   static constexpr int kAutoPassThreads = 8;
   ~HostWindow();
   HostWindow(const HostWindow&) = delete;
