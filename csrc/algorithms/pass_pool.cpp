@@ -23,6 +23,7 @@ namespace algorithms {
 namespace {
 
 constexpr int kMaxHelpers = 15;
+constexpr size_t kMinPartBytes = 64 << 10;
 constexpr auto kSpin = std::chrono::microseconds(200);
 
 class PassPool {
@@ -133,15 +134,21 @@ class PassPool {
 
 } // namespace
 
+int passWays(size_t bytes, int ways) {
+  const size_t worth = std::max<size_t>(1, bytes / kMinPartBytes);
+  return static_cast<int>(std::min<size_t>(
+      {static_cast<size_t>(std::max(ways, 1)), worth, static_cast<size_t>(kMaxHelpers + 1)}));
+}
+
 namespace detail {
 
 bool splitPass(size_t bytes, size_t grain, int ways,
                void (*call)(const void*, size_t, size_t), const void* fn) {
-  grain = std::max<size_t>(1, grain);
-  const size_t worth = std::max<size_t>(1, bytes / std::max(grain, kMinPassPartBytes));
-  ways = static_cast<int>(std::min<size_t>({static_cast<size_t>(ways), worth,
-                                            static_cast<size_t>(kMaxHelpers + 1)}));
-  return ways > 1 && PassPool::instance()->run(bytes, grain, ways, call, fn);
+  // Grains are a reduction block (16 KiB) at most, well under a part: cutting on them
+  // leaves the parts near equal.
+  ways = passWays(bytes, ways);
+  return ways > 1 &&
+         PassPool::instance()->run(bytes, std::max<size_t>(1, grain), ways, call, fn);
 }
 
 } // namespace detail

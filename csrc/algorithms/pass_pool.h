@@ -13,8 +13,10 @@
 namespace tdx {
 namespace algorithms {
 
-// Parts smaller than this are not worth waking a helper for (see parallelPass).
-constexpr size_t kMinPassPartBytes = 64 << 10;
+// How many ways parallelPass splits a pass of `bytes` with `ways` threads: parts under
+// 64 KiB are not worth waking a helper for, and the pool has at most 16 threads. The cost
+// model prices the split with it too.
+int passWays(size_t bytes, int ways);
 
 namespace detail {
 

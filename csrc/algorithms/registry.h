@@ -115,7 +115,7 @@ struct Placement {
   bool crowded = false;     // one host, whose ranks outnumber the CPUs they may run on
                             // together: message steps also pay CostModel::wake
   int passThreads = 1;      // threads each rank splits the window all_reduce's memory
-                            // passes over (HostWindow::passThreadsFor)
+                            // passes over (TDX_SHM_THREADS, as the group settled it)
 
   // One host with its windows (`sameHost`), or ranks on several hosts.
   static Placement of(bool sameHost, bool crowded = false) {

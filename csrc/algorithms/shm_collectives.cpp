@@ -575,10 +575,7 @@ Cost shmAllreduceCost(double bytes, int n) {
 }
 
 int shmAllreduceWays(double bytes, int n, int threads) {
-  if (threads <= 1 || n < 1) return 1;
-  const double piece = std::min(bytes, halfBytes()) / n;
-  const double worth = std::floor(piece / static_cast<double>(kMinPassPartBytes));
-  return static_cast<int>(std::clamp(worth, 1.0, static_cast<double>(threads)));
+  return passWays(static_cast<size_t>(std::min(bytes, halfBytes()) / std::max(n, 1)), threads);
 }
 
 Cost shmDirectAllreduceCost(double bytes, int n) {

@@ -78,7 +78,7 @@ void shmBarrier(HostWindow& w, const WaitContext& wc);
 // (TDX_SHM_SLOT_BYTES), whose halves set the chunks.
 Cost shmAllreduceCost(double bytes, int n);
 // How many threads shmAllreduce really splits its reduction over with `threads` per rank:
-// a chunk's piece (a window half over n) cut into parts of at least kMinPassPartBytes.
+// a chunk's piece (a window half over n) split as passWays says.
 int shmAllreduceWays(double bytes, int n, int threads);
 Cost shmDirectAllreduceCost(double bytes, int n);
 Cost cmaAllreduceCost(double bytes, int n);

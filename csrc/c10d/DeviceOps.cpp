@@ -38,6 +38,7 @@
 
 #ifdef TDX_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/SmallVector.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
@@ -168,6 +169,8 @@ constexpr int kDone = 1;
 constexpr int kPhases = 2;
 constexpr int kSlots = kernels::kMaxMultiBuffers;
 
+using WeakStorages = c10::SmallVector<c10::weak_intrusive_ptr<c10::StorageImpl>, kMaxTensors>;
+
 // A group's op on GPU-side flags whose end event has not been seen yet.
 struct Pending {
   std::shared_ptr<c10::Event> done;
@@ -177,13 +180,13 @@ struct Pending {
   std::chrono::steady_clock::time_point deadline;
   std::string what;
   // This rank's tensors of the op, weakly: holding them would keep memory the caller has
-  // freed from serving its next allocation until the group's thread looks again.
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages;
+  // freed from serving its next allocation until the group's thread looks again. Inline
+  // for an op's kMaxTensors, so recording them allocates nothing.
+  WeakStorages storages;
 };
 
-std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> weakly(const std::vector<at::Tensor>& ts) {
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> out;
-  out.reserve(ts.size());
+WeakStorages weakly(const std::vector<at::Tensor>& ts) {
+  WeakStorages out;
   for (const auto& t : ts) out.push_back(t.storage().getWeakStorageImpl());
   return out;
 }

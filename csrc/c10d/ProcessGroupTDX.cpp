@@ -100,6 +100,19 @@ std::atomic<int>& jobCpusPerRank() {
   return share;
 }
 
+// TDX_SHM_THREADS: 1 to 16, or 0 for auto. Throws naming the group on anything else.
+int shmThreadsSetting(const std::string& prefix) {
+  if (env::get("TDX_SHM_THREADS") == "auto") return 0;
+  const int64_t threads = env::getInt("TDX_SHM_THREADS");
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= 16, prefix,
+                    ": TDX_SHM_THREADS must be auto or 1 to 16, got ", threads);
+  return static_cast<int>(threads);
+}
+
+// On the 16-core GPU host (docs/PERFORMANCE.md) 2 ranks still gained from 4 to 8 threads
+// each from 64 MiB on; 8 is the most measured.
+constexpr int kAutoPassThreads = 8;
+
 // How long a shutdown that waits for no peer gives its own goodbyes to go out.
 constexpr std::chrono::milliseconds kGoodbyeSendWait{1000};
 
@@ -234,11 +247,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // Read only when a window opens, where a bad value would quietly cost the group its
   // windows: checked now, as the other knobs are.
   if (env::get("TDX_SHM_SPIN_US") != "auto") (void)env::getInt("TDX_SHM_SPIN_US");
-  if (env::get("TDX_SHM_THREADS") != "auto") {
-    const int64_t threads = env::getInt("TDX_SHM_THREADS");
-    TORCH_CHECK_VALUE(threads >= 1 && threads <= 16, prefix(),
-                      ": TDX_SHM_THREADS must be auto or 1 to 16, got ", threads);
-  }
+  const int shmThreads = shmThreadsSetting(prefix());
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
   fault_ = std::make_shared<Fault>();
@@ -269,13 +278,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     const char* unit;  // "" for a count; 0 stands for "auto" where the knob takes it
     bool windowsOnly;  // matters only to a group on one host with its windows
   };
-  const std::string threadsText = env::get("TDX_SHM_THREADS");
   const Knob kTuning[] = {
       {"TDX_SEGMENT_BYTES", algorithms::defaultSegmentBytes(), " bytes", false},
       {"TDX_SHM_SLOT_BYTES", transport::HostWindow::defaultSlotBytes(), " bytes", false},
-      {"TDX_SHM_THREADS",
-       threadsText == "auto" ? 0 : static_cast<uint64_t>(env::getInt("TDX_SHM_THREADS")), "",
-       true},
+      {"TDX_SHM_THREADS", static_cast<uint64_t>(shmThreads), "", true},
   };
   const auto knobText = [](const Knob& k, uint64_t v) {
     return *k.unit == '\0' && v == 0 ? std::string("auto") : std::to_string(v) + k.unit;
@@ -381,19 +387,20 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // and gather's per-rank lines): with the smallest slots, beyond 64 ranks it does not.
   const bool halfFits = transport::HostWindow::defaultSlotBytes() / 2 >= size_t{64} * size;
   placement_.windows = oneHost && windowsEverywhere && halfFits;
-  // Threads for the window all_reduce's passes, from the CPUs the ranks may keep busy
-  // together (not hostCpus_, which counts one thread per rank); the window takes it. A
-  // subgroup's ranks share the host with the rest of the job: no more CPUs each than the
-  // default group's ranks of this host have each, or the job's subgroups working at once
-  // would run more threads than there are CPUs.
+  // Threads for the window all_reduce's passes: TDX_SHM_THREADS, or for auto the CPUs
+  // the ranks may keep busy together (not hostCpus_, which counts one thread per rank)
+  // shared out among them, at most kAutoPassThreads; the window takes it. A subgroup's
+  // ranks share the host with the rest of the job: no more CPUs each than the default
+  // group's ranks of this host have each, or the job's subgroups working at once would
+  // run more threads than there are CPUs.
   int threadCpus = std::max(1, cpusShared(cpuTexts));
   if (defaultGroup) {
     jobCpusPerRank().store(std::max(1, threadCpus / std::max(1, localRanks)));
   } else if (const int share = jobCpusPerRank().load(); share > 0) {
     threadCpus = std::min(threadCpus, share * size);
   }
-  placement_.passThreads =
-      placement_.windows ? transport::HostWindow::passThreadsFor(size, threadCpus) : 1;
+  const int autoThreads = std::clamp(threadCpus / size, 1, kAutoPassThreads);
+  placement_.passThreads = !placement_.windows ? 1 : shmThreads > 0 ? shmThreads : autoThreads;
 
   try {
     transport::UcxTransport::Hints hints;

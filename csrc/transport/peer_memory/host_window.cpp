@@ -154,13 +154,6 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   return w;
 }
 
-int HostWindow::passThreadsFor(int ranks, int cpus) {
-  if (env::get("TDX_SHM_THREADS") == "auto") {
-    return std::clamp(cpus / std::max(ranks, 1), 1, kAutoPassThreads);
-  }
-  return static_cast<int>(std::clamp<int64_t>(env::getInt("TDX_SHM_THREADS"), 1, 16));
-}
-
 HostWindow::~HostWindow() {
   for (int fd : pidfds_) {
     if (fd >= 0) ::close(fd);

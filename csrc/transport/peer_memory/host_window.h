@@ -39,14 +39,6 @@ class HostWindow {
   static std::unique_ptr<HostWindow> open(const std::string& name, bool create, int rank,
                                           int size, size_t slotBytes, int cpus,
                                           int passThreads);
-  // Threads each rank's memory passes split over in a window of `ranks` ranks whose
-  // threads may keep `cpus` CPUs busy together (cpusShared): TDX_SHM_THREADS, or with
-  // "auto" the CPUs shared out among the ranks, at most kAutoPassThreads. The group
-  // decides it once, prices its shm all_reduce with it and opens its window with it.
-  static int passThreadsFor(int ranks, int cpus);
-  // On the 16-core GPU host (docs/PERFORMANCE.md) 2 ranks still gained from 4 to 8
-  // threads each from 64 MiB on; 8 is the most measured.
-  static constexpr int kAutoPassThreads = 8;
   ~HostWindow();
   HostWindow(const HostWindow&) = delete;
   HostWindow& operator=(const HostWindow&) = delete;
@@ -61,8 +53,8 @@ class HostWindow {
   int rank() const {
     return rank_;
   }
-  // Threads (this one and helpers) each of this rank's memory passes may be split over
-  // (passThreadsFor).
+  // Threads (this one and helpers) each of this rank's memory passes may be split over,
+  // as the group decided (Placement::passThreads).
   int passThreads() const {
     return passThreads_;
   }
