@@ -364,7 +364,7 @@ def _algo_fields(lb: Label, collective: str | None, nbytes: int, world: int, sam
     out["algo"], out["algo_from"] = name, source
     if name in torchdist_ext.algorithms(collective)[collective]:
         cost = _C._algorithm_cost(collective, name, float(nbytes), world, one_host, crowded,
-                                  pass_threads if same_host else 1)
+                                  pass_threads)
         out["predicted_us"] = float(cost["seconds"]) * 1e6
     return out
 
