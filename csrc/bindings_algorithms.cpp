@@ -79,8 +79,8 @@ void bindAlgorithms(py::module& m) {
     }
     Registry::get().setCostModel(m);
   });
-  // Rules as dicts: {collective, world, placement, crowded, min_bytes, max_bytes,
-  // algorithm}, sizes in [min_bytes, max_bytes).
+  // Rules as dicts: {collective, world, placement, crowded, threads, min_bytes,
+  // max_bytes, algorithm}, sizes in [min_bytes, max_bytes); a dict without threads has 1.
   m.def("_cost_rules", [] {
     py::list out;
     for (const Rule& r : Registry::get().costModel().rules) {
@@ -89,6 +89,7 @@ void bindAlgorithms(py::module& m) {
       d["world"] = r.world;
       d["placement"] = spreadName(r.spread);
       d["crowded"] = r.crowded;
+      d["threads"] = r.threads;
       d["min_bytes"] = r.fromBytes;
       d["max_bytes"] = r.toBytes;
       d["algorithm"] = r.algorithm;
@@ -117,6 +118,7 @@ void bindAlgorithms(py::module& m) {
       r.fromBytes = d["min_bytes"].cast<double>();
       r.toBytes = d["max_bytes"].cast<double>();
       r.algorithm = d["algorithm"].cast<std::string>();
+      if (d.contains("threads")) r.threads = d["threads"].cast<int>();
       m.rules.push_back(std::move(r));
     }
     Registry::get().setCostModel(m);  // checks every rule

@@ -174,7 +174,7 @@ def test_queries_on_a_rank_outside_the_group(call: Any) -> None:
 
 def _rule(**kw: Any) -> dict[str, Any]:
     return {"collective": "broadcast", "world": 5, "placement": "windows", "crowded": False,
-            "min_bytes": 0, "max_bytes": 1e9, "algorithm": "tree", **kw}
+            "threads": 1, "min_bytes": 0, "max_bytes": 1e9, "algorithm": "tree", **kw}
 
 
 def test_ignored_rules_that_are_not_a_list(tmp_path: Path, backend_model: dict) -> None:

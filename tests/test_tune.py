@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def rule(collective: str = "broadcast", world: int = 4, placement: str = "windows",
          crowded: bool = False, lo: float = 0.0, hi: float = 1 << 20,
-         algorithm: str = "tree") -> dict[str, Any]:
+         algorithm: str = "tree", threads: int = 1) -> dict[str, Any]:
     return {"collective": collective, "world": world, "placement": placement,
-            "crowded": crowded, "min_bytes": lo, "max_bytes": hi, "algorithm": algorithm}
+            "crowded": crowded, "threads": threads, "min_bytes": lo, "max_bytes": hi,
+            "algorithm": algorithm}
 
 
 @pytest.fixture
@@ -75,6 +76,71 @@ def test_auto_follows_a_matching_rule_only(no_rules: None) -> None:
     assert torchdist_ext.predict("allreduce", 4096, 4) == ar
 
 
+def test_a_rule_holds_for_the_thread_count_it_was_measured_with(no_rules: None) -> None:
+    """The window all_reduce's speed depends on each rank's threads, so a rule measured
+    with 8 decides for groups with 8 and not for groups with 1, and the other way round;
+    rules for several counts live side by side."""
+    def pick(threads: int) -> str:
+        return torchdist_ext.predict("allreduce", 1 << 20, 2, pass_threads=threads)[0]
+
+    model = {t: pick(t) for t in (1, 4, 8)}
+    others = [a for a in torchdist_ext.algorithms()["allreduce"] if a not in model.values()]
+    assert len(others) >= 2, others
+    _C._set_cost_rules([rule("allreduce", 2, algorithm=others[0], hi=1 << 30, threads=8)])
+    assert (pick(1), pick(4), pick(8)) == (model[1], model[4], others[0])
+    _C._set_cost_rules([rule("allreduce", 2, algorithm=others[0], hi=1 << 30, threads=8),
+                        rule("allreduce", 2, algorithm=others[1], hi=1 << 30)])
+    assert (pick(1), pick(4), pick(8)) == (others[1], model[4], others[0])
+    # A rule given without a count (as files saved before rules had one hold) has 1.
+    _C._set_cost_rules([{k: v for k, v in rule("allreduce", 2, algorithm=others[1],
+                                               hi=1 << 30).items() if k != "threads"}])
+    assert _C._cost_rules() == [rule("allreduce", 2, algorithm=others[1], hi=1 << 30)]
+    assert (pick(1), pick(8)) == (others[1], model[8])
+
+
+def test_rules_saved_without_a_thread_count_load_as_one_thread(tmp_path: Path) -> None:
+    """Files written before rules recorded threads were tuned with the one thread that was
+    the default then: they load as threads 1, and a tuning at another count keeps them."""
+    path = tmp_path / "old.json"
+    old = {k: v for k, v in rule(world=3).items() if k != "threads"}
+    path.write_text(json.dumps({"rules": [old]}))
+    assert calibration.load(path)["rules"] == [rule(world=3)]
+    calibration.save({"rules": [rule(world=3, algorithm="chain", threads=4)]}, path,
+                     replaces=[calibration.rule_key(rule(world=3, threads=4))])
+    assert calibration.load(path)["rules"] == [rule(world=3),
+                                               rule(world=3, algorithm="chain", threads=4)]
+    # Replacing the 1-thread key (given the old way, without its count) drops the old rule.
+    calibration.save({"rules": []}, path, replaces=[("broadcast", 3, "windows", False)])
+    assert calibration.load(path)["rules"] == [rule(world=3, algorithm="chain", threads=4)]
+    with pytest.raises(ValueError, match="threads 1 to 16 with windows and 1 elsewhere"):
+        calibration.save({"rules": [rule(placement="hosts", threads=2)]}, path)
+
+
+def test_rules_from_rows_keep_thread_counts_apart() -> None:
+    """Rows of runs with different thread counts make separate rules, each carrying its
+    run's count, and the model is asked with that count."""
+    k = 1 << 10
+    rows = [_row("all_reduce", 4 * k, "shm", 50, pass_threads=1),
+            _row("all_reduce", 4 * k, "rhd", 10, pass_threads=1),
+            _row("all_reduce", 4 * k, "shm", 5, pass_threads=8),
+            _row("all_reduce", 4 * k, "rhd", 10, pass_threads=8),
+            _row("broadcast", 4 * k, "tree", 5, windows=False, pass_threads=1),
+            _row("broadcast", 4 * k, "shm", 50, windows=False, pass_threads=1)]
+    asked = []
+
+    def model(op: str, size: int, world: int, placement: str, crowded: bool,
+              threads: int) -> str:
+        asked.append((op, threads))
+        return "rhd" if threads == 8 else "shm"
+
+    rules, winners = tune.rules_from_rows(rows, model=model)
+    assert rules == [rule("allreduce", 4, "windows", True, 0, 8 * k, "rhd", threads=1),
+                     rule("allreduce", 4, "windows", True, 0, 8 * k, "shm", threads=8),
+                     rule("broadcast", 4, "host", True, 0, 8 * k, "tree")]
+    assert sorted(asked) == [("all_reduce", 1), ("all_reduce", 8), ("broadcast", 1)]
+    assert sorted((w["op"], w["threads"]) for w in winners) == sorted(asked)
+
+
 def test_a_rule_that_cannot_run_the_op_leaves_it_to_the_model(no_rules: None) -> None:
     """Recursive doubling needs a power-of-two world and the windows need them on: a rule
     naming either where it cannot run is passed over, never an error."""
@@ -101,6 +167,9 @@ def test_a_rule_that_cannot_run_the_op_leaves_it_to_the_model(no_rules: None) ->
     (rule(lo=10, hi=10), "0 <= from_bytes < to_bytes"),
     (rule(lo=-1), "0 <= from_bytes < to_bytes"),
     (rule(placement="moon"), "unknown placement 'moon'"),
+    (rule(threads=0), "thread count must be 1 to 16, got 0"),
+    (rule(threads=17), "thread count must be 1 to 16, got 17"),
+    (rule(placement="host", threads=2), "placement host runs 1 thread per rank"),
     ({k: v for k, v in rule().items() if k != "world"}, "has no 'world'"),
 ])
 def test_bad_rules_are_refused_and_change_nothing(no_rules: None, bad: dict,
@@ -118,11 +187,17 @@ def _ruled_group(rank: int, n: int) -> dict:
     if rank == 0:
         # Bounds that only survive the exchange written and read in full: a fraction,
         # a subnormal, infinity.
-        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=other, hi=math.sqrt(2) * 65536)
+        # First a rule for a thread count the group does not have (auto gives it 1 or
+        # more, never 16 here): it must not decide, after the exchange as before it.
+        third = next(a for a in ("chain", "shm", "tree") if a not in (model, other))
+        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=third, hi=math.inf, threads=16)
+                            for c in (False, True)] +
+                           [rule(world=n, crowded=c, algorithm=other, hi=math.sqrt(2) * 65536)
                             for c in (False, True)] +
                            [rule("allgather", n, lo=5e-324, hi=math.inf, algorithm="ring")])
     group = dist.new_group(list(range(n)), backend="tdx")
     paths = []
+    assert torchdist_ext.placement(group)["pass_threads"] < 16
     for numel in (1024, 1 << 20):  # 4 KiB (ruled) and 4 MiB (the model's)
         t = torch.full((numel,), float(rank))
         dist.broadcast(t, src=0, group=group)
@@ -195,15 +270,16 @@ def test_rules_only_where_the_model_loses_by_more_than_the_margin() -> None:
         rows += [_row("broadcast", size, a, t) for a, t in times.items()]
     asked = []
 
-    def model(op: str, size: int, world: int, placement: str, crowded: bool) -> str:
-        asked.append((op, size, world, placement, crowded))
+    def model(op: str, size: int, world: int, placement: str, crowded: bool,
+              threads: int) -> str:
+        asked.append((op, size, world, placement, crowded, threads))
         return "shm"
 
     rules, winners = tune.rules_from_rows(rows, margin=0.1, model=model)
     assert rules == [rule("broadcast", 4, "windows", True, 8 * k, 32 * k, "tree")]
     assert [w["ruled"] for w in winners] == [False, True, False]
     assert [w["model_us"] for w in winners] == [100, 100, 100]
-    assert asked[0] == ("broadcast", 4 * k, 4, "windows", True)
+    assert asked[0] == ("broadcast", 4 * k, 4, "windows", True, 1)
     # With no margin every size the model does not win gets a rule.
     rules, _ = tune.rules_from_rows(rows, margin=0.0, model=model)
     assert [r["algorithm"] for r in rules] == ["tree"] and rules[0]["min_bytes"] == 0
@@ -295,8 +371,9 @@ def test_tune_refuses_all_to_all() -> None:
 
 def test_tune_end_to_end(tmp_path: Path) -> None:
     """``bench tune`` at 2 ranks with no margin: every algorithm of broadcast timed, a rule
-    wherever the model's pick was not the fastest, saved beside the file's terms; a fresh
-    process then picks the fastest at each measured size."""
+    wherever the model's pick was not the fastest, saved beside the file's terms, for the
+    thread count the ranks ran with; a fresh process then picks the fastest at each
+    measured size for that count."""
     out = tmp_path / "cal.json"
     calibration.save({"links": {"shm": {"alpha": 3e-6, "beta": 2e-10, "gamma": 3e-10}}}, out)
     proc = subprocess.run(
@@ -304,7 +381,8 @@ def test_tune_end_to_end(tmp_path: Path) -> None:
          "broadcast", "--sizes", "4K,64K", "-n", "2", "-w", "1", "--rounds", "1",
          "--margin", "0", "--out", str(out), "--json", str(tmp_path / "tune.json"),
          "--no-progress"],
-        capture_output=True, text=True, timeout=300, cwd=REPO)
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**os.environ, "TDX_SHM_THREADS": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# saved to" in proc.stdout
     data = calibration.load(out)
@@ -314,7 +392,8 @@ def test_tune_end_to_end(tmp_path: Path) -> None:
     winners = tuning["winners"]
     assert [w["size"] for w in winners] == [4096, 65536]
     crowded = tuning["keys"][0][3]
-    assert tuning["keys"] == [["broadcast", 2, "windows", crowded]]  # spawned: one host
+    assert tuning["keys"] == [["broadcast", 2, "windows", crowded, 2]]  # spawned: one host
+    assert tuning["threads"] == [2] and "2 thread(s) per rank" in proc.stdout
     for w in winners:
         assert w["algorithm"] in names and w["model"] in names
         assert w["runner_up_us"] is None or w["us"] <= w["runner_up_us"]
@@ -323,13 +402,13 @@ def test_tune_end_to_end(tmp_path: Path) -> None:
     rules = data.get("rules", [])
     assert all(r["collective"] == "broadcast" and r["world"] == 2 and
                r["placement"] == "windows" and r["crowded"] == crowded and
-               r["algorithm"] in names for r in rules)
+               r["threads"] == 2 and r["algorithm"] in names for r in rules)
     assert len(rules) == (sum(w["ruled"] for w in winners) -
                           (winners[0]["ruled"] and winners[1]["ruled"] and
                            winners[0]["algorithm"] == winners[1]["algorithm"]))
     # A fresh process loads them: auto picks each measured size's fastest.
     code = ("import torchdist_ext; print(' '.join(torchdist_ext.predict('broadcast', s, 2, "
-            f"crowded={crowded})[0] for s in (4096, 65536)))")
+            f"crowded={crowded}, pass_threads=2)[0] for s in (4096, 65536)))")
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "TDX_CALIBRATION": str(out)})
     assert got.stdout.split() == [w["algorithm"] for w in winners], got.stdout + got.stderr

@@ -347,7 +347,8 @@ def predict(collective: str, nbytes: int, world: int | None = None, same_host: b
             group: Any = None, pass_threads: int = 1) -> tuple[str, float]:
     """What ``auto`` (or the pinned algorithm) picks for an op, and its predicted seconds.
     Auto follows a measured rule (``python -m torchdist_ext.bench tune``) that matches the
-    op and can run it, else the cheapest algorithm by the cost model.
+    op (collective, size, world, placement, crowding and ``pass_threads``) and can run it,
+    else the cheapest algorithm by the cost model.
 
     With ``group``, or without ``world`` (then the default group): what that tdx group
     would run now, from its size, its placement as its ranks agreed, its cost model (its
@@ -379,8 +380,9 @@ def predict(collective: str, nbytes: int, world: int | None = None, same_host: b
         raise ValueError("predict: crowded=True describes ranks that share one host's CPUs; "
                          "pass same_host=True or one_host=True with it, or drop it")
     threads = _whole(pass_threads)
-    if threads is None or not 1 <= threads <= 16:
-        raise ValueError(f"predict: pass_threads must be a whole number from 1 to 16, got "
+    if threads is None or not 1 <= threads <= _calibration.MAX_THREADS:
+        raise ValueError(f"predict: pass_threads must be a whole number from 1 to "
+                         f"{_calibration.MAX_THREADS}, got "
                          f"{_calibration._shown(pass_threads)}")
     if threads > 1 and not same_host:
         raise ValueError("predict: pass_threads above 1 describes the shared-memory "

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 from . import _C
 
-__all__ = ["DEFAULT_LINKS", "LINKS", "MAX_WORLD", "RULE_KEYS", "TERMS", "as_real",
+__all__ = ["DEFAULT_LINKS", "LINKS", "MAX_THREADS", "MAX_WORLD", "RULE_KEYS", "TERMS", "as_real",
            "calibration_path", "check_links", "load", "save", "load_into_backend", "rule_key"]
 
 # The backend's links, in its order: net, local, shm, cma.
@@ -126,10 +126,14 @@ def check_links(links: Any, where: str = "set_cost_model") -> dict[str, dict[str
 
 
 # What a measured rule holds; sizes in [min_bytes, max_bytes) of `collective` at `world`
-# ranks placed as `placement` (hosts, host or windows) and `crowded` run `algorithm`.
-RULE_KEYS = ("collective", "world", "placement", "crowded", "min_bytes", "max_bytes",
-             "algorithm")
+# ranks placed as `placement` (hosts, host or windows), `crowded`, each rank splitting the
+# window all_reduce over `threads` threads (TDX_SHM_THREADS as the group decided it) run
+# `algorithm`. A rule saved before rules counted threads has none: it was measured with
+# the one thread that was then the default, and reads as threads 1.
+RULE_KEYS = ("collective", "world", "placement", "crowded", "threads", "min_bytes",
+             "max_bytes", "algorithm")
 _PLACEMENTS = ("hosts", "host", "windows")
+MAX_THREADS = 16  # TDX_SHM_THREADS' range, the backend's limit on a rule's threads
 
 
 # The backend's limit on a rule's world size, and the largest world predict() prices: far
@@ -138,10 +142,14 @@ MAX_WORLD = 1 << 24
 
 
 def _valid_rule(r: Any) -> bool:
-    return (isinstance(r, dict) and set(r) == set(RULE_KEYS)
+    return (isinstance(r, dict) and set(RULE_KEYS) - {"threads"} <= set(r) <= set(RULE_KEYS)
             and isinstance(r["collective"], str) and isinstance(r["algorithm"], str)
             and type(r["world"]) is int and 1 <= r["world"] <= MAX_WORLD
             and r["placement"] in _PLACEMENTS and type(r["crowded"]) is bool
+            # only the windows' all_reduce splits its passes; elsewhere a group has 1
+            and type(r.get("threads", 1)) is int
+            and (1 <= r.get("threads", 1) <= MAX_THREADS if r["placement"] == "windows"
+                 else r.get("threads", 1) == 1)
             and _number(r["min_bytes"])
             # the last rule of a range may reach any size
             and (r["max_bytes"] == math.inf or _number(r["max_bytes"]))
@@ -152,10 +160,16 @@ def _valid_rules(rules: Any) -> bool:
     return isinstance(rules, list) and all(_valid_rule(r) for r in rules)
 
 
-def rule_key(rule: dict[str, Any]) -> tuple[str, int, str, bool]:
+def rule_key(rule: dict[str, Any]) -> tuple[str, int, str, bool, int]:
     """What a rule applies to, but for its sizes: a tuning run replaces the rules of the
-    keys it measured and keeps the others."""
-    return (rule["collective"], rule["world"], rule["placement"], rule["crowded"])
+    keys it measured and keeps the others (those of another thread count among them)."""
+    return (rule["collective"], rule["world"], rule["placement"], rule["crowded"],
+            rule.get("threads", 1))
+
+
+def _counted(rule: dict[str, Any]) -> dict[str, Any]:
+    """A valid rule with its thread count written out (1 where it has none)."""
+    return {**rule, "threads": rule.get("threads", 1)}
 
 
 def load(path: Path | None = None) -> dict[str, Any] | None:
@@ -191,14 +205,15 @@ def _load(path: Path) -> dict[str, Any] | None:
     if bad:
         # A rule edited by hand may be wrong; the terms and the other rules still hold.
         warnings.warn(f"torchdist_ext: ignoring {len(bad)} malformed rule(s) of {path} "
-                      f"(each needs exactly {', '.join(RULE_KEYS)}): {bad[0]!r}; a later "
-                      f"save keeps them under 'ignored_rules'")
+                      f"(each needs exactly {', '.join(RULE_KEYS)}, threads optional): "
+                      f"{bad[0]!r}; a later save keeps them under 'ignored_rules'")
         data["rules"] = [r for r in data["rules"] if _valid_rule(r)]
         # An earlier save wrote a list here, but the file may have been edited: keep
         # whatever else stands there as one more entry rather than fail on it.
         before = data.get("ignored_rules")
         before = [] if before is None else before if isinstance(before, list) else [before]
         data["ignored_rules"] = before + bad
+    data["rules"] = [_counted(r) for r in data["rules"]]
     links = data["links"]
     if "net" in links and "local" not in links:
         # Written before same-host messages had a link of their own: its `net` priced
@@ -208,7 +223,7 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 
 def save(data: dict[str, Any], path: Path | None = None,
-         replaces: Iterable[tuple[str, int, str, bool]] = ()) -> Path:
+         replaces: Iterable[tuple[str, int, str, bool, int]] = ()) -> Path:
     """Write a calibration (its ``links``, its ``rules`` or both) atomically; returns the
     path. Links the file already holds and ``data`` does not (``net`` from a run across
     hosts, when this one ran on one host) are kept, their names listed in
@@ -223,16 +238,19 @@ def save(data: dict[str, Any], path: Path | None = None,
         raise ValueError("calibration needs links {net|local|shm|cma: {alpha, beta, gamma}}, "
                          "each a finite number >= 0")
     if not _valid_rules(data["rules"]):
-        raise ValueError(f"each measured rule needs exactly {', '.join(RULE_KEYS)}: a world "
-                         f">= 1, a placement of {', '.join(_PLACEMENTS)}, crowded true or "
-                         f"false and 0 <= min_bytes < max_bytes")
+        raise ValueError(f"each measured rule needs exactly {', '.join(RULE_KEYS)} "
+                         f"(threads optional, 1 when left out): a world >= 1, a placement "
+                         f"of {', '.join(_PLACEMENTS)}, crowded true or false, threads 1 to "
+                         f"{MAX_THREADS} with windows and 1 elsewhere, and "
+                         f"0 <= min_bytes < max_bytes")
     # Terms and sizes may be any real numbers (numpy scalars among them); the file holds
     # plain ints and floats, which JSON can write.
     data["links"] = {name: {**terms, **{k: _plain(terms[k]) for k in TERMS}}
                      for name, terms in data["links"].items()}
-    data["rules"] = [{**r, "min_bytes": _plain(r["min_bytes"]),
+    data["rules"] = [{**_counted(r), "min_bytes": _plain(r["min_bytes"]),
                       "max_bytes": _plain(r["max_bytes"])} for r in data["rules"]]
-    replaces = {tuple(k) for k in replaces}
+    # (a key without its thread count, as rule_key gave before it had one, means 1)
+    replaces = {tuple(k) if len(k) == 5 else (*k, 1) for k in replaces}
     if not (data["links"] or data["rules"] or replaces):
         raise ValueError("nothing to save: the calibration has neither links nor rules")
     path = path or calibration_path()

@@ -13,6 +13,9 @@
 namespace tdx {
 namespace algorithms {
 
+// The most threads a pass splits over (TDX_SHM_THREADS' range ends here).
+constexpr int kMaxPassThreads = 16;
+
 // How many ways parallelPass splits a pass of `bytes` with `ways` threads: parts under
 // 64 KiB are not worth waking a helper for, and the pool has at most 16 threads. The cost
 // model prices the split with it too.

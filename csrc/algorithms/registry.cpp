@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "algorithms/collectives.h"
+#include "algorithms/pass_pool.h"
 #include "algorithms/shm_collectives.h"
 #include "common/env.h"
 
@@ -87,15 +88,16 @@ double parseDouble(const std::string& text, const std::string& entry) {
                               "' is not a number");
 }
 
-// "collective,world,spread,crowded,from,to,algorithm", as serialize() writes it.
+// "collective,world,spread,crowded,from,to,algorithm,threads", as serialize() writes it.
 Rule parseRule(const std::string& text, const std::string& entry) {
   std::vector<std::string> f;
   std::stringstream ss(text);
   std::string field;
   while (std::getline(ss, field, ',')) f.push_back(field);
-  if (f.size() != 7) {
-    throw std::invalid_argument("bad cost model entry '" + entry +
-                                "': a rule is collective,world,spread,crowded,from,to,algorithm");
+  if (f.size() != 8) {
+    throw std::invalid_argument(
+        "bad cost model entry '" + entry +
+        "': a rule is collective,world,spread,crowded,from,to,algorithm,threads");
   }
   Rule r;
   r.collective = collectiveFromName(f[0]);
@@ -113,6 +115,13 @@ Rule parseRule(const std::string& text, const std::string& entry) {
   r.fromBytes = parseDouble(f[4], entry);
   r.toBytes = parseDouble(f[5], entry);
   r.algorithm = f[6];
+  const double threads = parseDouble(f[7], entry);
+  if (!(threads >= 1 && threads <= kMaxPassThreads) || threads != static_cast<int>(threads)) {
+    throw std::invalid_argument("bad cost model entry '" + entry +
+                                "': the thread count is a whole number from 1 to " +
+                                std::to_string(kMaxPassThreads));
+  }
+  r.threads = static_cast<int>(threads);
   return r;
 }
 
@@ -166,7 +175,7 @@ std::string CostModel::serialize() const {
   for (const Rule& r : rules) {
     os << ";rule:" << collectiveName(r.collective) << "," << r.world << ","
        << spreadName(r.spread) << "," << (r.crowded ? 1 : 0) << "," << formatDouble(r.fromBytes)
-       << "," << formatDouble(r.toBytes) << "," << r.algorithm;
+       << "," << formatDouble(r.toBytes) << "," << r.algorithm << "," << r.threads;
   }
   return os.str();
 }
@@ -331,7 +340,7 @@ Choice Registry::cheapest(Collective c, double bytes, int n, const Placement& p,
   const Spread spread = p.spread();
   for (const Rule& r : model.rules) {
     if (r.collective != c || r.world != n || r.spread != spread || r.crowded != p.crowded ||
-        bytes < r.fromBytes || bytes >= r.toBytes) {
+        r.threads != p.passThreads || bytes < r.fromBytes || bytes >= r.toBytes) {
       continue;
     }
     const Algorithm* a = find(c, r.algorithm);
@@ -448,6 +457,17 @@ void Registry::checkRule(const Rule& r) const {
   if (r.world < 1 || r.world > kMaxRuleWorld) {
     throw std::invalid_argument(what + "the world size must be 1 to " +
                                 std::to_string(kMaxRuleWorld));
+  }
+  if (r.threads < 1 || r.threads > kMaxPassThreads) {
+    throw std::invalid_argument(what + "the thread count must be 1 to " +
+                                std::to_string(kMaxPassThreads) + ", got " +
+                                std::to_string(r.threads));
+  }
+  if (r.threads != 1 && r.spread != Spread::Windows) {
+    // Only the window all_reduce splits its passes: elsewhere a group has 1 thread, and a
+    // rule for more would never apply.
+    throw std::invalid_argument(what + "placement " + spreadName(r.spread) + " runs 1 thread "
+                                "per rank; only windows may name " + std::to_string(r.threads));
   }
   if (!(r.fromBytes >= 0) || !(r.toBytes > r.fromBytes)) {
     throw std::invalid_argument(what + "needs 0 <= from_bytes < to_bytes, got " +

@@ -84,6 +84,11 @@ struct Rule {
   int world = 0;
   Spread spread = Spread::Windows;
   bool crowded = false;
+  // The threads per rank the window all_reduce split its passes over when the rule was
+  // measured (Placement::passThreads; 1 without windows): they change its speed several
+  // fold on a host with cores to spare, so a ranking measured with one count says
+  // nothing about another, and the rule applies only where the group has that count.
+  int threads = 1;
   double fromBytes = 0;
   double toBytes = 0;
   std::string algorithm;
@@ -100,8 +105,8 @@ struct CostModel {
   double wake = 0;
   static CostModel defaults();
   // "net:alpha,beta,gamma;local:...;shm:...;cma:...;wake:seconds" then one
-  // ";rule:collective,world,spread,crowded,from,to,algorithm" per rule, for the store
-  // exchange.
+  // ";rule:collective,world,spread,crowded,from,to,algorithm,threads" per rule, for the
+  // store exchange.
   std::string serialize() const;
   static CostModel parse(const std::string& text);
 };

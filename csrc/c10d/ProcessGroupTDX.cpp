@@ -26,6 +26,7 @@
 
 #include "algorithms/collectives.h"
 #include "algorithms/executor.h"
+#include "algorithms/pass_pool.h"
 
 #include "c10d/Validation.hpp"
 #include "common/env.h"
@@ -104,8 +105,9 @@ std::atomic<int>& jobCpusPerRank() {
 int shmThreadsSetting(const std::string& prefix) {
   if (env::get("TDX_SHM_THREADS") == "auto") return 0;
   const int64_t threads = env::getInt("TDX_SHM_THREADS");
-  TORCH_CHECK_VALUE(threads >= 1 && threads <= 16, prefix,
-                    ": TDX_SHM_THREADS must be auto or 1 to 16, got ", threads);
+  TORCH_CHECK_VALUE(threads >= 1 && threads <= algorithms::kMaxPassThreads, prefix,
+                    ": TDX_SHM_THREADS must be auto or 1 to ", algorithms::kMaxPassThreads,
+                    ", got ", threads);
   return static_cast<int>(threads);
 }
 

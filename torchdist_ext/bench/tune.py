@@ -9,7 +9,12 @@ Where the model's own pick ran more than ``--margin`` (10%) slower than the fast
 records the fastest at that size as a rule::
 
     {"collective": "reduce", "world": 4, "placement": "windows", "crowded": true,
-     "min_bytes": 0, "max_bytes": 32768, "algorithm": "tree"}
+     "threads": 1, "min_bytes": 0, "max_bytes": 32768, "algorithm": "tree"}
+
+``threads`` is the thread count each rank split the window all_reduce over in the run
+(``TDX_SHM_THREADS`` as the group decided it, 1 without windows): it changes which
+algorithm wins, so a rule applies only to groups with the same count, and a tuning with
+another count keeps this one.
 
 Elsewhere the model stays, so two algorithms within the timing noise of each other do
 not trade places from one tuning to the next. A measured size's rule reaches halfway
@@ -92,6 +97,11 @@ def _placement(row: dict[str, Any]) -> str:
     return "windows" if row["windows"] else "host"
 
 
+def _threads(row: dict[str, Any]) -> int:
+    """The threads each rank of the row's group split the window all_reduce over."""
+    return int(row.get("pass_threads", 1)) if row["windows"] else 1
+
+
 def _prefix(row: dict[str, Any]) -> str:
     """The form ``--check-auto`` judges: in place where the op has that form."""
     return "ip_" if OPS[row["op"]].in_place else "oop_"
@@ -113,19 +123,21 @@ def wrong_rows(rows: Iterable[dict[str, Any]]) -> list[str]:
             for r in rows if r.get("pinned") and r.get(_prefix(r) + "wrong")]
 
 
-ModelPick = Callable[[str, int, int, str, bool], str]
+ModelPick = Callable[[str, int, int, str, bool, int], str]
 
 
-def model_pick(op: str, size: int, world: int, placement: str, crowded: bool) -> str:
+def model_pick(op: str, size: int, world: int, placement: str, crowded: bool,
+               threads: int = 1) -> str:
     """What the cost model alone (no rules, no pins such as ``TDX_ALGO``) picks for ``op``
-    at ``size`` bytes."""
+    at ``size`` bytes, each rank splitting the window all_reduce over ``threads``."""
     collective = COLLECTIVES[op]
     saved, pin = _C._cost_rules(), torchdist_ext.get_algorithm(collective)
     _C._set_cost_rules([])
     torchdist_ext.set_algorithm(collective, "auto")
     try:
         return torchdist_ext.predict(collective, size, world, same_host=placement == "windows",
-                                     one_host=placement != "hosts", crowded=crowded)[0]
+                                     one_host=placement != "hosts", crowded=crowded,
+                                     pass_threads=threads)[0]
     finally:
         torchdist_ext.set_algorithm(collective, pin)
         _C._set_cost_rules(saved)
@@ -140,27 +152,28 @@ def rules_from_rows(rows: Iterable[dict[str, Any]], margin: float = DEFAULT_MARG
     rule overrides it). A size gets a rule only where the model's pick ran more than
     ``margin`` (a fraction) slower than the fastest; elsewhere the model stays, so two
     algorithms within the timing noise of each other do not flip from run to run."""
-    times: dict[tuple[str, int, str, bool], dict[int, dict[str, float]]] = {}
+    times: dict[tuple[str, int, str, bool, int], dict[int, dict[str, float]]] = {}
     for r in rows:
         if not r.get("pinned") or not r.get("algo"):
             continue
         t = _time_us(r)
         if t is None:
             continue
-        key = (r["op"], r["world"], _placement(r), bool(r.get("crowded")))
+        key = (r["op"], r["world"], _placement(r), bool(r.get("crowded")), _threads(r))
         times.setdefault(key, {}).setdefault(int(r["size"]), {})[r["algo"]] = t
     rules: list[dict[str, Any]] = []
     winners: list[dict[str, Any]] = []
-    for (op, world, placement, crowded), by_size in sorted(times.items()):
+    for (op, world, placement, crowded, threads), by_size in sorted(times.items()):
         sizes = sorted(by_size)
         best: list[str | None] = []
         for s in sizes:
             ranked = sorted(by_size[s].items(), key=lambda kv: kv[1])
-            pick = model(op, s, world, placement, crowded)
+            pick = model(op, s, world, placement, crowded, threads)
             pick_us = by_size[s].get(pick)
             ruled = pick_us is None or pick_us > (1.0 + margin) * ranked[0][1]
             best.append(ranked[0][0] if ruled else None)
-            winners.append({"op": op, "size": s, "algorithm": ranked[0][0], "us": ranked[0][1],
+            winners.append({"op": op, "size": s, "threads": threads,
+                            "algorithm": ranked[0][0], "us": ranked[0][1],
                             "runner_up": ranked[1][0] if len(ranked) > 1 else None,
                             "runner_up_us": ranked[1][1] if len(ranked) > 1 else None,
                             "model": pick, "model_us": pick_us, "ruled": ruled})
@@ -171,12 +184,13 @@ def rules_from_rows(rows: Iterable[dict[str, Any]], margin: float = DEFAULT_MARG
                 continue
             lo, hi = bounds[i], bounds[i + 1]
             if rules and rules[-1]["algorithm"] == algo and rules[-1]["max_bytes"] == lo and \
-                    calibration.rule_key(rules[-1]) == (COLLECTIVES[op], world, placement, crowded):
+                    calibration.rule_key(rules[-1]) == (COLLECTIVES[op], world, placement,
+                                                        crowded, threads):
                 rules[-1]["max_bytes"] = hi
                 continue
             rules.append({"collective": COLLECTIVES[op], "world": world, "placement": placement,
-                          "crowded": crowded, "min_bytes": lo, "max_bytes": hi,
-                          "algorithm": algo})
+                          "crowded": crowded, "threads": threads, "min_bytes": lo,
+                          "max_bytes": hi, "algorithm": algo})
     return rules, winners
 
 
@@ -200,6 +214,8 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "host": socket.gethostname(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "world": rows[0]["world"] if rows else world,
+        # each rank's threads for the window all_reduce (the rules hold for it alone)
+        "threads": sorted({_threads(r) for r in rows}),
         "ops": list(ops),
         "sizes": sorted(sizes),
         "iters": iters,
@@ -208,7 +224,8 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "margin": margin,
         # what this run measured: a later save replaces the stored rules of these keys
         # (only those with a timed row: an op that failed everywhere keeps its rules)
-        "keys": sorted({(COLLECTIVES[r["op"]], r["world"], _placement(r), bool(r["crowded"]))
+        "keys": sorted({(COLLECTIVES[r["op"]], r["world"], _placement(r), bool(r["crowded"]),
+                         _threads(r))
                         for r in rows if r.get("pinned") and _time_us(r) is not None}),
         "tdx_version": torchdist_ext.__version__,
     }
@@ -224,7 +241,9 @@ def _size_text(b: float) -> str:
 
 def report_lines(data: dict[str, Any]) -> list[str]:
     t = data["tuning"]
+    threads = "/".join(str(n) for n in t.get("threads", [])) or "1"
     out = [f"# tdx tune on {t['host']}, {t['date']}: world {t['world']}, "
+           f"{threads} thread(s) per rank for the window all_reduce, "
            f"{t['iters']} iterations x {t['rounds']} rounds, median"]
     out.append(f"# {'op':<15}{'size':>8}  {'fastest':<12}{'us':>10}  {'next':<12}{'us':>10}"
                f"  {'model':<12}{'us':>10}  rule")
@@ -237,8 +256,9 @@ def report_lines(data: dict[str, Any]) -> list[str]:
                    f"  {'yes' if w['ruled'] else '-'}")
     out.append("# rules:")
     for r in data["rules"]:
+        threads = f" threads {r['threads']}" if r["placement"] == "windows" else ""
         out.append(f"  {r['collective']:<15} world {r['world']} {r['placement']}"
-                   f"{' crowded' if r['crowded'] else ''}: "
+                   f"{' crowded' if r['crowded'] else ''}{threads}: "
                    f"[{_size_text(r['min_bytes'])}, {_size_text(r['max_bytes'])}) -> "
                    f"{r['algorithm']}")
     return out
