@@ -118,7 +118,17 @@ void bindAlgorithms(py::module& m) {
       r.fromBytes = d["min_bytes"].cast<double>();
       r.toBytes = d["max_bytes"].cast<double>();
       r.algorithm = d["algorithm"].cast<std::string>();
-      if (d.contains("threads")) r.threads = d["threads"].cast<int>();
+      if (d.contains("threads")) {
+        // A count, as the file loader takes it: not a bool (an int to Python) or a float.
+        const py::object t = d["threads"];
+        if (!py::isinstance<py::int_>(t) || py::isinstance<py::bool_>(t)) {
+          throw std::invalid_argument(std::string("measured rule ") +
+                                      py::str(item).cast<std::string>() +
+                                      ": threads must be a whole number, not " +
+                                      py::str(py::type::of(t).attr("__name__")).cast<std::string>());
+        }
+        r.threads = t.cast<int>();
+      }
       m.rules.push_back(std::move(r));
     }
     Registry::get().setCostModel(m);  // checks every rule

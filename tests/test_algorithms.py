@@ -903,6 +903,33 @@ def _predict_after_the_window_failed(rank: int, n: int) -> dict:
     return out
 
 
+def _host_rule_after_the_window_failed(rank: int, n: int) -> dict:
+    from torchdist_ext import _C
+
+    model = torchdist_ext.predict("allreduce", 4096, n, same_host=False, one_host=True)[0]
+    other = next(a for a in ("ring", "rhd", "direct") if a != model)
+    _C._set_cost_rules([{"collective": "allreduce", "world": n, "placement": "host",
+                         "crowded": c, "threads": 1, "min_bytes": 0, "max_bytes": 1e9,
+                         "algorithm": other} for c in (False, True)])
+    group = dist.new_group(list(range(n)))
+    t = torch.full((1024,), float(rank))
+    dist.all_reduce(t, group=group)  # the window cannot be made: messages, by the rule
+    return {"other": other, "sum": t[0].item(), "threads": torchdist_ext.placement(group)[
+        "pass_threads"], "ran": torchdist_ext.flight_recorder(group)[-1]["path"],
+        "after": torchdist_ext.predict("allreduce", 4096, group=group)[0]}
+
+
+def test_a_group_without_its_window_follows_the_rules_for_no_windows() -> None:
+    """A group that settled on 2 threads per rank for its window all_reduce, whose window
+    then cannot be made, runs as a group with windows off: with 1 thread, so the rules
+    measured without windows (1 thread) decide."""
+    results = run_ranks(_host_rule_after_the_window_failed, 2, timeout=120,
+                        env={"TDX_SHM_SLOT_BYTES": str(1 << 44), "TDX_SHM_THREADS": "2"})
+    for res in results:
+        assert res["threads"] == 2 and res["sum"] == 1.0, res
+        assert res["ran"] == res["after"] == res["other"], res
+
+
 def test_predict_for_a_group_whose_window_could_not_be_made() -> None:
     """A slot no /dev/shm can hold: the group's window fails at its first op, which runs
     a message algorithm instead. From then on predict(group) answers what the group

@@ -99,8 +99,8 @@ def test_a_rule_holds_for_the_thread_count_it_was_measured_with(no_rules: None) 
 
 
 def test_rules_saved_without_a_thread_count_load_as_one_thread(tmp_path: Path) -> None:
-    """Files written before rules recorded threads were tuned with the one thread that was
-    the default then: they load as threads 1, and a tuning at another count keeps them."""
+    """Rules written before they recorded threads load as threads 1, and a tuning at
+    another count keeps them."""
     path = tmp_path / "old.json"
     old = {k: v for k, v in rule(world=3).items() if k != "threads"}
     path.write_text(json.dumps({"rules": [old]}))
@@ -114,6 +114,21 @@ def test_rules_saved_without_a_thread_count_load_as_one_thread(tmp_path: Path) -
     assert calibration.load(path)["rules"] == [rule(world=3, algorithm="chain", threads=4)]
     with pytest.raises(ValueError, match="threads 1 to 16 with windows and 1 elsewhere"):
         calibration.save({"rules": [rule(placement="hosts", threads=2)]}, path)
+
+
+@pytest.mark.parametrize("threads", [True, 2.0, None, "2", 0, 17])
+def test_a_file_rule_with_a_bad_thread_count_is_skipped(tmp_path: Path, threads: Any) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"rules": [rule(world=3), {**rule(), "threads": threads}]}))
+    with pytest.warns(UserWarning, match="ignoring 1 malformed rule"):
+        assert calibration.load(path)["rules"] == [rule(world=3)]
+
+
+def test_a_file_rule_with_threads_without_windows_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"rules": [rule(placement="host", threads=2)]}))
+    with pytest.warns(UserWarning, match="ignoring 1 malformed rule"):
+        assert calibration.load(path)["rules"] == []
 
 
 def test_rules_from_rows_keep_thread_counts_apart() -> None:
@@ -170,6 +185,8 @@ def test_a_rule_that_cannot_run_the_op_leaves_it_to_the_model(no_rules: None) ->
     (rule(threads=0), "thread count must be 1 to 16, got 0"),
     (rule(threads=17), "thread count must be 1 to 16, got 17"),
     (rule(placement="host", threads=2), "placement host runs 1 thread per rank"),
+    (rule(threads=True), "threads must be a whole number, not bool"),
+    (rule(threads=2.0), "threads must be a whole number, not float"),
     ({k: v for k, v in rule().items() if k != "world"}, "has no 'world'"),
 ])
 def test_bad_rules_are_refused_and_change_nothing(no_rules: None, bad: dict,
@@ -181,23 +198,29 @@ def test_bad_rules_are_refused_and_change_nothing(no_rules: None, bad: dict,
 
 
 def _ruled_group(rank: int, n: int) -> dict:
-    """Only rank 0 holds a rule; the group takes rank 0's model, so both ranks run it."""
+    """Only rank 0 holds a rule; the group takes rank 0's model, so both ranks run it. The
+    rules name the thread count the world's ranks settled on, which a group of the same
+    ranks gets too, and a rule for another count must not decide."""
     model = torchdist_ext.predict("broadcast", 4096, n)[0]  # the same on every rank here
     other = "tree" if model != "tree" else "shm"
+    threads = torchdist_ext.placement()["pass_threads"]
     if rank == 0:
         # Bounds that only survive the exchange written and read in full: a fraction,
         # a subnormal, infinity.
-        # First a rule for a thread count the group does not have (auto gives it 1 or
-        # more, never 16 here): it must not decide, after the exchange as before it.
+        # First a rule for a thread count the group does not have: it must not decide,
+        # after the exchange as before it.
         third = next(a for a in ("chain", "shm", "tree") if a not in (model, other))
-        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=third, hi=math.inf, threads=16)
+        _C._set_cost_rules([rule(world=n, crowded=c, algorithm=third, hi=math.inf,
+                                 threads=1 if threads > 1 else 2)
                             for c in (False, True)] +
-                           [rule(world=n, crowded=c, algorithm=other, hi=math.sqrt(2) * 65536)
+                           [rule(world=n, crowded=c, algorithm=other, hi=math.sqrt(2) * 65536,
+                                 threads=threads)
                             for c in (False, True)] +
-                           [rule("allgather", n, lo=5e-324, hi=math.inf, algorithm="ring")])
+                           [rule("allgather", n, lo=5e-324, hi=math.inf, algorithm="ring",
+                                 threads=threads)])
     group = dist.new_group(list(range(n)), backend="tdx")
     paths = []
-    assert torchdist_ext.placement(group)["pass_threads"] < 16
+    assert torchdist_ext.placement(group)["pass_threads"] == threads
     for numel in (1024, 1 << 20):  # 4 KiB (ruled) and 4 MiB (the model's)
         t = torch.full((numel,), float(rank))
         dist.broadcast(t, src=0, group=group)
@@ -207,11 +230,14 @@ def _ruled_group(rank: int, n: int) -> dict:
             "predicted": [torchdist_ext.predict("broadcast", b, group=group)[0]
                           for b in (4096, 1 << 22)],
             "own": torchdist_ext.predict("broadcast", 4096, n)[0],
-            "windows": torchdist_ext.placement(group)["windows"]}
+            "windows": torchdist_ext.placement(group)["windows"], "threads": threads}
 
 
-def test_a_groups_ranks_follow_rank0s_rules() -> None:
-    results = run_ranks(_ruled_group, 2, timeout=120)
+@pytest.mark.parametrize("setting", ["auto", "3"])
+def test_a_groups_ranks_follow_rank0s_rules(setting: str) -> None:
+    results = run_ranks(_ruled_group, 2, timeout=120, env={"TDX_SHM_THREADS": setting})
+    if setting != "auto":
+        assert all(r["threads"] == int(setting) for r in results), results
     for rank, res in enumerate(results):
         assert res["windows"], res
         assert res["paths"][0] == res["other"], (rank, res)

@@ -128,8 +128,8 @@ def check_links(links: Any, where: str = "set_cost_model") -> dict[str, dict[str
 # What a measured rule holds; sizes in [min_bytes, max_bytes) of `collective` at `world`
 # ranks placed as `placement` (hosts, host or windows), `crowded`, each rank splitting the
 # window all_reduce over `threads` threads (TDX_SHM_THREADS as the group decided it) run
-# `algorithm`. A rule saved before rules counted threads has none: it was measured with
-# the one thread that was then the default, and reads as threads 1.
+# `algorithm`. A rule saved before rules counted threads has none and reads as threads 1:
+# the default count when most such files were tuned, and auto's on a crowded host.
 RULE_KEYS = ("collective", "world", "placement", "crowded", "threads", "min_bytes",
              "max_bytes", "algorithm")
 _PLACEMENTS = ("hosts", "host", "windows")

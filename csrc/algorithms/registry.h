@@ -129,6 +129,14 @@ struct Placement {
   Spread spread() const {
     return !oneHost ? Spread::Hosts : windows ? Spread::Windows : Spread::Host;
   }
+  // The same ranks when the window is missing: a group whose windows are off, with no
+  // threads for a window all_reduce (so the rules measured that way apply).
+  Placement withoutWindows() const {
+    Placement p = *this;
+    p.windows = false;
+    p.passThreads = 1;
+    return p;
+  }
 };
 
 struct Algorithm {

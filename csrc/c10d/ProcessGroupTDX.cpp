@@ -969,14 +969,12 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
       // Without the window the group runs as one whose windows are off: the rules
       // measured that way apply, and only message algorithms can run.
       const algorithms::Link net = algorithms::Link::Net;
-      algorithms::Placement noWindows = placement_;
-      noWindows.windows = false;
       if (choice.pinned) {
         // Every rank learns alike that the window is missing: refuse the pin as any
         // other that cannot run, rather than run something else under its name.
         throw windowPinRefused(c, choice.algorithm->name);
       }
-      choice = reg.cheapest(c, bytes, size_, noWindows, costModel_, &net);
+      choice = reg.cheapest(c, bytes, size_, placement_.withoutWindows(), costModel_, &net);
     } else if (choice.algorithm->needsCrossMemory && !sel.window->crossMemory()) {
       algorithms::Placement noCrossMemory = placement_;
       noCrossMemory.crossMemory = false;
@@ -1009,9 +1007,7 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
   if (outcome == -1) {
     if (choice.pinned) throw windowPinRefused(c, choice.algorithm->name);
     const algorithms::Link net = algorithms::Link::Net;
-    algorithms::Placement noWindows = placement_;
-    noWindows.windows = false;
-    return reg.cheapest(c, bytes, size_, noWindows, costModel_, &net);
+    return reg.cheapest(c, bytes, size_, placement_.withoutWindows(), costModel_, &net);
   }
   if (outcome == 2 && choice.algorithm->needsCrossMemory) {
     algorithms::Placement noCrossMemory = placement_;

@@ -21,7 +21,7 @@ not trade places from one tuning to the next. A measured size's rule reaches hal
 (geometrically) to the next measured size, the smallest down to 0 and the largest up to
 twice itself; beyond that the model decides. Adjacent sizes with the same winner share
 one rule. ``auto`` takes a rule whenever one matches the op's collective, byte count,
-group size and placement and its algorithm can run the op; rules travel with rank 0's
+group size, placement and thread count and its algorithm can run the op; rules travel with rank 0's
 cost model, so every rank of a group agrees. The latest run's details (each size's
 fastest, runner-up and the model's pick) are kept under ``tuning``.
 
@@ -31,8 +31,8 @@ tuned: it picks its algorithm before the ranks know each other's byte counts.
 The rules go to the host's calibration file (:func:`torchdist_ext.calibration.save`), or
 to ``--out``, whose terms (over the backend's defaults, as the spawned ranks load them)
 then price the model's picks: they replace the stored rules of
-every collective, world size and placement this run measured and keep the rest, and the
-links. ``--dry-run`` saves nothing.
+every collective, world size, placement and thread count this run measured and keep the
+rest, and the links. ``--dry-run`` saves nothing.
 
 Usage::
 
@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time every tdx algorithm of a few collectives pinned in turn at one "
                     "world size and, at sizes where the cost model's pick lost by more than "
                     "--margin, record the fastest as a rule that auto follows (for that "
-                    "world size and placement) instead of the model.",
+                    "world size, placement and threads per rank) instead of the model.",
         epilog=f"Saved to {calibration.calibration_path()} (TDX_CALIBRATION overrides), "
                "beside the calibrated terms; every later 'import torchdist_ext' loads them.",
     )
