@@ -397,6 +397,54 @@ def test_check_auto_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli.main(["--backends", "tdx"]) == 1
 
 
+def _warm_up(rank: int, n: int, per_call_s: list[float], fail_rank: int) -> dict:
+    """Each rank's calls take per_call_s[rank]; returns what _warm decided here."""
+    import time as _time
+
+    import torch.distributed as dist
+
+    from torchdist_ext.bench import runner
+
+    calls = []
+
+    def call() -> None:
+        if rank == fail_rank and len(calls) == 1:
+            raise RuntimeError("the second call failed")
+        calls.append(1)
+        _time.sleep(per_call_s[rank])
+
+    side = dist.new_group(backend="gloo")
+    ctx = runner._Ctx(Options(warmup=2, warmup_ms=60.0, backends="gloo"), rank, n,
+                      torch.device("cpu"), side)
+    more, error = runner._warm(runner._Case(call, lambda: 0), ctx)
+    unlimited = dataclasses.replace(ctx, opts=Options(warmup=2, warmup_ms=1e9, backends="gloo"))
+    most, _ = runner._warm(runner._Case(lambda: None, lambda: 0), unlimited)
+    return {"more": more, "error": error, "calls": len(calls), "most": most}
+
+
+@pytest.mark.parametrize("fail_rank", [-1, 1])
+def test_warmup_floor_runs_as_many_calls_on_every_rank(fail_rank: int) -> None:
+    """--warmup-ms: the ranks agree on how many more untimed calls to run, from the
+    slowest rank's time (a count that differed would leave a rank waiting in a
+    collective its peers never call), capped; a rank's failure reaches every rank."""
+    from torchdist_ext.bench import runner
+    from torchdist_ext.testing import run_ranks
+
+    results = run_ranks(_warm_up, 2, backend="gloo", timeout=60,
+                        args=([0.002, 0.01], fail_rank))
+    if fail_rank >= 0:
+        assert all(r["error"] == "rank 1: RuntimeError: the second call failed"
+                   for r in results), results
+        assert all(r["more"] == 0 for r in results), results
+        return
+    assert results[0]["more"] == results[1]["more"], results
+    # Rank 1's 2 calls took about 20 ms of the 60: about 4 more of its 10 ms calls (the
+    # sleeps may overrun, never undershoot).
+    assert 1 <= results[0]["more"] <= 4, results
+    assert all(r["error"] is None and r["calls"] == 2 for r in results), results
+    assert all(r["most"] == runner.MAX_EXTRA_WARMUP for r in results), results
+
+
 def test_rounds_take_the_median_round() -> None:
     """--rounds: each label's figure is its median round; any failed round makes it an
     error; the option is validated."""
@@ -683,6 +731,8 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["-o", "bor", "-d", "complex64"], "bor needs an integer or bool dtype, not complex64"),
     (["-o", "premul_sum", "--premul-factor", "nan"], "must be a finite number, got nan"),
     (["-o", "premul_sum", "--premul-factor", "inf"], "must be a finite number, got inf"),
+    (["--warmup-ms", "-1"], "warmup_ms (--warmup-ms) must be a finite number >= 0, got -1"),
+    (["--warmup-ms", "nan"], "warmup_ms (--warmup-ms) must be a finite number >= 0, got nan"),
     (["--op", "sendrecv", "--world", "1"], "--op sendrecv needs at least 2 ranks"),
     (["--json", "/nonexistent-dir/rows.json"],
      "--json /nonexistent-dir/rows.json: directory /nonexistent-dir does not exist"),

@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--iters", type=int, default=20, help="timed iterations (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5,
                    help="untimed iterations before timing (default 5)")
+    p.add_argument("--warmup-ms", type=float, default=20.0, metavar="MS",
+                   help="after the -w iterations, keep running untimed ones until this many "
+                        "milliseconds have passed, so a small size is not timed on idle, "
+                        "slowly clocked cores (every rank runs as many; 0: only -w; "
+                        "default 20)")
     p.add_argument("--stat", choices=("mean", "median"), default="mean",
                    help="per-op time: mean over the timed loop (default), or median of each "
                         "iteration timed alone (steadier on a busy machine)")
@@ -96,7 +101,8 @@ def options_from_args(argv: Sequence[str] | None = None) -> Options:
     try:
         opts = Options(ops=a.op, backends=a.backends, world=a.world, device=a.device,
                        minbytes=a.minbytes, maxbytes=a.maxbytes, stepfactor=a.stepfactor,
-                       iters=a.iters, warmup=a.warmup, dtype=a.dtype, redop=a.redop,
+                       iters=a.iters, warmup=a.warmup, warmup_ms=a.warmup_ms,
+                       dtype=a.dtype, redop=a.redop,
                        premul_factor=a.premul_factor, root=a.root, check=bool(a.check), json_path=a.json_path,
                        plot_path=a.plot_path, timeout=a.timeout, quiet=a.quiet,
                        progress=a.progress, stat=a.stat, rounds=a.rounds,

@@ -294,6 +294,11 @@ class Options:
     ``auto_tolerance`` (a fraction). ``sizes``, when given, replaces the minbytes .. maxbytes
     sweep. ``stat="median"`` times each iteration on its own and reports the median, which
     a busy machine's stalls barely move (``"mean"``: the whole loop over ``iters``).
+    ``warmup_ms``: after the ``warmup`` untimed iterations, untimed iterations go on
+    until this many milliseconds have passed since the first (every rank runs as many as
+    the slowest needs; none when ``warmup`` is 0). A few calls of a small size take
+    microseconds, too short for an idle core to leave its sleep states and raise its
+    clock, so without it the first small size of an op is timed on a cold machine.
     ``rounds`` > 1 measures every size that many times with the backends taking turns
     (round r times each of them once) and reports the median round: a shared host's slow
     spells then land on every backend alike, which is what comparing them, and
@@ -309,6 +314,7 @@ class Options:
     stepfactor: int = 2
     iters: int = 20
     warmup: int = 5
+    warmup_ms: float = 20.0
     dtype: str = "float32"
     redop: str = "sum"
     premul_factor: float = 0.5  # premul_sum's factor (0.5 keeps the bench's sums exact)
@@ -396,6 +402,9 @@ class Options:
             raise ValueError(f"world must be at least 1, got {self.world}")
         if self.iters < 1 or self.warmup < 0:
             raise ValueError(f"need iters >= 1 and warmup >= 0, got {self.iters}, {self.warmup}")
+        if not (_finite(self.warmup_ms) and self.warmup_ms >= 0):
+            raise ValueError(f"warmup_ms (--warmup-ms) must be a finite number >= 0, got "
+                             f"{self.warmup_ms!r}")
         if self.root < 0:
             raise ValueError(f"root must be a rank, got {self.root}")
         for name, value in (("ops", ops), ("backends", backends), ("redop", redop),

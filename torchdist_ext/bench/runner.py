@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 import os
 import platform
 import queue
@@ -125,6 +126,12 @@ def _agree(error: str | None, group: Any, world: int) -> str | None:
     dist.all_reduce(flag, group=group)
     if not int(flag):
         return None
+    return _failed(error, group, world)
+
+
+def _failed(error: str | None, group: Any, world: int) -> str:
+    """Once every rank of ``group`` knows some rank failed: the first such rank's
+    message, with its rank."""
     errors: list[Any] = [None] * world
     dist.all_gather_object(errors, error, group=group)
     for r, e in enumerate(errors):
@@ -261,8 +268,14 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
     error = ctx.agree(error)
     if error or case is None:
         return None, None, error
+    if o.warmup and o.warmup_ms > 0:
+        more, error = _warm(case, ctx)
+        if error:
+            return None, None, error
+    else:
+        more = o.warmup
     try:
-        for _ in range(o.warmup):
+        for _ in range(more):
             case.call()
         ctx.sync()
         dist.barrier(group=ctx.side)
@@ -290,6 +303,39 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
     total_wrong = torch.tensor([wrong], dtype=torch.int64)
     dist.all_reduce(total_wrong, group=ctx.side)
     return float(stats), (int(total_wrong) if o.check else None), None
+
+
+# At most this many untimed calls beyond -w, whatever --warmup-ms asks: a call of a few
+# microseconds must not turn a long floor into a minutes-long warm-up.
+MAX_EXTRA_WARMUP = 100_000
+
+
+def _warm(case: _Case, ctx: _Ctx) -> tuple[int, str | None]:
+    """Runs the ``warmup`` untimed calls; returns how many more every rank runs to reach
+    ``warmup_ms`` (the same count on every rank: it comes from the slowest rank's time,
+    agreed on together with the ranks' errors), and the first failing rank's error."""
+    o = ctx.opts
+    error, took = None, 0.0
+    try:
+        begun = time.perf_counter()
+        for _ in range(o.warmup):
+            case.call()
+        ctx.sync()
+        took = time.perf_counter() - begun
+    except Exception as exc:  # noqa: BLE001 - reported in the row, the run goes on
+        error = _short(exc)
+    # One collective for both: whether any rank failed, and the slowest rank's time.
+    seen = torch.tensor([1.0 if error else 0.0, took], dtype=torch.float64)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.side)
+    if seen[0] > 0:
+        return 0, _failed(error, ctx.side, ctx.world)
+    took = float(seen[1])
+    left = o.warmup_ms * 1e-3 - took
+    if left <= 0:
+        return 0, None
+    per_call = took / o.warmup
+    return (MAX_EXTRA_WARMUP if per_call <= 0 else
+            min(MAX_EXTRA_WARMUP, math.ceil(left / per_call))), None
 
 
 def _combine(results: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:
@@ -721,7 +767,8 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
                         row[f"{prefix}wrong"] = wrong
                         row[f"{prefix}error"] = error
                     row.update(ran.get(lb.label, {}))
-                    row.update(iters=opts.iters, warmup=opts.warmup, stat=opts.stat,
+                    row.update(iters=opts.iters, warmup=opts.warmup,
+                               warmup_ms=opts.warmup_ms, stat=opts.stat,
                                rounds=opts.rounds, host=meta["host"],
                                one_host=one_host, windows=same_host, crowded=crowded,
                                pass_threads=pass_threads,
