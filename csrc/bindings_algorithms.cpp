@@ -6,6 +6,7 @@
 
 #include "algorithms/collectives.h"
 #include "algorithms/registry.h"
+#include "algorithms/shm_collectives.h"
 
 namespace py = pybind11;
 
@@ -133,6 +134,17 @@ void bindAlgorithms(py::module& m) {
     }
     Registry::get().setCostModel(m);  // checks every rule
   });
+  // A window all_reduce pass over T threads is priced T^exponent times faster.
+  m.def("_thread_exponent", [] { return Registry::get().costModel().threadExponent; });
+  m.def("_set_thread_exponent", [](double exponent) {
+    if (!(exponent >= 0 && exponent <= 1)) {
+      throw std::invalid_argument("the thread exponent must be a number from 0 to 1, got " +
+                                  std::to_string(exponent));
+    }
+    CostModel m = Registry::get().costModel();
+    m.threadExponent = exponent;
+    Registry::get().setCostModel(m);
+  });
   m.def(
       "_algorithm_cost",
       [](const std::string& collective, const std::string& name, double bytes, int world,
@@ -147,6 +159,8 @@ void bindAlgorithms(py::module& m) {
         d["bytes_reduced"] = c.bytesReduced;
         d["link"] = linkName(a.link);
         d["priced_on"] = linkName(Registry::pricedOn(a, p));
+        // the threads a pass of this size splits over (1 for every other algorithm)
+        d["ways"] = a.splitsPasses ? shmAllreduceWays(bytes, world, p.passThreads) : 1;
         d["seconds"] = Registry::get().predict(a, bytes, world, p, Registry::get().costModel());
         d["unusable"] = Registry::get().unusable(a, bytes, world, p);
         return d;

@@ -531,6 +531,13 @@ def test_calibrate_dry_run(tmp_path: Path, capfd: pytest.CaptureFixture[str]) ->
     assert set(data["links"]) == {"local", "shm", "cma"} and data["world"] == 2
     assert data["rounds"] == 2 and "2 round(s)" in text
     assert any(n.startswith("net: no points") for n in data["notes"]), data["notes"]
+    # The thread exponent: fitted where the ranks got several threads (auto: a host with
+    # cores to spare), else left as it was, with a note saying why.
+    if "thread_exponent" in data:
+        assert 0 <= data["thread_exponent"] <= 1 and data["thread_points"], data
+    else:
+        assert any(n.startswith("threads: the ranks got 1 thread(s) each") for n in
+                   data["notes"]), data["notes"]
     for link, terms in data["links"].items():
         assert set(terms) == {"alpha", "beta", "gamma"}
         assert all(v >= 0 and v == v and v != float("inf") for v in terms.values()), link

@@ -1,7 +1,9 @@
 """Stored cost-model calibrations, one per host.
 
 ``python -m torchdist_ext.bench calibrate`` measures the α (per step), β (per byte moved)
-and γ (per byte reduced) terms of each link on this machine and writes them here;
+and γ (per byte reduced) terms of each link on this machine and writes them here, with
+``thread_exponent`` where the ranks get several threads each for the window all_reduce
+(a pass over T threads is priced T**exponent times faster);
 ``python -m torchdist_ext.bench tune`` adds measured rules (for a collective, world size
 and placement, which algorithm runs which sizes) where the terms do not predict well, as
 on hosts whose ranks outnumber their CPUs. Importing :mod:`torchdist_ext` loads both.
@@ -25,7 +27,7 @@ from typing import Any, Iterable
 
 from . import _C
 
-__all__ = ["DEFAULT_LINKS", "LINKS", "MAX_THREADS", "MAX_WORLD", "RULE_KEYS", "TERMS", "as_real",
+__all__ = ["DEFAULT_LINKS", "DEFAULT_THREAD_EXPONENT", "LINKS", "MAX_THREADS", "MAX_WORLD", "RULE_KEYS", "TERMS", "as_real",
            "calibration_path", "check_links", "load", "save", "load_into_backend", "rule_key"]
 
 # The backend's links, in its order: net, local, shm, cma.
@@ -46,6 +48,16 @@ TERMS = ("alpha", "beta", "gamma")
 # process prices with when it has no file (tune --out falls back to it, as the ranks it
 # spawns do).
 DEFAULT_LINKS = {name: dict(terms) for name, terms in _C._cost_model().items()}
+# A window all_reduce pass split over T threads is priced T**exponent times faster; the
+# file's ``thread_exponent`` (fitted by calibrate where the ranks get several threads)
+# replaces this default.
+DEFAULT_THREAD_EXPONENT = _C._thread_exponent()
+
+
+def _exponent(v: Any) -> bool:
+    """A thread exponent: a real number (not bool) from 0 to 1."""
+    x = as_real(v)
+    return x is not None and 0.0 <= x <= 1.0
 
 
 def as_real(value: Any) -> float | None:
@@ -195,9 +207,15 @@ def _load(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         warnings.warn(f"torchdist_ext: ignoring unreadable calibration {path}: {exc}")
         return None
+    if isinstance(data, dict) and "thread_exponent" in data and \
+            not _exponent(data["thread_exponent"]):
+        warnings.warn(f"torchdist_ext: ignoring thread_exponent "
+                      f"{_shown(data['thread_exponent'])} of {path}: it is a number from 0 "
+                      "to 1; rerun `python -m torchdist_ext.bench calibrate` or delete it")
+        del data["thread_exponent"]
     if (not isinstance(data, dict) or not _valid(data.setdefault("links", {}))
             or not isinstance(data.setdefault("rules", []), list)
-            or not (data["links"] or data["rules"])):
+            or not (data["links"] or data["rules"] or "thread_exponent" in data)):
         warnings.warn(f"torchdist_ext: ignoring malformed calibration {path}; "
                       "rerun `python -m torchdist_ext.bench calibrate` or delete it")
         return None
@@ -251,8 +269,14 @@ def save(data: dict[str, Any], path: Path | None = None,
                       "max_bytes": _plain(r["max_bytes"])} for r in data["rules"]]
     # (a key without its thread count, as rule_key gave before it had one, means 1)
     replaces = {tuple(k) if len(k) == 5 else (*k, 1) for k in replaces}
-    if not (data["links"] or data["rules"] or replaces):
-        raise ValueError("nothing to save: the calibration has neither links nor rules")
+    if "thread_exponent" in data:
+        if not _exponent(data["thread_exponent"]):
+            raise ValueError(f"thread_exponent must be a number from 0 to 1, got "
+                             f"{_shown(data['thread_exponent'])}")
+        data["thread_exponent"] = float(data["thread_exponent"])
+    if not (data["links"] or data["rules"] or replaces or "thread_exponent" in data):
+        raise ValueError("nothing to save: the calibration has neither links, rules nor a "
+                         "thread exponent")
     path = path or calibration_path()
     before = load(path) if path.exists() else None
     if before is None and path.exists():
@@ -270,7 +294,7 @@ def save(data: dict[str, Any], path: Path | None = None,
         # unless this one has its own.
         data = {**before, **data, "links": {**before["links"], **data["links"]},
                 "rules": rules, "kept_from_file": kept}
-    if not (data["links"] or data["rules"]):
+    if not (data["links"] or data["rules"] or "thread_exponent" in data):
         if path.exists():
             path.unlink()
         return path
@@ -319,4 +343,6 @@ def load_into_backend(path: Path | None = None) -> bool:
         if not installed:
             _C._set_cost_rules(before)
     _C._set_cost_model(data["links"])
+    if "thread_exponent" in data:
+        _C._set_thread_exponent(float(data["thread_exponent"]))
     return True

@@ -171,7 +171,7 @@ std::string CostModel::serialize() const {
     os << (i ? ";" : "") << linkName(static_cast<Link>(i)) << ":" << links[i].alpha << ","
        << links[i].beta << "," << links[i].gamma;
   }
-  os << ";wake:" << wake;
+  os << ";wake:" << wake << ";threads:" << threadExponent;
   for (const Rule& r : rules) {
     os << ";rule:" << collectiveName(r.collective) << "," << r.world << ","
        << spreadName(r.spread) << "," << (r.crowded ? 1 : 0) << "," << formatDouble(r.fromBytes)
@@ -192,6 +192,14 @@ CostModel CostModel::parse(const std::string& text) {
       m.wake = parseDouble(part.substr(colon + 1), part);
       if (!(m.wake >= 0)) {
         throw std::invalid_argument("bad cost model entry '" + part + "'");
+      }
+      continue;
+    }
+    if (link == "threads") {
+      m.threadExponent = parseDouble(part.substr(colon + 1), part);
+      if (!(m.threadExponent >= 0 && m.threadExponent <= 1)) {
+        throw std::invalid_argument("bad cost model entry '" + part +
+                                    "': the thread exponent is 0 to 1");
       }
       continue;
     }
@@ -324,14 +332,14 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const Placemen
   // at 3 and 4 ranks on 2 cores).
   const double alpha = l.alpha + (p.crowded && link == Link::Local ? model.wake : 0.0);
   // Threads share the host's memory bandwidth with each other and with the other ranks'
-  // threads, so t threads do not make a pass t times faster. On the 16-core GPU host
-  // (docs/PERFORMANCE.md) 4 threads per rank made the 16 MiB all_reduce 3.4x faster at
-  // 2 ranks and 1.8x at 4, 8 threads 2.8x at 2 ranks; sqrt(t), 2 for 4 threads and 2.8
-  // for 8, lies within that spread. t counts only the threads a pass of this size
-  // really splits over. The terms calibrate with one thread (`bench calibrate` sets it),
-  // so the speedup is not counted twice.
+  // threads, so t threads do not make a pass t times faster but t^threadExponent. On the
+  // 16-core GPU host (docs/PERFORMANCE.md) 4 threads per rank made the 16 MiB all_reduce
+  // 3.4x faster at 2 ranks and 1.8x at 4, 8 threads 2.8x at 2 ranks; the default
+  // exponent, 0.5 (2 for 4 threads and 2.8 for 8), lies within that spread. t counts only
+  // the threads a pass of this size really splits over. The terms calibrate with one
+  // thread (`bench calibrate` sets it), so the speedup is not counted twice.
   const int ways = a.splitsPasses ? shmAllreduceWays(bytes, n, p.passThreads) : 1;
-  const double split = std::sqrt(static_cast<double>(ways));
+  const double split = std::pow(static_cast<double>(ways), model.threadExponent);
   return alpha * c.steps + (l.beta * c.bytesMoved + l.gamma * c.bytesReduced) / split;
 }
 

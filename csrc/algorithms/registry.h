@@ -103,8 +103,14 @@ struct CostModel {
   // default is the development VM's (4 ranks, 2 cores), where a chain broadcast's
   // 256 KiB hops took about 200 us each beyond their copies.
   double wake = 0;
+  // A window all_reduce pass split over T threads runs T^threadExponent times faster
+  // than on one: the threads share the host's memory bandwidth with each other and with
+  // the other ranks' threads. The default, 0.5, lies inside what the 16-core GPU host
+  // measured (docs/PERFORMANCE.md); `bench calibrate` fits it where the ranks get
+  // several threads. 0 to 1.
+  double threadExponent = 0.5;
   static CostModel defaults();
-  // "net:alpha,beta,gamma;local:...;shm:...;cma:...;wake:seconds" then one
+  // "net:alpha,beta,gamma;local:...;shm:...;cma:...;wake:seconds;threads:exponent" then one
   // ";rule:collective,world,spread,crowded,from,to,algorithm,threads" per rule, for the
   // store exchange.
   std::string serialize() const;

@@ -9,10 +9,14 @@ shared memory, ``shm``: a shared-memory window, ``cma``: in-place reads of peers
 where each algorithm states its own steps and bytes (``torchdist_ext._C._algorithm_cost``).
 Calibration spawns ranks with the benchmark's runner, times every algorithm of the ops in
 ``DEFAULT_OPS`` (all_reduce, all_gather, broadcast, reduce_scatter, all_to_all and reduce,
-or those of ``--ops``) pinned in turn (``tdx:<algorithm>``) at a few sizes, and fits alpha, beta, gamma per link by non-negative least squares on the relative
-error (each point weighted by 1 / its measured time, so small sizes count as much as large
-ones), with ``TDX_SHM_THREADS=1`` (the model scales the window all_reduce by its
-threads itself). The time of a point is the in-place one (the op alone), the median of its
+or those of ``--ops``) pinned in turn (``tdx:<algorithm>``) at a few sizes, and fits
+alpha, beta, gamma per link by non-negative least squares on the relative error (each
+point weighted by 1 / its measured time, so small sizes count as much as large ones),
+with ``TDX_SHM_THREADS=1``: the model scales the window all_reduce by its threads itself,
+a pass over T threads running T**p times faster. Where the ranks get several threads
+each (``TDX_SHM_THREADS`` as this process has it, auto by default), the shm all_reduce
+is then timed again with them from ``THREAD_FIT_MIN_BYTES`` and p fitted
+(:func:`fit_thread_exponent`). The time of a point is the in-place one (the op alone), the median of its
 iterations timed one by one, so a stall of a busy machine does not move it. The result goes to
 :func:`torchdist_ext.calibration.save` (``calibration_path()``, read by every later
 ``import torchdist_ext``) unless ``--dry-run``.
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import math
@@ -62,8 +67,8 @@ from .runner import (
 )
 
 __all__ = ["DEFAULT_OPS", "DEFAULT_SIZES", "TERMS", "UNCALIBRATABLE", "build_parser",
-           "calibrate", "fit_link", "main", "nnls", "pick_ops", "points_from_rows",
-           "report_lines"]
+           "calibrate", "fit_link", "fit_thread_exponent", "main", "nnls", "pick_ops",
+           "points_from_rows", "report_lines"]
 
 TERMS = ("alpha", "beta", "gamma")
 _COLUMNS = ("steps", "bytes_moved", "bytes_reduced")  # what each term multiplies
@@ -213,6 +218,49 @@ def points_from_rows(rows: Iterable[dict[str, Any]],
     return out
 
 
+# The thread exponent is fitted from window all_reduce sizes whose passes split over
+# several threads (parts of at least 64 KiB): from this size up.
+THREAD_FIT_MIN_BYTES = 256 << 10
+
+
+def fit_thread_exponent(one_thread: Sequence[dict[str, Any]],
+                        threaded_rows: Iterable[dict[str, Any]],
+                        shm: dict[str, float]) -> tuple[float | None, list[dict[str, Any]]]:
+    """The exponent p with which a window all_reduce pass over T threads runs T**p times
+    faster, from the one-thread points of the shm all_reduce (``one_thread``, measured
+    with ``TDX_SHM_THREADS=1``) and rows of the same algorithm with the ranks' own thread
+    count (``threaded_rows``). Per size, each time less the model's steps (``shm``'s
+    alpha times the steps) is its byte part, t1 and tT; p = ln(t1 / tT) / ln(ways), ways
+    being the threads a pass of that size really splits over. Returns the median over
+    sizes, kept within 0 to 1 (threads that slow a pass, on a host without cores to
+    spare, give 0), or None when no size had a pass over several threads; and the
+    per-size points."""
+    base = {(p["size"], p["world"]): p for p in one_thread
+            if p["op"] == "all_reduce" and p["algo"] == "shm"}
+    points = []
+    for r in threaded_rows:
+        t = r.get("ip_time_us")
+        mine = base.get((r["size"], r["world"]))
+        if (r.get("algo") != "shm" or r.get("ip_error") or not t or mine is None
+                or r.get("crowded")):
+            continue
+        threads = int(r.get("pass_threads", 1))
+        cost = _C._algorithm_cost("allreduce", "shm", float(r["size"]), r["world"], True,
+                                  False, threads)
+        steps = shm["alpha"] * cost["steps"]
+        alone, split = mine["measured_s"] - steps, t * 1e-6 - steps
+        if cost["ways"] <= 1 or alone <= 0 or split <= 0:
+            continue
+        points.append({"size": r["size"], "world": r["world"], "threads": threads,
+                       "ways": cost["ways"], "one_thread_s": mine["measured_s"],
+                       "threaded_s": t * 1e-6,
+                       "exponent": math.log(alone / split) / math.log(cost["ways"])})
+    if not points:
+        return None, points
+    fitted = float(np.median([p["exponent"] for p in points]))
+    return min(1.0, max(0.0, fitted)), points
+
+
 def _labels(ops: Sequence[str], links: Sequence[str]) -> list[str]:
     """``tdx:<name>`` for every algorithm of these ops on these links (message algorithms
     for ``net`` or ``local``, whichever the ranks turn out to be on)."""
@@ -287,7 +335,14 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                           "host's CPUs" for link in ("local", "shm", "cma")})
     notes = sorted({f"{link}: no points ({why[link]}); kept as it was"
                     for link in links if link not in fitted})
+    exponent, thread_points, thread_note = _thread_fit(opts, points, fitted)
+    if thread_note:
+        notes.append(thread_note)
+    extra = {} if exponent is None else {"thread_exponent": exponent}
     return {
+        **extra,
+        "previous_thread_exponent": _C._thread_exponent(),
+        "thread_points": thread_points,
         "links": fitted,
         "previous": previous,
         "kept": kept,
@@ -305,6 +360,32 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "notes": notes,
         "points": points,
     }
+
+
+def _thread_fit(opts: Options, points: Sequence[dict[str, Any]],
+                fitted: dict[str, dict[str, float]]
+                ) -> tuple[float | None, list[dict[str, Any]], str | None]:
+    """Times the shm all_reduce again with the ranks' own thread count (TDX_SHM_THREADS as
+    this process has it: auto by default) at the sizes from THREAD_FIT_MIN_BYTES that the
+    one-thread run measured, and fits the thread exponent; with a note where it cannot."""
+    sizes = sorted({p["size"] for p in points if p["op"] == "all_reduce" and
+                    p["algo"] == "shm" and p["size"] >= THREAD_FIT_MIN_BYTES})
+    if "shm" not in fitted or not sizes:
+        return None, [], (f"threads: no one-thread shm all_reduce point from "
+                          f"{THREAD_FIT_MIN_BYTES >> 10} KiB (all_reduce among --ops, shm "
+                          "among --links and a size that large); the thread exponent stays "
+                          f"{_C._thread_exponent():g}")
+    rows = run(dataclasses.replace(opts, ops=("all_reduce",), backends=("tdx:shm",),
+                                   sizes=tuple(sizes)))
+    threads = sorted({int(r.get("pass_threads", 1)) for r in rows})
+    exponent, thread_points = fit_thread_exponent(points, rows, fitted["shm"])
+    if exponent is None:
+        setting = os.environ.get("TDX_SHM_THREADS", "auto")
+        return None, thread_points, (
+            f"threads: the ranks got {'/'.join(map(str, threads)) or 'no'} thread(s) each "
+            f"for the window all_reduce (TDX_SHM_THREADS={setting}), so no pass split "
+            f"over several; the thread exponent stays {_C._thread_exponent():g}")
+    return exponent, thread_points, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -363,6 +444,14 @@ def report_lines(data: dict[str, Any]) -> list[str]:
         if data["kept"].get(link):
             lines.append(f"#        kept (no point depends on them): "
                          f"{', '.join(data['kept'][link])}")
+    if "thread_exponent" in data:
+        lines.append(f"# threads: a window all_reduce pass over T threads runs "
+                     f"T^{data['thread_exponent']:.2f} times faster (was "
+                     f"T^{data['previous_thread_exponent']:.2f}); per size:")
+        for p in data["thread_points"]:
+            lines.append(f"#        {p['size']:>10} B  {p['threads']} threads, {p['ways']} "
+                         f"ways: {p['one_thread_s'] * 1e6:.1f} -> {p['threaded_s'] * 1e6:.1f}"
+                         f" us, exponent {p['exponent']:+.2f}")
     for note in data.get("notes", []):
         lines.append(f"# note: {note}")
     lines += [

@@ -301,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.environ["TDX_CALIBRATION"] = a.out
             _C._set_cost_model(calibration.DEFAULT_LINKS)
             _C._set_cost_rules([])
+            _C._set_thread_exponent(calibration.DEFAULT_THREAD_EXPONENT)
             calibration.load_into_backend(Path(a.out))
         data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
                     rounds=a.rounds, timeout=a.timeout, progress=a.progress,
