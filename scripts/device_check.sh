@@ -2,15 +2,18 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
-#   TDX_STAGES="build smoke failures cuda cpubench threads membw autocheck bench cpu"
+#   TDX_STAGES="build smoke failures cuda cpubench threads membw calibrate autocheck bench cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). Stages run in the order given; build, when named, runs first.
 #     failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
 #     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2, 4 (and 8 at 2 ranks) at
 #     2 and 4 ranks, gloo beside the one-thread run;
-#     membw: the host's memory-copy bandwidth by threads; autocheck: tdx's automatic
-#     choice against every fixed CPU all_reduce algorithm at 2 and 4 ranks.
+#     membw: the host's memory-copy bandwidth by threads; calibrate: the cost model
+#     fitted to this host at 2 ranks (all_reduce, with the thread exponent at the
+#     default thread count), into $OUT/calibration.json, which the later stages then
+#     load; autocheck: tdx's automatic choice against every fixed CPU all_reduce
+#     algorithm at 2 and 4 ranks.
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds
 #                           after the script starts (default 3600)
@@ -30,7 +33,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-KNOWN="build smoke failures cuda cpubench threads membw autocheck bench cpu"
+KNOWN="build smoke failures cuda cpubench threads membw calibrate autocheck bench cpu"
 STAGES=${TDX_STAGES:-$KNOWN}
 for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
   [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
@@ -138,6 +141,18 @@ stage_threads() {
 
 stage_membw() {
   timeout "$(limit 60)" $PY scripts/membw_probe.py 2>&1 | tee "$OUT/membw.txt"
+  pack
+}
+
+stage_calibrate() {
+  [ "$(limit 150)" -gt 60 ] || return 0
+  timeout "$(limit 150)" $PY -m torchdist_ext.bench calibrate --world 2 --ops all_reduce \
+    --sizes 4K,16K,64K,256K,1M,4M,16M,64M -n 10 -w 3 --no-progress \
+    --out "$OUT/calibration.json" --json "$OUT/calibration_fit.json" \
+    > "$OUT/calibration.txt" 2>&1
+  grep -E "^# " "$OUT/calibration.txt" | head -30
+  # The stages after this one price with it, as a host whose file it were.
+  [ -s "$OUT/calibration.json" ] && export TDX_CALIBRATION="$OUT/calibration.json"
   pack
 }
 
