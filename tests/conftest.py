@@ -1,5 +1,15 @@
-import pytest
-import torch
+import os
+import tempfile
+
+# Before anything imports torchdist_ext (which loads the host's calibration file): the
+# tests expect the backend's default cost model, not whatever `bench calibrate` or `bench
+# tune` saved on this machine. A file that does not exist, in a directory of the session's
+# own; tests that want a file point TDX_CALIBRATION at theirs. Spawned ranks inherit it.
+os.environ["TDX_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="tdx-tests-"),
+                                             "no-calibration.json")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -167,8 +167,9 @@ def test_a_subgroup_keeps_to_its_share_of_the_job() -> None:
 
 
 def test_the_model_prices_the_split_passes() -> None:
-    """The window all_reduce's byte terms shrink by sqrt(threads); its steps and every
-    other algorithm keep their price."""
+    """With the default thread exponent, 0.5, the window all_reduce's byte terms shrink
+    by sqrt(threads); its steps and every other algorithm keep their price
+    (tests/test_thread_exponent.py prices other exponents)."""
     import math
 
     import torchdist_ext

@@ -57,6 +57,17 @@ def test_the_exponent_prices_the_threads_a_pass_splits_over(exponent: float) -> 
         with pytest.raises(ValueError, match="the thread exponent must be a number from 0 to 1"):
             _C._set_thread_exponent(bad)
     assert _C._thread_exponent() == 1.0
+    # The public pair, with numpy scalars and ints, and refusals naming the value.
+    import numpy as np
+
+    for good in (0, 1, np.float32(0.25), 0.75):
+        torchdist_ext.set_thread_exponent(good)
+        assert torchdist_ext.thread_exponent() == float(good)
+    for bad, kind in ((True, TypeError), ("0.5", TypeError), (None, TypeError),
+                      (-1, ValueError), (1.01, ValueError), (math.nan, ValueError)):
+        with pytest.raises(kind, match="set_thread_exponent: the exponent must be"):
+            torchdist_ext.set_thread_exponent(bad)
+    assert torchdist_ext.thread_exponent() == 0.75
 
 
 def _one_thread_point(size: int, world: int, seconds: float) -> dict[str, Any]:
@@ -174,3 +185,41 @@ def test_calibrate_fits_the_exponent_with_several_threads(tmp_path: Path) -> Non
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "TDX_CALIBRATION": str(out)})
     assert float(got.stdout.strip()) == data["thread_exponent"], got.stderr
+
+
+def test_a_failed_threaded_run_keeps_the_one_thread_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second run (the shm all_reduce with the ranks' threads) failing, or giving
+    nothing usable, costs the exponent only: the links are fitted, a note says why."""
+    def row(size: int, algo: str, us: float) -> dict[str, Any]:
+        return {"op": "all_reduce", "algo": algo, "pinned": True, "predicted_us": 1.0,
+                "size": size, "world": 2, "one_host": True, "ip_time_us": us,
+                "pass_threads": 1}
+
+    first = [row(s, a, us) for s in (4096, MiB, 4 * MiB)
+             for a, us in (("shm", s / 1000.0), ("shm_direct", s / 800.0))]
+    for second, note in ((RuntimeError("boom"), "timing the threaded shm all_reduce failed "
+                                                "(boom)"),
+                         ([dict(r, pass_threads=4, ip_error="x") for r in first],
+                          "the ranks got 4 threads each, but no size gave a usable time"),
+                         ([dict(r, pass_threads=1) for r in first],
+                          "the ranks got 1 thread(s) each")):
+        calls = []
+
+        def fake(opts: Any, second: Any = second) -> list[dict[str, Any]]:
+            calls.append(opts)
+            if len(calls) == 1:
+                return first
+            if isinstance(second, Exception):
+                raise second
+            return second
+
+        monkeypatch.setattr(calibrate, "run", fake)
+        data = calibrate.calibrate(world=2, sizes=(4096, MiB, 4 * MiB), ops=["all_reduce"],
+                                   links=["shm"], progress=False)
+        assert set(data["links"]) == {"shm"} and "thread_exponent" not in data, data
+        assert "thread_points" not in data
+        assert any(n.startswith("threads: ") and note in n for n in data["notes"]), \
+            data["notes"]
+        # The second run: the shm all_reduce alone, at the sizes from 256 KiB.
+        assert calls[1].backends == ("tdx:shm",) and calls[1].sizes == (MiB, 4 * MiB)

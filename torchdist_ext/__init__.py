@@ -56,6 +56,8 @@ __all__ = [
     "get_algorithm",
     "cost_model",
     "set_cost_model",
+    "thread_exponent",
+    "set_thread_exponent",
     "predict",
     "placement",
 ]
@@ -302,6 +304,27 @@ def set_cost_model(model: dict[str, dict[str, float]]) -> None:
     the link and term at fault, and nothing changes; keys other than the three terms are
     ignored, as in a file."""
     _C._set_cost_model(_calibration.check_links(model, "set_cost_model"))
+
+
+def thread_exponent() -> float:
+    """The cost model's thread exponent p: a pass of the shared-memory all_reduce split over
+    T threads per rank (``placement(group)["pass_threads"]``) is priced T**p times faster
+    than on one. 0.5 by default; ``python -m torchdist_ext.bench calibrate`` fits it where
+    the ranks get several threads. Groups use their rank 0's."""
+    return float(_C._thread_exponent())
+
+
+def set_thread_exponent(exponent: float) -> None:
+    """Set the thread exponent (see :func:`thread_exponent`) for groups created
+    afterwards: a real number from 0 (threads give nothing) to 1 (T threads, T times
+    faster); anything else is a TypeError or ValueError, and nothing changes."""
+    if _calibration.as_real(exponent) is None:
+        raise TypeError(f"set_thread_exponent: the exponent must be a number, not "
+                        f"{type(exponent).__name__} {_calibration._shown(exponent)}")
+    if not 0.0 <= float(exponent) <= 1.0:
+        raise ValueError(f"set_thread_exponent: the exponent must be from 0 to 1, got "
+                         f"{_calibration._shown(exponent)}")
+    _C._set_thread_exponent(float(exponent))
 
 
 def _whole(value: Any) -> int | None:

@@ -27,8 +27,9 @@ from typing import Any, Iterable
 
 from . import _C
 
-__all__ = ["DEFAULT_LINKS", "DEFAULT_THREAD_EXPONENT", "LINKS", "MAX_THREADS", "MAX_WORLD", "RULE_KEYS", "TERMS", "as_real",
-           "calibration_path", "check_links", "load", "save", "load_into_backend", "rule_key"]
+__all__ = ["DEFAULT_LINKS", "DEFAULT_THREAD_EXPONENT", "LINKS", "MAX_THREADS", "MAX_WORLD",
+           "RULE_KEYS", "TERMS", "as_real", "calibration_path", "check_links", "load", "save",
+           "load_into_backend", "rule_key"]
 
 # The backend's links, in its order: net, local, shm, cma.
 LINKS = tuple(_C._cost_model())
@@ -242,12 +243,14 @@ def _load(path: Path) -> dict[str, Any] | None:
 
 def save(data: dict[str, Any], path: Path | None = None,
          replaces: Iterable[tuple[str, int, str, bool, int]] = ()) -> Path:
-    """Write a calibration (its ``links``, its ``rules`` or both) atomically; returns the
-    path. Links the file already holds and ``data`` does not (``net`` from a run across
-    hosts, when this one ran on one host) are kept, their names listed in
+    """Write a calibration (its ``links``, its ``rules``, its ``thread_exponent``, any of
+    them) atomically; returns the path. Links the file already holds and ``data`` does
+    not (``net`` from a run across hosts, when this one ran on one host) are kept, their
+    names listed in
     ``data["kept_from_file"]``; so are rules for keys (:func:`rule_key`) that ``data`` has
     none for, unless ``replaces`` names the key (a tuning that measured it and found the
-    model right). A file left with neither links nor rules is removed."""
+    model right), and the file's thread exponent unless ``data`` has one. A file left with
+    none of the three is removed."""
     if not isinstance(data, dict):
         raise ValueError("a calibration is a dict with links {net|local|shm|cma: {alpha, "
                          "beta, gamma}}, each a finite number >= 0, and/or rules")

@@ -15,9 +15,10 @@ point weighted by 1 / its measured time, so small sizes count as much as large o
 with ``TDX_SHM_THREADS=1``: the model scales the window all_reduce by its threads itself,
 a pass over T threads running T**p times faster. Where the ranks get several threads
 each (``TDX_SHM_THREADS`` as this process has it, auto by default), the shm all_reduce
-is then timed again with them from ``THREAD_FIT_MIN_BYTES`` and p fitted
-(:func:`fit_thread_exponent`). The time of a point is the in-place one (the op alone), the median of its
-iterations timed one by one, so a stall of a busy machine does not move it. The result goes to
+is then timed again with them from ``THREAD_FIT_MIN_BYTES``, and p fitted
+(:func:`fit_thread_exponent`). The time of a point is the in-place one (the op alone),
+the median of its iterations timed one by one, so a stall of a busy machine does not
+move it. The result goes to
 :func:`torchdist_ext.calibration.save` (``calibration_path()``, read by every later
 ``import torchdist_ext``) unless ``--dry-run``.
 
@@ -290,7 +291,8 @@ def _env(**values: str) -> Iterator[None]:
 def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
               ops: Sequence[str] = DEFAULT_OPS, links: Sequence[str] = LINKS,
               iters: int = 20, warmup: int = 3, stat: str = "median", timeout: float = 300.0,
-              progress: bool = True, rounds: int = 1) -> dict[str, Any]:
+              progress: bool = True, rounds: int = 1,
+              warmup_ms: float = 20.0) -> dict[str, Any]:
     """Measure and fit; returns the calibration (what :func:`calibration.save` takes):
     ``links`` (the fitted terms), ``previous`` (the model before), ``kept`` (terms per link
     that no point determined), ``points`` (with ``model_s`` and ``rel_error`` under the fit),
@@ -303,8 +305,8 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
     if why := _too_few_ranks(world, f"world={world}"):
         raise ValueError(why)
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops, links)), world=world,
-                   sizes=tuple(sizes), iters=iters, warmup=warmup, stat=stat, timeout=timeout,
-                   quiet=True, progress=progress, rounds=rounds)
+                   sizes=tuple(sizes), iters=iters, warmup=warmup, warmup_ms=warmup_ms,
+                   stat=stat, timeout=timeout, quiet=True, progress=progress, rounds=rounds)
     # The shm link's terms are one thread's: the model divides the window all_reduce's
     # byte terms by its threads' speedup itself (TDX_SHM_THREADS), which a fit of
     # threaded points would count a second time.
@@ -335,14 +337,16 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                           "host's CPUs" for link in ("local", "shm", "cma")})
     notes = sorted({f"{link}: no points ({why[link]}); kept as it was"
                     for link in links if link not in fitted})
+    previous_exponent = _C._thread_exponent()
     exponent, thread_points, thread_note = _thread_fit(opts, points, fitted)
     if thread_note:
         notes.append(thread_note)
-    extra = {} if exponent is None else {"thread_exponent": exponent}
+    # Only a fit writes these: a file's earlier fit keeps its points with its exponent.
+    threads = {} if exponent is None else {
+        "thread_exponent": exponent, "previous_thread_exponent": previous_exponent,
+        "thread_points": thread_points}
     return {
-        **extra,
-        "previous_thread_exponent": _C._thread_exponent(),
-        "thread_points": thread_points,
+        **threads,
         "links": fitted,
         "previous": previous,
         "kept": kept,
@@ -354,6 +358,7 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "iters": iters,
         "rounds": rounds,
         "warmup": warmup,
+        "warmup_ms": warmup_ms,
         "stat": stat,
         "tdx_version": torchdist_ext.__version__,
         "ucx_version": torchdist_ext.ucx_version(),
@@ -375,17 +380,24 @@ def _thread_fit(opts: Options, points: Sequence[dict[str, Any]],
                           f"{THREAD_FIT_MIN_BYTES >> 10} KiB (all_reduce among --ops, shm "
                           "among --links and a size that large); the thread exponent stays "
                           f"{_C._thread_exponent():g}")
-    rows = run(dataclasses.replace(opts, ops=("all_reduce",), backends=("tdx:shm",),
-                                   sizes=tuple(sizes)))
+    stays = f"the thread exponent stays {_C._thread_exponent():g}"
+    try:
+        rows = run(dataclasses.replace(opts, ops=("all_reduce",), backends=("tdx:shm",),
+                                       sizes=tuple(sizes)))
+    except Exception as exc:  # noqa: BLE001 - the one-thread fit stands without it
+        return None, [], f"threads: timing the threaded shm all_reduce failed ({exc}); {stays}"
     threads = sorted({int(r.get("pass_threads", 1)) for r in rows})
     exponent, thread_points = fit_thread_exponent(points, rows, fitted["shm"])
-    if exponent is None:
-        setting = os.environ.get("TDX_SHM_THREADS", "auto")
-        return None, thread_points, (
-            f"threads: the ranks got {'/'.join(map(str, threads)) or 'no'} thread(s) each "
-            f"for the window all_reduce (TDX_SHM_THREADS={setting}), so no pass split "
-            f"over several; the thread exponent stays {_C._thread_exponent():g}")
-    return exponent, thread_points, None
+    if exponent is not None:
+        return exponent, thread_points, None
+    setting = os.environ.get("TDX_SHM_THREADS", "auto")
+    if max(threads, default=1) <= 1:
+        return None, [], (f"threads: the ranks got 1 thread(s) each for the window "
+                          f"all_reduce (TDX_SHM_THREADS={setting}), so no pass split over "
+                          f"several; {stays}")
+    return None, [], (f"threads: the ranks got {'/'.join(map(str, threads))} threads each, "
+                      "but no size gave a usable time (failed, crowded, or no faster than "
+                      f"its steps alone); {stays}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -516,6 +528,9 @@ def add_run_args(p: argparse.ArgumentParser, ops: Sequence[str], iters: int, war
                    help=f"timed iterations (default {iters})")
     p.add_argument("-w", "--warmup", type=int, default=warmup,
                    help=f"untimed iterations (default {warmup})")
+    p.add_argument("--warmup-ms", type=float, default=20.0, metavar="MS",
+                   help="after -w, untimed iterations until this many milliseconds have "
+                        "passed (0: only -w; default 20)")
     p.add_argument("--rounds", type=int, default=rounds,
                    help="time every size this many times, the algorithms taking turns, and "
                         f"keep each one's median round (default {rounds})")
@@ -532,8 +547,9 @@ def run_args(parser: argparse.ArgumentParser, a: argparse.Namespace,
         ops = pick_ops(a.ops, allowed, UNCALIBRATABLE if refused is None else refused)
     except ValueError as exc:
         parser.error(str(exc))
-    if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1:
-        parser.error("need --world >= 1, -n >= 1, -w >= 0, --rounds >= 1")
+    if a.world < 1 or a.iters < 1 or a.warmup < 0 or a.rounds < 1 or \
+            not (math.isfinite(a.warmup_ms) and a.warmup_ms >= 0):
+        parser.error("need --world >= 1, -n >= 1, -w >= 0, --warmup-ms >= 0, --rounds >= 1")
     return ops
 
 
@@ -609,7 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m torchdist_ext.bench calibrate",
         description="Time every tdx algorithm of a few collectives pinned in turn, fit the "
                     "cost model's alpha (per step), beta (per byte moved) and gamma (per "
-                    "byte reduced) per link, and save them for this host.",
+                    "byte reduced) per link, and, where the ranks get several threads each "
+                    "for the window all_reduce, its thread exponent; save them for this "
+                    "host.",
         epilog=f"Saved to {calibration.calibration_path()} (TDX_CALIBRATION overrides); "
                "every later 'import torchdist_ext' loads it.",
     )
@@ -644,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with checked_outputs(parser, a) as target:
         data = calibrate(world=a.world, sizes=a.sizes, ops=ops, links=links, iters=a.iters,
                          warmup=a.warmup, stat=a.stat, timeout=a.timeout,
-                         progress=a.progress, rounds=a.rounds)
+                         progress=a.progress, rounds=a.rounds, warmup_ms=a.warmup_ms)
     if not is_lead():  # under torchrun (or in a group) only rank 0 reports and saves
         return 0
     for line in report_lines(data):

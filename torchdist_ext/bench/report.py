@@ -89,8 +89,9 @@ def header_lines(meta: dict[str, Any], rank_lines: Sequence[str], opts: Any,
         f"# world {meta['world']}  device {meta['device']}  dtype {opts.dtype}  "
         f"date {meta['date']}",
         f"# minBytes {opts.minbytes} maxBytes {opts.maxbytes} step: {opts.stepfactor}(factor) "
-        f"warmup iters: {opts.warmup} (at least {opts.warmup_ms:g} ms) iters: {opts.iters} "
-        f"validation: {int(opts.check)}",
+        f"warmup iters: {opts.warmup}"
+        f"{f' (at least {opts.warmup_ms:g} ms)' if opts.warmup and opts.warmup_ms else ''} "
+        f"iters: {opts.iters} validation: {int(opts.check)}",
         f"# time: max over ranks of the {getattr(opts, 'stat', 'mean')} per-op time"
         + (f", median of {opts.rounds} rounds with the backends taking turns"
            if getattr(opts, "rounds", 1) > 1 else "")

@@ -268,14 +268,13 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
     error = ctx.agree(error)
     if error or case is None:
         return None, None, error
-    if o.warmup and o.warmup_ms > 0:
-        more, error = _warm(case, ctx)
+    warmed = o.warmup and o.warmup_ms > 0
+    if warmed:
+        error = _warm(case, ctx)
         if error:
             return None, None, error
-    else:
-        more = o.warmup
     try:
-        for _ in range(more):
+        for _ in range(0 if warmed else o.warmup):
             case.call()
         ctx.sync()
         dist.barrier(group=ctx.side)
@@ -310,32 +309,36 @@ def _measure(spec: OpSpec, in_place: bool, group: Any, ctx: _Ctx,
 MAX_EXTRA_WARMUP = 100_000
 
 
-def _warm(case: _Case, ctx: _Ctx) -> tuple[int, str | None]:
-    """Runs the ``warmup`` untimed calls; returns how many more every rank runs to reach
-    ``warmup_ms`` (the same count on every rank: it comes from the slowest rank's time,
-    agreed on together with the ranks' errors), and the first failing rank's error."""
+def _warm(case: _Case, ctx: _Ctx) -> str | None:
+    """Runs the ``warmup`` untimed calls, then batches of more until ``warmup_ms`` has
+    passed on the slowest rank (or MAX_EXTRA_WARMUP more ran); None, or the first failing
+    rank's error. After each batch the ranks agree on the slowest rank's time together
+    with whether any failed, so every rank runs the same calls. Each batch is sized from
+    the calls so far, which ran on the coldest cores and so overestimate a call: a batch
+    falls short rather than overshoots, and the next one makes up the rest."""
     o = ctx.opts
-    error, took = None, 0.0
-    try:
-        begun = time.perf_counter()
-        for _ in range(o.warmup):
-            case.call()
-        ctx.sync()
-        took = time.perf_counter() - begun
-    except Exception as exc:  # noqa: BLE001 - reported in the row, the run goes on
-        error = _short(exc)
-    # One collective for both: whether any rank failed, and the slowest rank's time.
-    seen = torch.tensor([1.0 if error else 0.0, took], dtype=torch.float64)
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.side)
-    if seen[0] > 0:
-        return 0, _failed(error, ctx.side, ctx.world)
-    took = float(seen[1])
-    left = o.warmup_ms * 1e-3 - took
-    if left <= 0:
-        return 0, None
-    per_call = took / o.warmup
-    return (MAX_EXTRA_WARMUP if per_call <= 0 else
-            min(MAX_EXTRA_WARMUP, math.ceil(left / per_call))), None
+    floor = o.warmup_ms * 1e-3
+    batch, done, begun = o.warmup, 0, time.perf_counter()
+    while True:
+        error = None
+        try:
+            for _ in range(batch):
+                case.call()
+            ctx.sync()
+        except Exception as exc:  # noqa: BLE001 - reported in the row, the run goes on
+            error = _short(exc)
+        done += batch
+        seen = torch.tensor([1.0 if error else 0.0, time.perf_counter() - begun],
+                            dtype=torch.float64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=ctx.side)
+        if seen[0] > 0:
+            return _failed(error, ctx.side, ctx.world)
+        took, extra = float(seen[1]), done - o.warmup
+        if took >= floor or extra >= MAX_EXTRA_WARMUP:
+            return None
+        per_call = took / done
+        want = MAX_EXTRA_WARMUP if per_call <= 0 else math.ceil((floor - took) / per_call)
+        batch = max(1, min(want, MAX_EXTRA_WARMUP - extra))
 
 
 def _combine(results: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any]:

@@ -197,14 +197,15 @@ def rules_from_rows(rows: Iterable[dict[str, Any]], margin: float = DEFAULT_MARG
 def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
          ops: Sequence[str] = DEFAULT_OPS, iters: int = 10, warmup: int = 2,
          rounds: int = 5, timeout: float = 300.0, progress: bool = True,
-         margin: float = DEFAULT_MARGIN) -> dict[str, Any]:
+         margin: float = DEFAULT_MARGIN, warmup_ms: float = 20.0) -> dict[str, Any]:
     """Time every algorithm of ``ops`` pinned in turn and derive the rules; returns what
     :func:`calibration.save` takes (``rules``) with the winners and the run's settings.
     ``rounds`` > 1 lets the algorithms take turns each round and keeps each one's median,
     so a slow spell of a shared machine lands on all of them."""
     ops = pick_ops(ops, DEFAULT_OPS, UNTUNABLE)
     opts = Options(ops=tuple(ops), backends=tuple(_labels(ops)), world=world,
-                   sizes=tuple(sizes), iters=iters, warmup=warmup, stat="median",
+                   sizes=tuple(sizes), iters=iters, warmup=warmup, warmup_ms=warmup_ms,
+                   stat="median",
                    timeout=timeout, quiet=True, progress=progress, rounds=rounds)
     rows = run(opts)
     rules, winners = rules_from_rows(rows, margin)
@@ -221,6 +222,7 @@ def tune(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
         "iters": iters,
         "rounds": rounds,
         "warmup": warmup,
+        "warmup_ms": warmup_ms,
         "margin": margin,
         # what this run measured: a later save replaces the stored rules of these keys
         # (only those with a timed row: an op that failed everywhere keeps its rules)
@@ -305,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             calibration.load_into_backend(Path(a.out))
         data = tune(world=a.world, sizes=a.sizes, ops=ops, iters=a.iters, warmup=a.warmup,
                     rounds=a.rounds, timeout=a.timeout, progress=a.progress,
-                    margin=a.margin)
+                    margin=a.margin, warmup_ms=a.warmup_ms)
     if not is_lead():  # under torchrun (or in a group) only rank 0 reports and saves
         return 0
     for line in report_lines(data):
