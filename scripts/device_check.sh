@@ -2,10 +2,14 @@
 # Build and check tdx on a GPU host that has torch but no UCX headers and no internet.
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
-#   TDX_STAGES="build smoke failures cuda cpubench threads membw calibrate autocheck bench cpu"
+#   TDX_STAGES="build smoke failures destroyprobe cuda cpubench threads membw calibrate
+#               autocheck bench cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). Stages run in the order given; build, when named, runs first.
-#     failures: the CUDA failure-path tests; cuda: the other cuda tests; cpubench: CPU
+#     failures: the CUDA failure-path tests; destroyprobe: scripts/destroy_probe.py, a
+#     group destroyed while its GPU-flag work waits on a peer (a slow one, then a killed
+#     one), each rank's steps logged and a hung rank's stacks taken; cuda: the other
+#     cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
 #     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2, 4 (and 8 at 2 ranks) at
 #     2 and 4 ranks, gloo beside the one-thread run;
@@ -33,7 +37,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-KNOWN="build smoke failures cuda cpubench threads membw calibrate autocheck bench cpu"
+KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench cpu"
 STAGES=${TDX_STAGES:-$KNOWN}
 for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
   [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
@@ -97,6 +101,17 @@ stage_failures() {
   timeout "$(limit 200)" $PY -m pytest -q -s -m cuda --durations=10 tests/test_cuda_failures.py \
     ${TDX_FAILURES_K:+-k "$TDX_FAILURES_K"} 2>&1 | tee "$OUT/pytest_cuda_failures.log" | tail -40
   pack
+}
+
+stage_destroyprobe() {
+  # 40 s each: the stall is about 10 s, the group timeout 6 s.
+  local how
+  for how in slow kill; do
+    [ "$(limit 120)" -gt 90 ] || break
+    timeout "$(limit 120)" $PY scripts/destroy_probe.py $([ $how = kill ] && echo --kill) \
+      --limit 40 --out "$OUT/destroy_probe_$how" 2>&1 | tee "$OUT/destroy_probe_$how.txt"
+    pack
+  done
 }
 
 stage_cuda() {
