@@ -123,10 +123,10 @@ void bindAlgorithms(py::module& m) {
         // A count, as the file loader takes it: not a bool (an int to Python) or a float.
         const py::object t = d["threads"];
         if (!py::isinstance<py::int_>(t) || py::isinstance<py::bool_>(t)) {
+          const auto type = py::str(py::type::of(t).attr("__name__")).cast<std::string>();
           throw std::invalid_argument(std::string("measured rule ") +
                                       py::str(item).cast<std::string>() +
-                                      ": threads must be a whole number, not " +
-                                      py::str(py::type::of(t).attr("__name__")).cast<std::string>());
+                                      ": threads must be a whole number, not " + type);
         }
         r.threads = t.cast<int>();
       }

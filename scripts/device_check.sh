@@ -15,8 +15,8 @@
 #     2 and 4 ranks, gloo beside the one-thread run;
 #     membw: the host's memory-copy bandwidth by threads; calibrate: the cost model
 #     fitted to this host at 2 ranks (all_reduce, with the thread exponent at the
-#     default thread count), into $OUT/calibration.json, which the later stages then
-#     load; autocheck: tdx's automatic choice against every fixed CPU all_reduce
+#     default thread count), into $OUT/calibration.json, which the later bench stages
+#     then load (the cpu stage's tests keep to the defaults); autocheck: tdx's automatic choice against every fixed CPU all_reduce
 #     algorithm at 2 and 4 ranks.
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds

@@ -3,9 +3,11 @@ import tempfile
 
 # Before anything imports torchdist_ext (which loads the host's calibration file): the
 # tests expect the backend's default cost model, not whatever `bench calibrate` or `bench
-# tune` saved on this machine. A file that does not exist, in a directory of the session's
-# own; tests that want a file point TDX_CALIBRATION at theirs. Spawned ranks inherit it.
-os.environ["TDX_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="tdx-tests-"),
+# tune` saved on this machine. A file in a directory that does not exist (nothing is left
+# behind); tests that want a file point TDX_CALIBRATION at theirs. Spawned ranks inherit
+# it.
+os.environ["TDX_CALIBRATION"] = os.path.join(tempfile.gettempdir(),
+                                             f"tdx-tests-{os.getpid()}-none",
                                              "no-calibration.json")
 
 import pytest  # noqa: E402

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -168,15 +169,20 @@ def test_calibrate_fits_the_exponent_with_several_threads(tmp_path: Path) -> Non
     out, js = tmp_path / "cal.json", tmp_path / "fit.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torchdist_ext.bench", "calibrate", "--world", "2", "--ops",
-         "all_reduce", "--links", "shm", "--sizes", "4K,1M,4M", "-n", "3", "-w", "1",
+         "all_reduce", "--links", "shm", "--sizes", "4K,4M,16M", "-n", "3", "-w", "1",
          "--out", str(out), "--json", str(js), "--no-progress"],
         capture_output=True, text=True, timeout=300, cwd=REPO,
         env={**os.environ, "TDX_SHM_THREADS": "2"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(js.read_text())
-    assert 0.0 <= data["thread_exponent"] <= 1.0, data
+    # The saved exponent is the fit of the points reported beside it.
+    median = statistics.median(p["exponent"] for p in data["thread_points"])
+    assert data["thread_exponent"] == pytest.approx(min(1.0, max(0.0, median)), abs=1e-12)
     assert data["previous_thread_exponent"] == 0.5
-    assert {p["size"] for p in data["thread_points"]} == {MiB, 4 * MiB}
+    # A size whose time this noisy host put below its steps' share drops out; 16 MiB,
+    # milliseconds of copying, never does.
+    sizes = {p["size"] for p in data["thread_points"]}
+    assert 16 * MiB in sizes and sizes <= {4 * MiB, 16 * MiB}, data["thread_points"]
     assert all(p["threads"] == 2 and p["ways"] == 2 for p in data["thread_points"])
     assert "# threads: a window all_reduce pass over T threads runs" in proc.stdout
     saved = calibration.load(out)

@@ -2,11 +2,12 @@
 
 ``python -m torchdist_ext.bench calibrate`` measures the α (per step), β (per byte moved)
 and γ (per byte reduced) terms of each link on this machine and writes them here, with
-``thread_exponent`` where the ranks get several threads each for the window all_reduce
+``thread_exponent`` where the ranks got several threads each for the window all_reduce
 (a pass over T threads is priced T**exponent times faster);
-``python -m torchdist_ext.bench tune`` adds measured rules (for a collective, world size
-and placement, which algorithm runs which sizes) where the terms do not predict well, as
-on hosts whose ranks outnumber their CPUs. Importing :mod:`torchdist_ext` loads both.
+``python -m torchdist_ext.bench tune`` adds measured rules (for a collective, world size,
+placement, crowding and thread count, which algorithm runs which sizes) where the terms do
+not predict well, as on hosts whose ranks outnumber their CPUs. Importing
+:mod:`torchdist_ext` loads all of it.
 Without a file the backend's defaults apply.
 
 The file is ``$TDX_CALIBRATION`` when set, else
@@ -146,7 +147,7 @@ def check_links(links: Any, where: str = "set_cost_model") -> dict[str, dict[str
 RULE_KEYS = ("collective", "world", "placement", "crowded", "threads", "min_bytes",
              "max_bytes", "algorithm")
 _PLACEMENTS = ("hosts", "host", "windows")
-MAX_THREADS = 16  # TDX_SHM_THREADS' range, the backend's limit on a rule's threads
+MAX_THREADS = 16  # TDX_SHM_THREADS' range: the backend's kMaxPassThreads
 
 
 # The backend's limit on a rule's world size, and the largest world predict() prices: far

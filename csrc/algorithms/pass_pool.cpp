@@ -22,7 +22,7 @@ namespace tdx {
 namespace algorithms {
 namespace {
 
-constexpr int kMaxHelpers = 15;
+constexpr int kMaxHelpers = kMaxPassThreads - 1;  // and the caller
 constexpr size_t kMinPartBytes = 64 << 10;
 constexpr auto kSpin = std::chrono::microseconds(200);
 

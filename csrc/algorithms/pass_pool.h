@@ -13,7 +13,8 @@
 namespace tdx {
 namespace algorithms {
 
-// The most threads a pass splits over (TDX_SHM_THREADS' range ends here).
+// The most threads a pass splits over, the caller included: TDX_SHM_THREADS' range,
+// which the group checks against this (the window, a layer below, clamps to the same).
 constexpr int kMaxPassThreads = 16;
 
 // How many ways parallelPass splits a pass of `bytes` with `ways` threads: parts under

@@ -72,13 +72,13 @@ constexpr int kNumSpreads = 3;
 const char* spreadName(Spread s);
 Spread spreadFromName(const std::string& name);
 
-// A measured choice: for this collective, world size and placement, sizes in
-// [fromBytes, toBytes) run `algorithm`. `python -m torchdist_ext.bench tune` times every
-// algorithm where the model's terms cannot be trusted (crowded hosts, whose time is the
-// scheduler's as much as the links') and records the fastest where the model's pick
-// lost; a rule whose algorithm cannot run an op (a fallback without the window, a host
-// without cross-memory attach) is passed over for the next matching rule, and the model
-// decides when none is left.
+// A measured choice: for this collective, world size, placement, crowding and thread
+// count, sizes in [fromBytes, toBytes) run `algorithm`. `python -m torchdist_ext.bench
+// tune` times every algorithm where the model's terms cannot be trusted (crowded hosts,
+// whose time is the scheduler's as much as the links') and records the fastest where the
+// model's pick lost; a rule whose algorithm cannot run an op (a fallback without the
+// window, a host without cross-memory attach) is passed over for the next matching rule,
+// and the model decides when none is left.
 struct Rule {
   Collective collective;
   int world = 0;

@@ -76,9 +76,10 @@ labels ``algo`` (the algorithm that ran, as the group's flight recorder names it
 backends; for ``oop_`` (out-of-place) and ``ip_`` (in-place, None
 where there is none): ``time_us``, ``algbw_gb_s``, ``busbw_gb_s`` (GB/s = 1e9 bytes/s),
 ``wrong`` (None with --check 0) and ``error`` (None, or why the op failed or was
-skipped on that backend); then iters, warmup, warmup_ms, stat, host, torch_version, tdx_version,
-ucx_version, date. ``--json``'s ``meta`` lists the labels as ``backends`` and the groups
-created as ``groups``.
+skipped on that backend); then iters, warmup, warmup_ms, stat, rounds, host, one_host,
+windows, crowded, pass_threads (the threads per rank of the window all_reduce),
+torch_version, tdx_version, ucx_version, date. ``--json``'s ``meta`` lists the labels as
+``backends`` and the groups created as ``groups``.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ or those of ``--ops``) pinned in turn (``tdx:<algorithm>``) at a few sizes, and 
 alpha, beta, gamma per link by non-negative least squares on the relative error (each
 point weighted by 1 / its measured time, so small sizes count as much as large ones),
 with ``TDX_SHM_THREADS=1``: the model scales the window all_reduce by its threads itself,
-a pass over T threads running T**p times faster. Where the ranks get several threads
-each (``TDX_SHM_THREADS`` as this process has it, auto by default), the shm all_reduce
-is then timed again with them from ``THREAD_FIT_MIN_BYTES``, and p fitted
+a pass over T threads running T**p times faster. The shm all_reduce is then timed again
+from ``THREAD_FIT_MIN_BYTES`` with the threads the ranks get (``TDX_SHM_THREADS`` as
+this process has it, auto by default), and where that is several each, p is fitted
 (:func:`fit_thread_exponent`). The time of a point is the in-place one (the op alone),
 the median of its iterations timed one by one, so a stall of a busy machine does not
 move it. The result goes to
@@ -530,7 +530,7 @@ def add_run_args(p: argparse.ArgumentParser, ops: Sequence[str], iters: int, war
                    help=f"untimed iterations (default {warmup})")
     p.add_argument("--warmup-ms", type=float, default=20.0, metavar="MS",
                    help="after -w, untimed iterations until this many milliseconds have "
-                        "passed (0: only -w; default 20)")
+                        "passed (0, or -w 0: only -w; default 20)")
     p.add_argument("--rounds", type=int, default=rounds,
                    help="time every size this many times, the algorithms taking turns, and "
                         f"keep each one's median round (default {rounds})")

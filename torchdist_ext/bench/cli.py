@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-ms", type=float, default=20.0, metavar="MS",
                    help="after the -w iterations, keep running untimed ones until this many "
                         "milliseconds have passed, so a small size is not timed on idle, "
-                        "slowly clocked cores (every rank runs as many; 0: only -w; "
-                        "default 20)")
+                        "slowly clocked cores (every rank runs as many; 0, or -w 0: "
+                        "only -w; default 20)")
     p.add_argument("--stat", choices=("mean", "median"), default="mean",
                    help="per-op time: mean over the timed loop (default), or median of each "
                         "iteration timed alone (steadier on a busy machine)")
