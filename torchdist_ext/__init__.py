@@ -321,7 +321,7 @@ def set_thread_exponent(exponent: float) -> None:
     if _calibration.as_real(exponent) is None:
         raise TypeError(f"set_thread_exponent: the exponent must be a number, not "
                         f"{type(exponent).__name__} {_calibration._shown(exponent)}")
-    if not 0.0 <= float(exponent) <= 1.0:
+    if not _calibration._exponent(exponent):  # the file's rule for it
         raise ValueError(f"set_thread_exponent: the exponent must be from 0 to 1, got "
                          f"{_calibration._shown(exponent)}")
     _C._set_thread_exponent(float(exponent))

@@ -140,7 +140,7 @@ int cpusAtOnce(const std::vector<std::string>& texts, bool threaded) {
   struct Cgroup {
     int cpus = 0;
     std::string parent;
-    int processes = 0;  // their demand
+    int demand = 0;  // of its own processes: 1 each, or their masks' CPUs with threads
     std::vector<std::string> children;
   };
   std::map<std::string, Cgroup> cgroups;
@@ -172,7 +172,7 @@ int cpusAtOnce(const std::vector<std::string>& texts, bool threaded) {
       unlimited += demand;
       continue;
     }
-    cgroups[chain[0].cgroup].processes += demand;
+    cgroups[chain[0].cgroup].demand += demand;
     for (size_t i = 0; i < chain.size(); ++i) {
       auto& c = cgroups[chain[i].cgroup];
       c.cpus = chain[i].cpus;
@@ -201,12 +201,12 @@ int cpusAtOnce(const std::vector<std::string>& texts, bool threaded) {
     }
   }
   if (cgroups.empty()) return held;
-  // Bottom-up: a cgroup runs min(its limit, its own processes + what its children run).
+  // Bottom-up: a cgroup runs min(its limit, its own demand + what its children run).
   std::set<std::string> reached;
   std::function<int(const std::string&)> runs = [&](const std::string& name) {
     reached.insert(name);
     const auto& c = cgroups[name];
-    int inside = c.processes;
+    int inside = c.demand;
     for (const auto& child : c.children) {
       if (!reached.count(child)) inside += runs(child);
     }
@@ -219,7 +219,7 @@ int cpusAtOnce(const std::vector<std::string>& texts, bool threaded) {
   // Texts that name each other as parents (no real hierarchy does) leave cgroups no root
   // reaches: their processes count as unlimited rather than not at all.
   for (const auto& [name, c] : cgroups) {
-    if (!reached.count(name)) together += c.processes;
+    if (!reached.count(name)) together += c.demand;
   }
   return std::min(held, together);
 }

@@ -98,8 +98,9 @@ def _placement(row: dict[str, Any]) -> str:
 
 
 def _threads(row: dict[str, Any]) -> int:
-    """The threads each rank of the row's group split the window all_reduce over."""
-    return int(row.get("pass_threads", 1)) if row["windows"] else 1
+    """The threads each rank of the row's group split the window all_reduce over (the
+    group's placement says 1 without windows)."""
+    return int(row.get("pass_threads", 1))
 
 
 def _prefix(row: dict[str, Any]) -> str:
