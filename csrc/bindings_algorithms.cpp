@@ -1,10 +1,15 @@
 // The algorithm registry, cost model and plans, for torchdist_ext.algorithms(),
 // set_algorithm(), the bench's calibration and the plan-invariant tests.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <vector>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "algorithms/collectives.h"
+#include "algorithms/pass_pool.h"
 #include "algorithms/registry.h"
 #include "algorithms/shm_collectives.h"
 
@@ -134,6 +139,54 @@ void bindAlgorithms(py::module& m) {
     }
     Registry::get().setCostModel(m);  // checks every rule
   });
+  m.attr("_MAX_PASS_THREADS") = kMaxPassThreads;
+  // Runs passes of `bytes` through the helper pool, `repeats` times over the list of
+  // ways, and checks that every pass covered each byte exactly once, in parts cut on
+  // `grain`. For the pool's tests and its overhead in the bench: no collective involved.
+  m.def(
+      "_pass_pool_check",
+      [](size_t bytes, size_t grain, const std::vector<int>& ways, int repeats) {
+        if (grain == 0 || repeats < 0 || ways.empty()) {
+          throw std::invalid_argument("_pass_pool_check: grain >= 1, repeats >= 0 and a "
+                                      "non-empty list of ways are required");
+        }
+        std::vector<uint32_t> covered(bytes, 0);
+        std::atomic<bool> misCut{false};
+        std::atomic<int> partsMax{0};
+        size_t passes = 0;
+        double seconds = 0;
+        {
+          py::gil_scoped_release release;
+          const auto start = std::chrono::steady_clock::now();
+          for (int r = 0; r < repeats; ++r) {
+            for (int w : ways) {
+              std::atomic<int> parts{0};
+              parallelPass(bytes, grain, w, [&](size_t begin, size_t end) {
+                parts.fetch_add(1, std::memory_order_relaxed);
+                if (begin % grain != 0 || (end % grain != 0 && end != bytes)) {
+                  misCut.store(true, std::memory_order_relaxed);
+                }
+                for (size_t i = begin; i < end; ++i) ++covered[i];
+              });
+              int seen = partsMax.load(std::memory_order_relaxed);
+              while (parts.load() > seen && !partsMax.compare_exchange_weak(seen, parts.load())) {
+              }
+              ++passes;
+            }
+          }
+          seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                        .count();
+        }
+        const auto [lo, hi] = std::minmax_element(covered.begin(), covered.end());
+        py::dict d;
+        d["passes"] = passes;
+        d["exact"] = bytes == 0 || (*lo == passes && *hi == passes);
+        d["cut_on_grain"] = !misCut.load();
+        d["most_parts"] = partsMax.load();
+        d["seconds"] = seconds;
+        return d;
+      },
+      py::arg("bytes"), py::arg("grain"), py::arg("ways"), py::arg("repeats") = 1);
   // A window all_reduce pass over T threads is priced T^exponent times faster.
   m.def("_thread_exponent", [] { return Registry::get().costModel().threadExponent; });
   m.def("_set_thread_exponent", [](double exponent) {

@@ -13,7 +13,8 @@
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
 #     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2, 4 (and 8 at 2 ranks) at
 #     2 and 4 ranks, gloo beside the one-thread run;
-#     membw: the host's memory-copy bandwidth by threads; calibrate: the cost model
+#     membw: the host's memory-copy bandwidth by threads, and the helper pool's cost
+#     per pass (scripts/pass_pool_probe.py); calibrate: the cost model
 #     fitted to this host at 2 ranks (all_reduce, with the thread exponent at the
 #     default thread count), into $OUT/calibration.json, which the later bench stages
 #     then load (the cpu stage's tests keep to the defaults); autocheck: tdx's automatic choice against every fixed CPU all_reduce
@@ -156,6 +157,7 @@ stage_threads() {
 
 stage_membw() {
   timeout "$(limit 60)" $PY scripts/membw_probe.py 2>&1 | tee "$OUT/membw.txt"
+  timeout "$(limit 60)" $PY scripts/pass_pool_probe.py 2>&1 | tee "$OUT/pass_pool.txt"
   pack
 }
 

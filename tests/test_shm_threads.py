@@ -202,3 +202,59 @@ def test_the_model_prices_the_split_passes() -> None:
             torchdist_ext.predict("allreduce", nbytes, 2, pass_threads=bad)
     with pytest.raises(ValueError, match="same_host"):
         torchdist_ext.predict("allreduce", nbytes, 2, same_host=False, pass_threads=4)
+
+
+def test_python_and_the_backend_agree_on_the_most_threads() -> None:
+    from torchdist_ext import _C, calibration
+
+    assert calibration.MAX_THREADS == _C._MAX_PASS_THREADS
+
+
+# Ways that change from pass to pass, so helpers a pass does not name sit some passes
+# out and join a later one (17 is more than the pool has and is cut to 16).
+WAYS = [2, 9, 1, 3, 16, 2, 17, 5, 2]
+
+
+@pytest.mark.parametrize("nbytes,grain", [(0, 1), (1, 1), (65_535, 4), (131_072, 4096),
+                                          (1_048_579, 16_384), (2_097_152, 3)])
+def test_the_helper_pool_covers_every_byte_once(nbytes: int, grain: int) -> None:
+    """Passes through the helper pool alone: each covers every byte exactly once, in
+    parts cut on the grain, however many helpers the previous pass named."""
+    from torchdist_ext import _C
+
+    r = _C._pass_pool_check(nbytes, grain, WAYS, repeats=40)
+    assert r["passes"] == 40 * len(WAYS)
+    assert r["exact"] and r["cut_on_grain"], r
+    # A pass splits into parts of 64 KiB at least, and at most 16 of them.
+    assert r["most_parts"] == max(1, min(16, nbytes // (64 << 10))), r
+
+
+def test_the_helper_pool_serves_one_caller_at_a_time() -> None:
+    """Threads passing at once: one holds the helpers, the others run their passes
+    alone; every pass still covers its bytes exactly once."""
+    import threading
+
+    from torchdist_ext import _C
+
+    results: list[dict] = []
+
+    def caller(ways: list[int]) -> None:
+        results.append(_C._pass_pool_check(1 << 20, 64, ways, repeats=60))
+
+    threads = [threading.Thread(target=caller, args=(w,)) for w in ([4], [16, 2], WAYS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a pass never finished"
+    assert len(results) == 3 and all(r["exact"] and r["cut_on_grain"] for r in results), \
+        results
+
+
+def test_bad_pool_check_arguments_are_refused() -> None:
+    from torchdist_ext import _C
+
+    with pytest.raises(ValueError, match="grain"):
+        _C._pass_pool_check(10, 0, [2])
+    with pytest.raises(ValueError, match="ways"):
+        _C._pass_pool_check(10, 1, [])

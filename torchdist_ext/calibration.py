@@ -147,7 +147,7 @@ def check_links(links: Any, where: str = "set_cost_model") -> dict[str, dict[str
 RULE_KEYS = ("collective", "world", "placement", "crowded", "threads", "min_bytes",
              "max_bytes", "algorithm")
 _PLACEMENTS = ("hosts", "host", "windows")
-MAX_THREADS = 16  # TDX_SHM_THREADS' range: the backend's kMaxPassThreads
+MAX_THREADS = 16  # TDX_SHM_THREADS' range: the backend's kMaxPassThreads (_C._MAX_PASS_THREADS)
 
 
 # The backend's limit on a rule's world size, and the largest world predict() prices: far

@@ -1,15 +1,20 @@
 // Helper threads for memory passes (see pass_pool.h).
 //
-// One job at a time per process: the caller publishes it by bumping a generation
-// counter, every helper (working on it or not) counts itself off when done with it, and
-// only then may the next job overwrite the description. Helpers spin a little after a
-// job, because a collective's passes come back to back (three per chunk of a window's
-// half), and then sleep on a condition variable.
+// One job at a time per process. The caller publishes a job as one atomic word, its
+// generation and how many ways it splits, and wakes only the helpers that take a part
+// (down a tree: each wakes at most two); each of those counts itself off when done, and only then may the next job overwrite
+// the description. A helper that takes no part reads nothing but that word, so the
+// caller never waits for it: on a host whose ranks hold more helpers than a pass of a
+// few hundred KiB splits over, a pass ends when its own parts do, not when every
+// sleeping helper has been scheduled. Helpers spin a little after a job, because a
+// collective's passes come back to back (three per chunk of a window's half), and then
+// sleep on a condition variable of their own.
 #include "algorithms/pass_pool.h"
 
 #include <pthread.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -25,6 +30,17 @@ namespace {
 constexpr int kMaxHelpers = kMaxPassThreads - 1;  // and the caller
 constexpr size_t kMinPartBytes = 64 << 10;
 constexpr auto kSpin = std::chrono::microseconds(200);
+
+// The job word: generation above, ways in the low byte.
+constexpr int kWaysBits = 8;
+static_assert(kMaxPassThreads < (1 << kWaysBits), "ways must fit the job word's low byte");
+constexpr uint64_t jobWord(uint64_t generation, int ways) {
+  return generation << kWaysBits | static_cast<uint64_t>(ways);
+}
+constexpr uint64_t generationOf(uint64_t word) { return word >> kWaysBits; }
+constexpr int waysOf(uint64_t word) {
+  return static_cast<int>(word & ((uint64_t{1} << kWaysBits) - 1));
+}
 
 class PassPool {
  public:
@@ -51,15 +67,13 @@ class PassPool {
     fn_ = fn;
     bytes_ = bytes;
     grain_ = grain;
-    ways_ = ways;
-    pending_.store(helpers_, std::memory_order_relaxed);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      generation_.fetch_add(1, std::memory_order_release);
-    }
-    cv_.notify_all();
+    pending_.store(ways - 1, std::memory_order_relaxed);
+    const uint64_t generation = generationOf(job_.load(std::memory_order_relaxed)) + 1;
+    job_.store(jobWord(generation, ways), std::memory_order_release);
+    // Helpers 1 .. ways-1 take parts, woken down a binary tree (see wakeChildren).
+    wakeChildren(0, ways);
     try {
-      runPart(0);
+      runPart(0, ways);
     } catch (...) {  // fn must not throw; if it did, the helpers still use the job
       waitForHelpers();
       throw;
@@ -69,6 +83,25 @@ class PassPool {
   }
 
  private:
+  struct Sleeper {
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+
+  // Wakes the helpers below `index` in the job's tree: 2·index+1 and 2·index+2, where
+  // they take part. Every part-taker wakes its own, so no thread makes more than two
+  // wake-up calls: one thread waking them all would, on a host with fewer free cores
+  // than helpers, lose its core to each helper it wakes before waking the next.
+  // Taking a helper's lock after the job's store means a helper about to sleep either
+  // sees the job in its wait predicate or is already waiting when notified.
+  void wakeChildren(int index, int ways) {
+    for (int child = 2 * index + 1; child <= 2 * index + 2 && child < ways; ++child) {
+      Sleeper& s = sleepers_[child];
+      { std::lock_guard<std::mutex> lock(s.mu); }
+      s.cv.notify_one();
+    }
+  }
+
   void waitForHelpers() {
     while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
   }
@@ -78,11 +111,11 @@ class PassPool {
     want = std::min(want, kMaxHelpers);
     while (helpers_ < want) {
       const int index = helpers_ + 1;  // parts 1, 2, ...; part 0 is the caller's
-      const uint64_t seen = generation_.load(std::memory_order_acquire);
+      const uint64_t seen = generationOf(job_.load(std::memory_order_acquire));
       try {
         std::thread([this, index, seen] { helperLoop(index, seen); }).detach();
       } catch (const std::system_error&) {
-        break;  // counted only once running: every counted helper counts itself off
+        break;  // counted only once running: a job never names a helper that is not
       }
       helpers_ = index;
     }
@@ -90,27 +123,35 @@ class PassPool {
   }
 
   void helperLoop(int index, uint64_t seen) {
+    Sleeper& s = sleepers_[index];
+    auto moved = [&] { return generationOf(job_.load(std::memory_order_acquire)) != seen; };
     for (;;) {
       const auto spinUntil = std::chrono::steady_clock::now() + kSpin;
-      while (generation_.load(std::memory_order_acquire) == seen &&
-             std::chrono::steady_clock::now() < spinUntil) {
+      while (!moved() && std::chrono::steady_clock::now() < spinUntil) {
         std::this_thread::yield();
       }
-      if (generation_.load(std::memory_order_acquire) == seen) {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+      if (!moved()) {
+        std::unique_lock<std::mutex> lock(s.mu);
+        s.cv.wait(lock, moved);
       }
-      seen = generation_.load(std::memory_order_acquire);
-      if (index < ways_) runPart(index);
-      pending_.fetch_sub(1, std::memory_order_release);
+      // One load decides: a helper that missed jobs (it took no part in them, or the
+      // caller would still be waiting for it) joins the latest one if that one names it.
+      const uint64_t word = job_.load(std::memory_order_acquire);
+      seen = generationOf(word);
+      const int ways = waysOf(word);
+      if (index < ways) {
+        wakeChildren(index, ways);
+        runPart(index, ways);
+        pending_.fetch_sub(1, std::memory_order_release);
+      }
     }
   }
 
-  void runPart(int index) {
+  void runPart(int index, int ways) {
     // Part boundaries on `grain`: the first parts take one grain more when the grains
     // do not divide evenly.
     const size_t grains = (bytes_ + grain_ - 1) / grain_;
-    const size_t base = grains / ways_, extra = grains % ways_;
+    const size_t base = grains / ways, extra = grains % ways;
     const size_t first = index * base + std::min<size_t>(index, extra);
     const size_t count = base + (static_cast<size_t>(index) < extra ? 1 : 0);
     const size_t begin = std::min(bytes_, first * grain_);
@@ -119,17 +160,15 @@ class PassPool {
   }
 
   std::mutex runMu_;  // one job at a time
-  std::mutex mu_;     // with cv_: helpers asleep between jobs
-  std::condition_variable cv_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};  // helpers not yet done with the current job
-  int helpers_ = 0;              // under runMu_
-  // The current job, written under runMu_ before the generation moves on, read by the
-  // helpers after they see it move.
+  std::array<Sleeper, kMaxHelpers + 1> sleepers_;  // by helper index; 0 is unused
+  std::atomic<uint64_t> job_{0};    // jobWord(generation, ways) of the latest job
+  std::atomic<int> pending_{0};     // helpers not yet done with their part of it
+  int helpers_ = 0;                 // under runMu_
+  // The current job, written under runMu_ before its word is stored, read only by the
+  // helpers it names, after they load that word.
   void (*call_)(const void*, size_t, size_t) = nullptr;
   const void* fn_ = nullptr;
   size_t bytes_ = 0, grain_ = 1;
-  int ways_ = 1;
 };
 
 } // namespace

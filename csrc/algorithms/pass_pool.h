@@ -10,12 +10,13 @@
 
 #include <cstddef>
 
+#include "common/host.h"
+
 namespace tdx {
 namespace algorithms {
 
-// The most threads a pass splits over, the caller included: TDX_SHM_THREADS' range,
-// which the group checks against this (the window, a layer below, clamps to the same).
-constexpr int kMaxPassThreads = 16;
+// The most threads a pass splits over, the caller included (common/host.h).
+using tdx::kMaxPassThreads;
 
 // How many ways parallelPass splits a pass of `bytes` with `ways` threads: parts under
 // 64 KiB are not worth waking a helper for, and the pool has at most 16 threads. The cost

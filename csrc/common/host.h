@@ -6,6 +6,11 @@
 
 namespace tdx {
 
+// The most threads one rank splits a memory pass over, itself included: the range of
+// TDX_SHM_THREADS, the size of the helper pool, and the clamp of a window's count.
+// Python's calibration.MAX_THREADS must match (a test compares them).
+constexpr int kMaxPassThreads = 16;
+
 // The CPUs this process may run on: its affinity mask, or every configured CPU when the
 // mask cannot be read.
 std::vector<bool> allowedCpus();

@@ -19,6 +19,7 @@
 #include <stdexcept>
 
 #include "common/env.h"
+#include "common/host.h"
 
 namespace tdx {
 namespace transport {
@@ -150,7 +151,7 @@ std::unique_ptr<HostWindow> HostWindow::open(const std::string& name, bool creat
   } else {
     w->spinUs_ = env::getInt("TDX_SHM_SPIN_US");
   }
-  w->passThreads_ = std::clamp(passThreads, 1, 16);
+  w->passThreads_ = std::clamp(passThreads, 1, kMaxPassThreads);
   return w;
 }
 
