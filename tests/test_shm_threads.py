@@ -258,3 +258,30 @@ def test_bad_pool_check_arguments_are_refused() -> None:
         _C._pass_pool_check(10, 0, [2])
     with pytest.raises(ValueError, match="ways"):
         _C._pass_pool_check(10, 1, [])
+
+
+def test_a_forked_child_has_a_pool_of_its_own() -> None:
+    """The parent's helpers are not in a forked child: its passes run on helpers of
+    its own (or alone), never waiting for threads that do not exist."""
+    import signal
+    import time
+
+    from torchdist_ext import _C
+
+    assert _C._pass_pool_check(1 << 20, 64, [4], repeats=2)["exact"]  # helpers running
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        signal.alarm(60)
+        r = _C._pass_pool_check(1 << 20, 64, [4, 16, 2], repeats=20)
+        os._exit(0 if r["exact"] and r["most_parts"] == 16 else 3)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's passes never finished")
+    assert os.waitstatus_to_exitcode(status) == 0

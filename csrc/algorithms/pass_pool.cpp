@@ -20,7 +20,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <system_error>
 #include <thread>
 
 namespace tdx {
@@ -44,14 +43,19 @@ constexpr int waysOf(uint64_t word) {
 
 class PassPool {
  public:
-  static PassPool*& instance() {
-    // Never destroyed: helpers may still be asleep in it when the process exits.
-    static PassPool* pool = [] {
-      // A forked child has none of the parent's helpers: it starts a pool of its own.
-      pthread_atfork(nullptr, nullptr, [] { instance() = new PassPool(); });
-      return new PassPool();
-    }();
-    return pool;
+  // The process's pool. Made when the library loads, not on first use: a function-local
+  // static would be half made in a child forked during its setup (by another thread),
+  // and the child would wait on its guard forever, in the fork handler or its first
+  // pass. Never destroyed: helpers may still be asleep in it when the process exits.
+  static PassPool* instance() { return current_.load(std::memory_order_acquire); }
+
+  // At load: the first pool, and a fork handler that gives a child a pool of its own
+  // (it has none of the parent's helpers; the child runs one thread when it is called).
+  static bool start() {
+    current_.store(new PassPool(), std::memory_order_release);
+    pthread_atfork(nullptr, nullptr,
+                   [] { current_.store(new PassPool(), std::memory_order_release); });
+    return true;
   }
 
   // False when another thread holds the helpers.
@@ -114,7 +118,7 @@ class PassPool {
       const uint64_t seen = generationOf(job_.load(std::memory_order_acquire));
       try {
         std::thread([this, index, seen] { helperLoop(index, seen); }).detach();
-      } catch (const std::system_error&) {
+      } catch (...) {  // std::system_error, or std::bad_alloc for the thread's state
         break;  // counted only once running: a job never names a helper that is not
       }
       helpers_ = index;
@@ -159,6 +163,7 @@ class PassPool {
     if (begin < end) call_(fn_, begin, end);
   }
 
+  static std::atomic<PassPool*> current_;
   std::mutex runMu_;  // one job at a time
   std::array<Sleeper, kMaxHelpers + 1> sleepers_;  // by helper index; 0 is unused
   std::atomic<uint64_t> job_{0};    // jobWord(generation, ways) of the latest job
@@ -170,6 +175,9 @@ class PassPool {
   const void* fn_ = nullptr;
   size_t bytes_ = 0, grain_ = 1;
 };
+
+std::atomic<PassPool*> PassPool::current_{nullptr};
+[[maybe_unused]] const bool started = PassPool::start();
 
 } // namespace
 
