@@ -640,4 +640,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::barrier(const c10d::BarrierOptio
                  [this](GroupChannel& ch) { host::barrier(*this, ch); });
 }
 
+void ProcessGroupTDX::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  OpLimits limits;
+  limits.timeout = opts.timeout == c10d::kUnsetTimeout ? timeout() : opts.timeout;
+  TORCH_CHECK_VALUE(limits.timeout.count() > 0, prefix(),
+                    " monitored_barrier: the timeout must be positive, got ",
+                    limits.timeout.count(), " ms");
+  limits.fingerprinted = false;
+  const std::chrono::milliseconds limit = limits.timeout;
+  auto work = enqueue(OpType::BARRIER, "monitored_barrier", {}, {},
+                      [waitAllRanks, limit](GroupChannel& ch) {
+                        host::monitoredBarrier(ch, waitAllRanks, limit);
+                      },
+                      nullptr, true, limits);
+  work->wait();
+}
+
 } // namespace tdx

@@ -117,6 +117,14 @@ RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes
   return r;
 }
 
+bool GroupChannel::settle(const RequestPtr& r, Clock::time_point until) {
+  return transport_.wait(*r, std::min(until, deadline_));
+}
+
+bool GroupChannel::peerLost(int peer) const {
+  return transport_.endpointFailed(endpoints_.at(peer));
+}
+
 void GroupChannel::wait(const RequestPtr& r) {
   auto it = std::find_if(posted_.begin(), posted_.end(),
                          [&](const Posted& p) { return p.request == r; });

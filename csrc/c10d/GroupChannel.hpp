@@ -91,6 +91,14 @@ class GroupChannel final : public algorithms::Channel {
   void wait(const transport::RequestPtr& request) override;
   char* scratch(size_t bytes) override;
 
+  // For an op that judges each peer on its own (the monitored barrier), where wait()
+  // would throw for the first failure of any rank: drives the transport until `request`
+  // ends or `until` (at most the op's deadline) passes, and never throws. True when it
+  // ended; ok() then says how.
+  bool settle(const transport::RequestPtr& request, transport::Clock::time_point until);
+  // Whether rank `peer`'s connection failed (the rank is gone).
+  bool peerLost(int peer) const;
+
   // True when every request of this op has finished (so its buffers may be reused).
   // Cancels what it can and waits (at most 1 s, 100 ms for a lost peer) for the
   // receives that cannot be cancelled, once; when false, the scratch buffer is abandoned

@@ -217,6 +217,88 @@ void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
   run(ch, sel, argsFor(ch), Buffers{}, nullptr);
 }
 
+void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds timeout) {
+  const int n = ch.size(), r = ch.rank();
+  if (n == 1) return;
+  // Messages of one byte: step 0 reports to rank 0, step 1 is rank 0's release.
+  char token = 1;
+  std::vector<char> tokens(n, 0);
+  if (r != 0) {
+    auto report = ch.isend(0, 0, &token, 1);
+    auto release = ch.irecv(0, 1, &tokens[0], 1);
+    try {
+      ch.wait(report);
+      ch.wait(release);
+    } catch (const TimedOut& e) {
+      throw TimedOut("rank " + std::to_string(r) + " reached monitored_barrier, but rank 0 " +
+                     "did not release it: " + e.what() + ". Rank 0's error names the " +
+                     "ranks that did not arrive");
+    }
+    return;
+  }
+  std::vector<transport::RequestPtr> reports(n);
+  for (int q = 1; q < n; ++q) reports[q] = ch.irecv(q, 0, &tokens[q], 1);
+  // Every report watched at once, so a lost rank is named at once, not after the ranks
+  // before it in order have been waited for.
+  std::vector<std::string> why(n);
+  std::vector<bool> open(n, true);
+  open[0] = false;
+  for (;;) {
+    int first = -1;
+    bool failed = false;
+    for (int q = 1; q < n; ++q) {
+      if (open[q]) {
+        if (reports[q]->done()) {
+          open[q] = false;
+          if (!reports[q]->ok()) why[q] = "its report failed: " + reports[q]->error;
+        } else if (ch.peerLost(q)) {
+          open[q] = false;
+          why[q] = "lost (its connection failed)";
+        } else if (first < 0) {
+          first = q;
+        }
+      }
+      failed = failed || !why[q].empty();
+    }
+    if (first < 0 || (failed && !waitAll)) break;
+    if (ch.abortedFlag().load()) {
+      throw std::runtime_error("the process group was aborted during monitored_barrier");
+    }
+    if (transport::Clock::now() >= ch.deadline()) {
+      for (int q = 1; q < n; ++q) {
+        if (open[q]) why[q] = "did not arrive";
+      }
+      break;
+    }
+    ch.settle(reports[first], transport::Clock::now() + std::chrono::milliseconds(50));
+  }
+  std::vector<int> failedRanks, arrived{0};
+  std::string detail;
+  for (int q = 1; q < n; ++q) {
+    if (why[q].empty()) {
+      if (!open[q]) arrived.push_back(q);
+      continue;
+    }
+    failedRanks.push_back(q);
+    detail += (detail.empty() ? "" : "; ") + std::string("rank ") + std::to_string(q) + ": " +
+              why[q];
+    if (!waitAll) break;  // fail fast: the first failed rank, as torch documents
+  }
+  if (!failedRanks.empty()) {
+    // torch's wording first (tools look for it), then why and who did arrive.
+    std::string text = failedRanks.size() == 1
+                           ? "Rank " + std::to_string(failedRanks[0])
+                           : "Ranks " + rankList(failedRanks).substr(6);
+    text += " failed to pass monitoredBarrier in " + std::to_string(timeout.count()) +
+            " ms (" + detail + ")";
+    if (waitAll) text += "; arrived: " + rankList(arrived);
+    throw std::runtime_error(text);
+  }
+  std::vector<transport::RequestPtr> releases;
+  for (int q = 1; q < n; ++q) releases.push_back(ch.isend(q, 1, &token, 1));
+  ch.waitAll(releases);
+}
+
 void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
             const std::vector<Block>& rootBlocks, int root) {
   auto sel = pg.select(Collective::Gather, double(mine.bytes) * ch.size(), ch, "gather");

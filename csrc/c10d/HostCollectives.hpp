@@ -4,6 +4,7 @@
 // tensors into them); conventions per collective as in algorithms/collectives.h.
 #pragma once
 
+#include <chrono>
 #include <vector>
 
 #include "algorithms/channel.h"
@@ -37,6 +38,10 @@ void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Bloc
 void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,
               const std::vector<Block>& recvs);
 void barrier(ProcessGroupTDX& pg, GroupChannel& ch);
+// torch's monitored_barrier: every rank reports to rank 0, which names the ranks that did
+// not report by the op's deadline (`timeout`, for the message) or were lost, the first of
+// them or, with `waitAll`, all of them, and releases the others only when all reported.
+void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds timeout);
 // rootBlocks: the root's gather/scatter list (empty elsewhere).
 void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
             const std::vector<Block>& rootBlocks, int root);

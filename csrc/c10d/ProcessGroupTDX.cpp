@@ -500,7 +500,7 @@ std::exception_ptr ProcessGroupTDX::wrapError(const std::string& what,
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     c10d::OpType type, const std::string& what, std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> inputs, std::function<void(GroupChannel&)> body,
-    PeerAttempt peerAttempt, bool writesOutputs) {
+    PeerAttempt peerAttempt, bool writesOutputs, OpLimits limits) {
   // Taken first, so an op that fails its checks leaves nothing for the next one.
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
@@ -515,13 +515,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   // threads issuing ops on one group could otherwise queue #2 ahead of #1 on one rank.
   std::lock_guard<std::mutex> ordered(enqueueMu_);
   const uint64_t seq = ++seq_;
+  const std::chrono::milliseconds limit =
+      limits.timeout.count() > 0 ? limits.timeout : timeout();
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
-                                           outputs, timeout(), what.c_str(), inputs);
+                                           outputs, limit, what.c_str(), inputs);
   // Each op ahead of this one (and this one) ends within the group timeout of its start,
   // so a wait without a timeout of its own is still bounded: by that sum, plus a margin.
   const int ahead = queued_.load() + (running_.load() ? 1 : 0);
   const std::chrono::duration<double> span =
-      std::chrono::duration<double>(timeout()) * (ahead + 1) + std::chrono::seconds(5);
+      std::chrono::duration<double>(std::max(limit, timeout())) * (ahead + 1) +
+      std::chrono::seconds(5);
   if (span < std::chrono::hours(24 * 365 * 10)) {  // else none: the sum would overflow
     work->setBackstop(std::chrono::steady_clock::now() +
                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(span));
@@ -544,7 +547,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     task.body = std::move(body);
   }
   task.pins = algorithms::Registry::get().pins();
-  if (checkFingerprints_) {
+  task.timeout = limit;
+  task.fingerprinted = limits.fingerprinted;
+  if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
     task.fingerprint = fingerprintOf(type, what, task.keepAlive, fingerprintExtra) +
@@ -858,13 +863,13 @@ void ProcessGroupTDX::runTask(Task& task) {
     try {
       DeviceContext ctx;
       ctx.ready = task.readyEvent;
-      ctx.deadline = Clock::now() + timeout();
+      ctx.deadline = Clock::now() + task.timeout;
       if (!task.deviceBody) ctx.syncReady();
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
-                      Clock::now() + timeout(), aborted_, scratch_);
+                      Clock::now() + task.timeout, aborted_, scratch_);
       taskPins_ = task.pins.get();
       try {
-        if (checkFingerprints_) {
+        if (checkFingerprints_ && task.fingerprinted) {
           checkFingerprint(ch, task.fingerprint);
           checkSteps = ch.stepsDone();
         }

@@ -34,6 +34,13 @@
 
 namespace tdx {
 
+// What one op may set apart from its group's defaults (ProcessGroupTDX::enqueue): its
+// own time limit (0: the group's) and whether ranks compare fingerprints before it.
+struct OpLimits {
+  std::chrono::milliseconds timeout{0};
+  bool fingerprinted = true;
+};
+
 class ProcessGroupTDX : public c10d::Backend {
  public:
   ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -102,6 +109,11 @@ class ProcessGroupTDX : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Blocks until every rank has reported to rank 0 within opts.timeout (the group's when
+  // unset); rank 0 raises naming the first rank that did not (all of them with
+  // waitAllRanks), the others raise when rank 0 does not release them. Like any failed
+  // op, a failure breaks the group.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
 
   // Point-to-point.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
@@ -185,6 +197,10 @@ class ProcessGroupTDX : public c10d::Backend {
     // The pinned algorithms when the op was issued: set_algorithm between issue and run
     // must not change it on one rank only.
     std::shared_ptr<const algorithms::Pins> pins;
+    std::chrono::milliseconds timeout{0};  // the op's own limit; 0: the group's
+    // False for an op whose purpose is finding the ranks that did not call it (the
+    // monitored barrier): a fingerprint exchange first would time out without naming them.
+    bool fingerprinted = true;
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
@@ -195,7 +211,8 @@ class ProcessGroupTDX : public c10d::Backend {
                                          std::vector<at::Tensor> inputs,
                                          std::function<void(GroupChannel&)> body,
                                          PeerAttempt peerAttempt = nullptr,
-                                         bool writesOutputs = true);
+                                         bool writesOutputs = true,
+                                         OpLimits limits = OpLimits{});
   c10::intrusive_ptr<c10d::Work> pointToPoint(bool isSend, at::Tensor tensor, int peer,
                                               int tag);
   void registerWork(const c10::intrusive_ptr<WorkTDX>& work);
