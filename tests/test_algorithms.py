@@ -779,6 +779,18 @@ def _refused_mid_coalesced(rank: int, n: int) -> dict:
     return out
 
 
+def test_the_scratch_limit_refusal_names_the_product_and_what_fits() -> None:
+    """direct's limit is on bytes x ranks: the refusal gives both factors, the product
+    and the most bytes per rank that fit, so 16 MiB + 12 bytes at 4 ranks does not read
+    as within "64 MiB x world size"."""
+    from torchdist_ext import _C
+
+    why = _C._algorithm_cost("allreduce", "direct", float((16 << 20) + 12), 4)["unusable"]
+    assert "16777228 bytes x 4 ranks = 67108912 bytes" in why, why
+    assert "limit of 67108864" in why and "at most 16777216 bytes per rank" in why, why
+    assert _C._algorithm_cost("allreduce", "direct", float(16 << 20), 4)["unusable"] == ""
+
+
 def test_a_pin_refused_after_part_of_a_coalesced_op_breaks_the_group() -> None:
     """A refusal after earlier entries ran leaves written outputs behind, so unlike a
     refusal before any step it breaks the group: a retry must not reduce twice."""

@@ -310,9 +310,12 @@ std::string Registry::unusable(const Algorithm& a, double bytes, int n,
            "between the group's ranks (Yama ptrace_scope, seccomp)";
   }
   if (a.maxBytesTimesWorld > 0 && bytes * n > a.maxBytesTimesWorld) {
-    return "holds every rank's buffer in scratch, limited to " +
-           std::to_string(static_cast<long long>(a.maxBytesTimesWorld)) +
-           " bytes x world size";
+    // The limit is on the product: name both factors and the sizes that would fit.
+    const auto whole = [](double v) { return std::to_string(static_cast<long long>(v)); };
+    return "holds every rank's buffer in scratch: " + whole(bytes) + " bytes x " +
+           std::to_string(n) + " ranks = " + whole(bytes * n) + " bytes, over its limit of " +
+           whole(a.maxBytesTimesWorld) + " (at most " + whole(a.maxBytesTimesWorld / n) +
+           " bytes per rank at this world size)";
   }
   return "";
 }
