@@ -570,3 +570,61 @@ def test_a_knob_that_is_not_a_whole_number_is_an_error_naming_it(var: str, value
         assert out.stdout.startswith("ran [1.0, 1.0, 1.0]"), out.stdout
     else:
         assert f"{var}={value} is not an integer" in out.stdout, out.stdout
+
+
+def _one_leaves_early(rank: int, n: int, calls_before: int) -> dict:
+    """Rank 0 issues `calls_before` all_reduces and destroys the group (run_ranks' own
+    teardown); the others issue one more, which rank 0 never calls."""
+    import time
+
+    out: dict = {}
+    for _ in range(calls_before):
+        t = torch.ones(8)
+        dist.all_reduce(t)
+        assert t.tolist() == [float(n)] * 8
+    if rank == 0:
+        return out
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+@pytest.mark.parametrize("calls_before", [0, 2])
+def test_a_rank_that_destroys_the_group_early_is_named_at_once(shm: str,
+                                                               calls_before: int) -> None:
+    """A member's goodbye says how many collectives it issued: the ranks waiting in one
+    it never called fail at once naming it (they used to wait out its 10 s goodbye wait,
+    then see it as lost), and its earlier ops complete as usual."""
+    out = run_ranks(_one_leaves_early, 3, timeout=30, args=(calls_before,),
+                    env={"TDX_SHM": shm})
+    for r in (1, 2):
+        err = out[r]["error"]
+        assert err and err.startswith("DistBackendError"), out[r]
+        assert f"rank 0 shut the group down" in err, err
+        assert f"after issuing {calls_before} collective" in err, err
+        assert out[r]["seconds"] < 5, out[r]
+
+
+def _root_leaves_while_read(rank: int, n: int) -> list[float]:
+    """The broadcast's root finishes first and destroys the group at once; the others
+    arrive late and must still get its data (the root's goodbye counts the op)."""
+    import time
+
+    t = torch.arange(1 << 20, dtype=torch.float32) if rank == 0 else torch.zeros(1 << 20)
+    if rank != 0:
+        time.sleep(0.5)
+    dist.broadcast(t, 0)
+    return [float(t[0]), float(t[-1])]
+
+
+def test_a_goodbye_after_the_last_op_fails_nothing() -> None:
+    for shm in ("1", "0"):
+        for r, got in enumerate(run_ranks(_root_leaves_while_read, 3, timeout=30,
+                                          env={"TDX_SHM": shm})):
+            assert got == [0.0, float((1 << 20) - 1)], (shm, r, got)

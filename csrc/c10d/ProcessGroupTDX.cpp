@@ -445,6 +445,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // Always: a member that finds a mismatch on its own (a point-to-point header under
   // DETAIL, a collective's message of the wrong size in any mode) tells the others here.
   if (size_ > 1) listenForMismatchNotices();
+  if (size_ > 1) listenForGoodbyes();
   worker_ = std::thread([this] { runLoop(); });
   retireOnThrow.armed = false;
   init();
@@ -716,6 +717,48 @@ void ProcessGroupTDX::listenForMismatchNotices() {
 
 namespace {
 
+std::string leftText(int q, uint64_t last, uint64_t seq) {
+  return "rank " + std::to_string(q) + " shut the group down (destroy_process_group, abort " +
+         "or exit) after issuing " + std::to_string(last) + " collective" +
+         (last == 1 ? "" : "s") + " on it, so it never calls op #" + std::to_string(seq) +
+         ": every rank must call the same collectives before it destroys the group";
+}
+
+} // namespace
+
+void ProcessGroupTDX::listenForGoodbyes() {
+  auto state = std::make_shared<Goodbyes>(size_);
+  state->receives.resize(size_);
+  auto fault = fault_;
+  for (int q = 0; q < size_; ++q) {
+    if (q == rank_) continue;
+    state->receives[q] = transport_->irecv(
+        endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,
+        &state->message[q], sizeof(uint64_t), transport::MemType::Host,
+        [state, fault, q](transport::Request& r) {
+          if (!r.ok() || r.receivedBytes != sizeof(uint64_t)) return;  // cancelled at shutdown
+          const uint64_t last = state->message[q];
+          // Published before `running` is read, as runTask publishes `running` before it
+          // reads this: one of the two sees the other (both sequentially consistent).
+          state->lastSeq[q].store(last);
+          const uint64_t now = state->running.load();
+          if (now > last) fault->record(leftText(q, last, now), /*abort=*/true);
+        });
+  }
+  goodbyes_ = std::move(state);
+}
+
+std::string ProcessGroupTDX::leftBefore(uint64_t seq) const {
+  if (!goodbyes_) return std::string();
+  for (int q = 0; q < size_; ++q) {
+    const uint64_t last = goodbyes_->lastSeq[q].load();
+    if (last != Goodbyes::kStayed && last < seq) return leftText(q, last, seq);
+  }
+  return std::string();
+}
+
+namespace {
+
 // Sends `text` as a failure notice to every live member of a group but `self`. Free of
 // the group object: point-to-point completions, which may outlive it, send them too.
 void sendNotice(transport::Transport& transport, const std::vector<int>& endpoints, int self,
@@ -868,7 +911,10 @@ void ProcessGroupTDX::runTask(Task& task) {
       GroupChannel ch(*transport_, endpoints_, rank_, groupId_, task.seq,
                       Clock::now() + task.timeout, aborted_, scratch_);
       taskPins_ = task.pins.get();
+      if (goodbyes_) goodbyes_->running.store(task.seq);
       try {
+        const std::string left = leftBefore(task.seq);
+        if (!left.empty()) throw std::runtime_error(left);
         if (checkFingerprints_ && task.fingerprinted) {
           checkFingerprint(ch, task.fingerprint);
           checkSteps = ch.stepsDone();
@@ -926,6 +972,7 @@ void ProcessGroupTDX::runTask(Task& task) {
     }
   }
   taskPins_ = nullptr;  // the task's snapshot dies with it
+  if (goodbyes_) goodbyes_->running.store(0);
   // Not running from here on: the caller may destroy the group as soon as it hears.
   running_.store(false);
   task.work->finishPart(error);
@@ -1585,21 +1632,20 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   auto deadline =
       Clock::now() + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
                                  : kGoodbyeSendWait);
-  static const char kNothing = 0;
-  char sink = 0;
+  // The goodbye says how many collectives this rank issued on the group (see Goodbyes);
+  // kept alive by the sends' completions.
+  auto issued = std::make_shared<uint64_t>(seq_.load());
   std::vector<transport::RequestPtr> sends;
-  std::vector<transport::RequestPtr> goodbyes;  // the peers', awaited
+  std::vector<transport::RequestPtr> goodbyes;  // the peers', posted at the group's start
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
-    if (awaitPeers) {
-      goodbyes.push_back(transport_->irecv(endpoints_[q],
-                                           tag::pointToPoint(groupId_, q, tag::kShutdownTag),
-                                           tag::kFullMask, &sink, 0, transport::MemType::Host,
-                                           nullptr));
+    if (awaitPeers && goodbyes_ && goodbyes_->receives[q]) {
+      goodbyes.push_back(goodbyes_->receives[q]);
     }
     sends.push_back(transport_->isend(endpoints_[q],
                                       tag::pointToPoint(groupId_, rank_, tag::kShutdownTag),
-                                      &kNothing, 0, transport::MemType::Host, nullptr));
+                                      issued.get(), sizeof(uint64_t), transport::MemType::Host,
+                                      [issued](transport::Request&) {}));
   }
   // Waited for in slices: an abort() from another thread queues behind this shutdown,
   // and must not sit out a wait for peers' goodbyes. Once it comes, this shutdown waits
@@ -1622,12 +1668,16 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
     all = r->done() && all;
   }
   std::vector<transport::RequestPtr> pending = std::move(sends);
-  pending.insert(pending.end(), goodbyes.begin(), goodbyes.end());
+  // Every peer's goodbye receive, awaited or not: none may stay posted past the group.
+  if (goodbyes_) {
+    for (auto& r : goodbyes_->receives) {
+      if (r) pending.push_back(r);
+    }
+  }
   if (!all && awaitPeers && !abortSeen) {
     TDX_LOG(Info, prefix()) << "shut down without every peer's goodbye (a peer has not shut "
                                "this group down yet)";
   }
-  // The receives must not outlive `sink`.
   for (auto& r : pending) {
     if (!r->done()) transport_->cancel(*r, "the process group was shut down");
   }

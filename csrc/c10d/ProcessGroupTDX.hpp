@@ -359,6 +359,28 @@ class ProcessGroupTDX : public c10d::Backend {
   // later ones with that text.
   transport::RequestPtr noticeRecv_;
   void listenForMismatchNotices();
+
+  // Each member's goodbye (sayGoodbye) carries how many collectives it issued on the
+  // group. It is received from the group's start, not only at this rank's shutdown, so
+  // a member that shut the group down without calling an op this rank waits in (or
+  // will run) fails that op at once, naming the member, instead of at the group timeout
+  // or that member's exit. Shared with the receives' completions, which may outlive the
+  // group.
+  struct Goodbyes {
+    explicit Goodbyes(int size) : lastSeq(size), message(size, 0) {
+      for (auto& s : lastSeq) s.store(kStayed);
+    }
+    static constexpr uint64_t kStayed = ~uint64_t{0};  // no goodbye yet
+    std::vector<std::atomic<uint64_t>> lastSeq;  // by group rank
+    std::vector<uint64_t> message;               // the receives' buffers
+    std::atomic<uint64_t> running{0};            // the op the worker runs now (0: none)
+    std::vector<transport::RequestPtr> receives; // by group rank (null for this rank)
+  };
+  std::shared_ptr<Goodbyes> goodbyes_;
+  void listenForGoodbyes();
+  // Why op `seq` cannot run because a member has shut the group down before issuing
+  // it, or "" when none has.
+  std::string leftBefore(uint64_t seq) const;
   // Sends `text` to every other member's notice receive: they give the group up at once,
   // with this as the reason, instead of waiting for this rank until their timeout.
   void tellPeers(const std::string& text);
