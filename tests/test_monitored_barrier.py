@@ -6,6 +6,7 @@ when all arrived, and raise otherwise."""
 from __future__ import annotations
 
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -36,7 +37,8 @@ def test_monitored_barrier_passes_when_every_rank_arrives(world: int) -> None:
         assert max(times) < 10
 
 
-def _some_stay_away(rank: int, n: int, absent: list[int], wait_all: bool) -> dict:
+def _some_stay_away(rank: int, n: int, absent: list[int], wait_all: bool,
+                    leaving: int | None = None) -> dict:
     out: dict = {}
     if rank not in absent:
         start = time.monotonic()
@@ -48,10 +50,17 @@ def _some_stay_away(rank: int, n: int, absent: list[int], wait_all: bool) -> dic
         out["seconds"] = time.monotonic() - start
     # Absent ranks wait here until the others have given up, then leave; the group is
     # broken by the failed barrier, so nothing more runs on it.
-    dist.distributed_c10d._get_default_store().add("done", 1)
-    while dist.distributed_c10d._get_default_store().add("done", 0) < n:
-        time.sleep(0.05)
+    _meet(n if leaving is None else leaving)
     return out
+
+
+def _meet(count: int) -> None:
+    """Waits until `count` ranks got here (20 s at most)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("done", 1)
+    deadline = time.monotonic() + 20
+    while store.add("done", 0) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("debug", ["", "DETAIL"])
@@ -93,6 +102,7 @@ def test_ranks_wait_for_rank_zero() -> None:
 
 def _one_dies(rank: int, n: int) -> dict:
     if rank == 2:
+        time.sleep(1)  # the others are in the barrier by now
         os._exit(0)  # gone without a word
     start = time.monotonic()
     try:
@@ -125,3 +135,56 @@ def _bad_timeout(rank: int, n: int) -> str:
 def test_a_timeout_of_zero_is_refused() -> None:
     for msg in run_ranks(_bad_timeout, 2, timeout=30):
         assert "timeout" in msg and ("positive" in msg or "0" in msg), msg
+
+
+def _lost_and_absent(rank: int, n: int) -> dict:
+    """Rank 3 dies while the others wait, rank 4 never calls: with wait_all_ranks rank 0
+    names both, and the ranks that arrived end with rank 0's error, not their own view
+    of the loss."""
+    if rank == 3:
+        time.sleep(1)
+        os._exit(0)
+    return _some_stay_away(rank, n, [4], True, leaving=n - 1)
+
+
+def test_rank_zero_reports_every_missing_rank_however_the_others_see_it() -> None:
+    out = run_ranks(_lost_and_absent, 5, timeout=30, may_exit=[3])
+    err0 = out[0]["error"]
+    assert "Ranks 3, 4 failed to pass monitoredBarrier in 2000 ms" in err0, err0
+    assert re.search(r"rank 3: [^;]*lost", err0) and "rank 4: did not arrive" in err0, err0
+    for r in (1, 2):
+        assert "Ranks 3, 4 failed to pass monitoredBarrier" in out[r]["error"], out[r]
+
+
+def _late_zero(rank: int, n: int) -> dict:
+    if rank == 0:
+        time.sleep(1)  # rank 0 reaches the barrier last (a checkpoint to write, say)
+    return _some_stay_away(rank, n, [3], False)
+
+
+def test_a_late_rank_zero_still_names_the_missing_rank_everywhere() -> None:
+    """The others wait for rank 0 a grace longer than its own timeout, so it is rank 0's
+    error, naming rank 3, that every rank ends with."""
+    out = run_ranks(_late_zero, 4, timeout=30)
+    for r in (0, 1, 2):
+        assert "Rank 3 failed to pass monitoredBarrier in 2000 ms" in out[r]["error"], out[r]
+
+
+def _wrong_op(rank: int, n: int) -> dict:
+    if rank == n - 1:
+        try:
+            dist.barrier()  # not the monitored one
+        except Exception:  # noqa: BLE001 - it fails when rank 0 gives up; not checked
+            pass
+        _meet(n)
+        return {}
+    return _some_stay_away(rank, n, [], False)
+
+
+def test_a_rank_that_calls_another_op_does_not_count_as_arrived() -> None:
+    """A plain barrier's message to rank 0 at the same step is not a report."""
+    out = run_ranks(_wrong_op, 2, timeout=30, env={"TDX_SHM": "0",
+                                                   "TDX_ALGO": "barrier:dissemination"})
+    err0 = out[0]["error"]
+    assert err0 and "Rank 1 failed to pass monitoredBarrier" in err0, out[0]
+    assert "called another op" in err0, err0

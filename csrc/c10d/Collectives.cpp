@@ -648,6 +648,13 @@ void ProcessGroupTDX::monitoredBarrier(const c10d::BarrierOptions& opts, bool wa
                     limits.timeout.count(), " ms");
   limits.fingerprinted = false;
   const std::chrono::milliseconds limit = limits.timeout;
+  if (rank_ != 0) {
+    // The other ranks wait for rank 0's release a grace longer than rank 0 waits for
+    // them, so a rank 0 that reached the barrier a little later still releases them or
+    // tells them which rank it missed; and they tell the group nothing themselves.
+    limits.timeout += std::min(limit, std::chrono::milliseconds(5000));
+    limits.tellsPeers = false;
+  }
   auto work = enqueue(OpType::BARRIER, "monitored_barrier", {}, {},
                       [waitAllRanks, limit](GroupChannel& ch) {
                         host::monitoredBarrier(ch, waitAllRanks, limit);

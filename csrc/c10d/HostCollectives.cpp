@@ -220,19 +220,40 @@ void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
 void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds timeout) {
   const int n = ch.size(), r = ch.rank();
   if (n == 1) return;
-  // Messages of one byte: step 0 reports to rank 0, step 1 is rank 0's release.
-  char token = 1;
-  std::vector<char> tokens(n, 0);
+  // Messages of one byte: step 0 reports to rank 0, step 1 is rank 0's release. The
+  // buffers live as long as the channel: a late report or release may still land after
+  // an error has unwound this frame, before the channel cancels what is posted.
+  auto buffers = std::make_shared<std::vector<char>>(n + 1, 0);
+  ch.keep(buffers);
+  char* token = &buffers->at(n);
+  *token = 1;
+  char* tokens = buffers->data();
   if (r != 0) {
-    auto report = ch.isend(0, 0, &token, 1);
+    // Waits for rank 0 alone: another rank's loss or lateness is rank 0's to report,
+    // and this rank says nothing to the group (the op does not tell peers), so rank 0's
+    // error is the one every rank ends with when rank 0 fails.
+    auto report = ch.isend(0, 0, token, 1);
     auto release = ch.irecv(0, 1, &tokens[0], 1);
-    try {
-      ch.wait(report);
-      ch.wait(release);
-    } catch (const TimedOut& e) {
-      throw TimedOut("rank " + std::to_string(r) + " reached monitored_barrier, but rank 0 " +
-                     "did not release it: " + e.what() + ". Rank 0's error names the " +
-                     "ranks that did not arrive");
+    for (const auto& req : {report, release}) {
+      while (!req->done()) {
+        if (ch.abortedFlag().load()) {
+          throw std::runtime_error("the process group was aborted during monitored_barrier");
+        }
+        if (ch.peerLost(0)) {
+          throw std::runtime_error("rank " + std::to_string(r) +
+                                   " reached monitored_barrier, but rank 0 was lost (its "
+                                   "connection failed)");
+        }
+        if (transport::Clock::now() >= ch.deadline()) {
+          throw TimedOut("rank " + std::to_string(r) + " reached monitored_barrier, but " +
+                         "rank 0 did not release it within " + std::to_string(timeout.count()) +
+                         " ms and a grace: rank 0 has not reached it, or is waiting for a " +
+                         "rank that has not. Rank 0's error names the ranks that did not "
+                         "arrive");
+        }
+        ch.settle(req, transport::Clock::now() + std::chrono::milliseconds(50));
+      }
+      ch.wait(req);  // done: raises if it failed
     }
     return;
   }
@@ -250,7 +271,13 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
       if (open[q]) {
         if (reports[q]->done()) {
           open[q] = false;
-          if (!reports[q]->ok()) why[q] = "its report failed: " + reports[q]->error;
+          if (!reports[q]->ok()) {
+            why[q] = "its report failed: " + reports[q]->error;
+          } else if (reports[q]->receivedBytes != 1) {
+            // A 0-byte message of the same step: that rank called another op here.
+            why[q] = "it called another op (its message had " +
+                     std::to_string(reports[q]->receivedBytes) + " bytes, a report has 1)";
+          }
         } else if (ch.peerLost(q)) {
           open[q] = false;
           why[q] = "lost (its connection failed)";
@@ -295,7 +322,7 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
     throw std::runtime_error(text);
   }
   std::vector<transport::RequestPtr> releases;
-  for (int q = 1; q < n; ++q) releases.push_back(ch.isend(q, 1, &token, 1));
+  for (int q = 1; q < n; ++q) releases.push_back(ch.isend(q, 1, token, 1));
   ch.waitAll(releases);
 }
 

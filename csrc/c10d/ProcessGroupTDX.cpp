@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -517,7 +518,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   std::lock_guard<std::mutex> ordered(enqueueMu_);
   const uint64_t seq = ++seq_;
   const std::chrono::milliseconds limit =
-      limits.timeout.count() > 0 ? limits.timeout : timeout();
+      limits.timeout.count() > 0 ? std::min(limits.timeout, kLongestTimeout) : timeout();
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
                                            outputs, limit, what.c_str(), inputs);
   // Each op ahead of this one (and this one) ends within the group timeout of its start,
@@ -550,6 +551,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.pins = algorithms::Registry::get().pins();
   task.timeout = limit;
   task.fingerprinted = limits.fingerprinted;
+  task.tellsPeers = limits.tellsPeers;
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
@@ -726,24 +728,40 @@ std::string leftText(int q, uint64_t last, uint64_t seq) {
 
 } // namespace
 
+uint64_t ProcessGroupTDX::goodbyeToken() const {
+  // FNV-1a over the name, then the incarnation mixed in: the same on every rank of this
+  // instance, different for a group re-created under the name or another name whose id
+  // hashes alike.
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : groupName_) h = (h ^ c) * 1099511628211ull;
+  return h ^ (static_cast<uint64_t>(incarnation_) * 0x9e3779b97f4a7c15ull);
+}
+
 void ProcessGroupTDX::listenForGoodbyes() {
-  auto state = std::make_shared<Goodbyes>(size_);
+  auto state = std::make_shared<Goodbyes>(size_, goodbyeToken());
   state->receives.resize(size_);
   auto fault = fault_;
   for (int q = 0; q < size_; ++q) {
     if (q == rank_) continue;
     state->receives[q] = transport_->irecv(
         endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,
-        &state->message[q], sizeof(uint64_t), transport::MemType::Host,
+        &state->message[2 * q], 2 * sizeof(uint64_t), transport::MemType::Host,
         [state, fault, q](transport::Request& r) {
-          if (!r.ok() || r.receivedBytes != sizeof(uint64_t)) return;  // cancelled at shutdown
-          const uint64_t last = state->message[q];
+          if (!r.ok()) return;  // cancelled at shutdown
+          if (r.receivedBytes != 2 * sizeof(uint64_t) || state->message[2 * q] != state->token) {
+            state->stale[q].store(true);
+            return;
+          }
+          const uint64_t last = state->message[2 * q + 1];
           // Published before `running` is read, as runTask publishes `running` before it
           // reads this: one of the two sees the other (both sequentially consistent).
           state->lastSeq[q].store(last);
           const uint64_t now = state->running.load();
           if (now > last) fault->record(leftText(q, last, now), /*abort=*/true);
         });
+  }
+  for (auto& r : state->receives) {
+    if (r) r->background.store(true);
   }
   goodbyes_ = std::move(state);
 }
@@ -762,11 +780,15 @@ namespace {
 // Sends `text` as a failure notice to every live member of a group but `self`. Free of
 // the group object: point-to-point completions, which may outlive it, send them too.
 void sendNotice(transport::Transport& transport, const std::vector<int>& endpoints, int self,
-                uint32_t group, const std::string& text) {
+                uint32_t group, const std::string& text,
+                const std::vector<bool>& departed = {}) {
   // Kept by the sends' completions; a notice receive holds 1024 bytes.
   auto message = std::make_shared<std::string>(text.substr(0, 1000));
   for (size_t q = 0; q < endpoints.size(); ++q) {
     if (static_cast<int>(q) == self || transport.endpointFailed(endpoints[q])) continue;
+    // A member that shut the group down has no notice receive posted any more: the
+    // notice would wait unreceived for a later group with the same id.
+    if (q < departed.size() && departed[q]) continue;
     transport.isend(endpoints[q], tag::pointToPoint(group, self, tag::kMismatchTag),
                     message->data(), message->size(), transport::MemType::Host,
                     [message](transport::Request&) {});
@@ -781,7 +803,13 @@ std::string gaveUp(int self, const std::string& why) {
 } // namespace
 
 void ProcessGroupTDX::tellPeers(const std::string& text) {
-  sendNotice(*transport_, endpoints_, rank_, groupId_, text);
+  std::vector<bool> departed(size_, false);
+  if (goodbyes_) {
+    for (int q = 0; q < size_; ++q) {
+      departed[q] = goodbyes_->lastSeq[q].load() != Goodbyes::kStayed;
+    }
+  }
+  sendNotice(*transport_, endpoints_, rank_, groupId_, text, departed);
 }
 
 std::string ProcessGroupTDX::timeoutNote(uint64_t seq) {
@@ -965,7 +993,7 @@ void ProcessGroupTDX::runTask(Task& task) {
           // while this one timed out on another) would otherwise run into it only in a
           // later op, at that op's timeout. A notice that cut this op short came from a
           // peer that has told everyone already.
-          tellPeers(gaveUp(rank_, what + " failed: " + why));
+          if (task.tellsPeers) tellPeers(gaveUp(rank_, what + " failed: " + why));
         }
         handleFailure(task, what, why, steps, path, /*refused=*/false, error);
       }
@@ -1634,18 +1662,27 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
                                  : kGoodbyeSendWait);
   // The goodbye says how many collectives this rank issued on the group (see Goodbyes);
   // kept alive by the sends' completions.
-  auto issued = std::make_shared<uint64_t>(seq_.load());
+  auto message = std::make_shared<std::array<uint64_t, 2>>(
+      std::array<uint64_t, 2>{goodbyeToken(), seq_.load()});
   std::vector<transport::RequestPtr> sends;
   std::vector<transport::RequestPtr> goodbyes;  // the peers', posted at the group's start
+  std::vector<transport::RequestPtr> late;      // posted again here (see Goodbyes::stale)
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
     if (awaitPeers && goodbyes_ && goodbyes_->receives[q]) {
-      goodbyes.push_back(goodbyes_->receives[q]);
+      if (goodbyes_->stale[q].load()) {
+        late.push_back(transport_->irecv(
+            endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,
+            &goodbyes_->late[2 * q], 2 * sizeof(uint64_t), transport::MemType::Host, nullptr));
+        goodbyes.push_back(late.back());
+      } else {
+        goodbyes.push_back(goodbyes_->receives[q]);
+      }
     }
     sends.push_back(transport_->isend(endpoints_[q],
                                       tag::pointToPoint(groupId_, rank_, tag::kShutdownTag),
-                                      issued.get(), sizeof(uint64_t), transport::MemType::Host,
-                                      [issued](transport::Request&) {}));
+                                      message->data(), sizeof(*message),
+                                      transport::MemType::Host, [message](transport::Request&) {}));
   }
   // Waited for in slices: an abort() from another thread queues behind this shutdown,
   // and must not sit out a wait for peers' goodbyes. Once it comes, this shutdown waits
@@ -1674,6 +1711,7 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
       if (r) pending.push_back(r);
     }
   }
+  pending.insert(pending.end(), late.begin(), late.end());
   if (!all && awaitPeers && !abortSeen) {
     TDX_LOG(Info, prefix()) << "shut down without every peer's goodbye (a peer has not shut "
                                "this group down yet)";

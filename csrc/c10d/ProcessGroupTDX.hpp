@@ -39,6 +39,9 @@ namespace tdx {
 struct OpLimits {
   std::chrono::milliseconds timeout{0};
   bool fingerprinted = true;
+  // False: a failure of this op on this rank is not told to the peers (the monitored
+  // barrier's other ranks leave that to rank 0, whose error names the missing ranks).
+  bool tellsPeers = true;
 };
 
 class ProcessGroupTDX : public c10d::Backend {
@@ -201,6 +204,7 @@ class ProcessGroupTDX : public c10d::Backend {
     // False for an op whose purpose is finding the ranks that did not call it (the
     // monitored barrier): a fingerprint exchange first would time out without naming them.
     bool fingerprinted = true;
+    bool tellsPeers = true;  // see OpLimits
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
@@ -366,18 +370,28 @@ class ProcessGroupTDX : public c10d::Backend {
   // will run) fails that op at once, naming the member, instead of at the group timeout
   // or that member's exit. Shared with the receives' completions, which may outlive the
   // group.
+  // A goodbye is two words: this group instance's token (a hash of its name and
+  // incarnation: a goodbye left unreceived by an earlier group with the same id must not
+  // count), then the count of collectives.
   struct Goodbyes {
-    explicit Goodbyes(int size) : lastSeq(size), message(size, 0) {
+    Goodbyes(int size, uint64_t token)
+        : token(token), lastSeq(size), stale(size), message(2 * size, 0), late(2 * size, 0) {
       for (auto& s : lastSeq) s.store(kStayed);
+      for (auto& s : stale) s.store(false);
     }
     static constexpr uint64_t kStayed = ~uint64_t{0};  // no goodbye yet
+    const uint64_t token;
     std::vector<std::atomic<uint64_t>> lastSeq;  // by group rank
-    std::vector<uint64_t> message;               // the receives' buffers
+    // The receive took another group's goodbye: shutdown posts a plain one again.
+    std::vector<std::atomic<bool>> stale;
+    std::vector<uint64_t> message;               // the receives' buffers, two words each
+    std::vector<uint64_t> late;                  // shutdown's receives' buffers, two words each
     std::atomic<uint64_t> running{0};            // the op the worker runs now (0: none)
     std::vector<transport::RequestPtr> receives; // by group rank (null for this rank)
   };
   std::shared_ptr<Goodbyes> goodbyes_;
   void listenForGoodbyes();
+  uint64_t goodbyeToken() const;
   // Why op `seq` cannot run because a member has shut the group down before issuing
   // it, or "" when none has.
   std::string leftBefore(uint64_t seq) const;

@@ -48,6 +48,9 @@ struct Request {
   // Failed by the transport while UCX still holds the buffer (a receive a lost peer left
   // part-filled): done, but its buffer must never be reused.
   std::atomic<bool> orphaned{false};
+  // Posted for the life of a group rather than for an op (a peer's goodbye): a peer
+  // that goes away with only these pending had nothing waiting on it.
+  std::atomic<bool> background{false};
 
   // Called once from the thread that observed completion, outside transport locks.
   std::function<void(Request&)> onComplete;

@@ -587,7 +587,9 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
   bool busy = false;
   {
     std::lock_guard<std::mutex> lock(inflightMu_);
-    for (auto& kv : inflight_) busy = busy || kv.second->endpoint == endpoint;
+    for (auto& kv : inflight_) {
+      busy = busy || (kv.second->endpoint == endpoint && !kv.second->background.load());
+    }
   }
   if (busy) {
     TDX_LOG(Warn, kPrefix) << "lost connection to " << peer << ": " << why;
