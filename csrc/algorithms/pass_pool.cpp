@@ -1,23 +1,27 @@
 // Helper threads for memory passes (see pass_pool.h).
 //
-// One job at a time per process. The caller publishes a job as one atomic word, its
-// generation and how many ways it splits, and wakes only the helpers that take a part
-// (down a tree: each wakes at most two); each of those counts itself off when done, and only then may the next job overwrite
-// the description. A helper that takes no part reads nothing but that word, so the
-// caller never waits for it: on a host whose ranks hold more helpers than a pass of a
-// few hundred KiB splits over, a pass ends when its own parts do, not when every
-// sleeping helper has been scheduled. Helpers spin a little after a job, because a
-// collective's passes come back to back (three per chunk of a window's half), and then
-// sleep on a condition variable of their own.
+// One job at a time per process. The caller publishes a job as one atomic word: its
+// generation, how many parts it has, and the next part not yet taken. Whoever takes a
+// part (the caller first, then any helper that is awake) claims it by moving that index
+// on with a compare-and-swap of the whole word, runs it, and counts it done; the caller
+// takes parts too until none are left, then waits only for the parts others took. So a
+// pass never waits for a helper to be woken or scheduled: on a host with fewer free
+// cores than helpers the caller runs the parts nobody came for, and helpers a pass does
+// not need wake, find nothing left and sleep again. The next job may overwrite the
+// description only when every part is done, which is what keeps a helper that claimed a
+// part reading the right one. Helpers spin a little after a job, because a collective's
+// passes come back to back (three per chunk of a window's half), and then sleep on a
+// futex, which one system call wakes as many of as the job has parts for.
 #include "algorithms/pass_pool.h"
 
+#include <linux/futex.h>
 #include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -30,16 +34,19 @@ constexpr int kMaxHelpers = kMaxPassThreads - 1;  // and the caller
 constexpr size_t kMinPartBytes = 64 << 10;
 constexpr auto kSpin = std::chrono::microseconds(200);
 
-// The job word: generation above, ways in the low byte.
-constexpr int kWaysBits = 8;
-static_assert(kMaxPassThreads < (1 << kWaysBits), "ways must fit the job word's low byte");
-constexpr uint64_t jobWord(uint64_t generation, int ways) {
-  return generation << kWaysBits | static_cast<uint64_t>(ways);
+// The job word: generation above, then the part count and the next part to take, a
+// byte each.
+constexpr int kByte = 8;
+static_assert(kMaxPassThreads < (1 << kByte), "part counts must fit a byte of the job word");
+constexpr uint64_t jobWord(uint64_t generation, int parts, int next) {
+  return generation << (2 * kByte) | static_cast<uint64_t>(parts) << kByte |
+         static_cast<uint64_t>(next);
 }
-constexpr uint64_t generationOf(uint64_t word) { return word >> kWaysBits; }
-constexpr int waysOf(uint64_t word) {
-  return static_cast<int>(word & ((uint64_t{1} << kWaysBits) - 1));
-}
+constexpr uint64_t generationOf(uint64_t word) { return word >> (2 * kByte); }
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t),
+              "the futex is the atomic's own 32 bits");
+constexpr int partsOf(uint64_t word) { return static_cast<int>((word >> kByte) & 0xff); }
+constexpr int nextOf(uint64_t word) { return static_cast<int>(word & 0xff); }
 
 class PassPool {
  public:
@@ -71,83 +78,107 @@ class PassPool {
     fn_ = fn;
     bytes_ = bytes;
     grain_ = grain;
-    pending_.store(ways - 1, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
     const uint64_t generation = generationOf(job_.load(std::memory_order_relaxed)) + 1;
-    job_.store(jobWord(generation, ways), std::memory_order_release);
-    // Helpers 1 .. ways-1 take parts, woken down a binary tree (see wakeChildren).
-    wakeChildren(0, ways);
+    // Sequentially consistent, as the helpers' count of sleepers and their look at the
+    // job are: either this thread sees a helper counted as asleep and wakes it, or that
+    // helper sees the job before it sleeps. The futex word moves with the generation
+    // (its low 32 bits), so a helper about to sleep on the old value is refused by the
+    // kernel and looks again.
+    job_.store(jobWord(generation, ways, 0));
+    wake_.store(static_cast<uint32_t>(generation));
+    if (sleepers_.load() > 0) {
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_), FUTEX_WAKE_PRIVATE, ways - 1,
+              nullptr, nullptr, 0);
+    }
+    int mine = 0;
     try {
-      runPart(0, ways);
-    } catch (...) {  // fn must not throw; if it did, the helpers still use the job
-      waitForHelpers();
+      for (int part; (part = claim(generation)) >= 0; ++mine) runPart(part, ways);
+    } catch (...) {  // fn must not throw; if it did, parts others took still use the job
+      done_.fetch_add(mine + 1, std::memory_order_relaxed);
+      closeJob(generation, ways);
+      waitForParts(ways);
       throw;
     }
-    waitForHelpers();
+    done_.fetch_add(mine, std::memory_order_relaxed);
+    waitForParts(ways);
     return true;
   }
 
  private:
-  struct Sleeper {
-    std::mutex mu;
-    std::condition_variable cv;
-  };
+  // Takes the next part of job `generation`: its index, or -1 when none is left (or the
+  // job is another).
+  int claim(uint64_t generation) {
+    uint64_t word = job_.load(std::memory_order_acquire);
+    while (generationOf(word) == generation && nextOf(word) < partsOf(word)) {
+      const uint64_t taken = jobWord(generation, partsOf(word), nextOf(word) + 1);
+      if (job_.compare_exchange_weak(word, taken, std::memory_order_acq_rel,
+                                     std::memory_order_acquire)) {
+        return nextOf(word);
+      }
+    }
+    return -1;
+  }
 
-  // Wakes the helpers below `index` in the job's tree: 2·index+1 and 2·index+2, where
-  // they take part. Every part-taker wakes its own, so no thread makes more than two
-  // wake-up calls: one thread waking them all would, on a host with fewer free cores
-  // than helpers, lose its core to each helper it wakes before waking the next.
-  // Taking a helper's lock after the job's store means a helper about to sleep either
-  // sees the job in its wait predicate or is already waiting when notified.
-  void wakeChildren(int index, int ways) {
-    for (int child = 2 * index + 1; child <= 2 * index + 2 && child < ways; ++child) {
-      Sleeper& s = sleepers_[child];
-      { std::lock_guard<std::mutex> lock(s.mu); }
-      s.cv.notify_one();
+  // After a throw: no part not yet taken may start; they count as done.
+  void closeJob(uint64_t generation, int ways) {
+    uint64_t word = job_.load(std::memory_order_acquire);
+    while (generationOf(word) == generation && nextOf(word) < ways) {
+      if (job_.compare_exchange_weak(word, jobWord(generation, ways, ways),
+                                     std::memory_order_acq_rel, std::memory_order_acquire)) {
+        done_.fetch_add(ways - nextOf(word), std::memory_order_relaxed);
+        return;
+      }
     }
   }
 
-  void waitForHelpers() {
-    while (pending_.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+  void waitForParts(int ways) {
+    while (done_.load(std::memory_order_acquire) < ways) std::this_thread::yield();
   }
 
   // Starts helpers up to `want` (at most kMaxHelpers); returns how many exist.
   int ensureHelpers(int want) {
     want = std::min(want, kMaxHelpers);
     while (helpers_ < want) {
-      const int index = helpers_ + 1;  // parts 1, 2, ...; part 0 is the caller's
       const uint64_t seen = generationOf(job_.load(std::memory_order_acquire));
       try {
-        std::thread([this, index, seen] { helperLoop(index, seen); }).detach();
+        std::thread([this, seen] { helperLoop(seen); }).detach();
       } catch (...) {  // std::system_error, or std::bad_alloc for the thread's state
-        break;  // counted only once running: a job never names a helper that is not
+        break;
       }
-      helpers_ = index;
+      ++helpers_;
     }
     return helpers_;
   }
 
-  void helperLoop(int index, uint64_t seen) {
-    Sleeper& s = sleepers_[index];
-    auto moved = [&] { return generationOf(job_.load(std::memory_order_acquire)) != seen; };
+  void helperLoop(uint64_t seen) {
+    auto moved = [&] {
+      return generationOf(job_.load(std::memory_order_acquire)) != seen;
+    };
     for (;;) {
       const auto spinUntil = std::chrono::steady_clock::now() + kSpin;
       while (!moved() && std::chrono::steady_clock::now() < spinUntil) {
         std::this_thread::yield();
       }
-      if (!moved()) {
-        std::unique_lock<std::mutex> lock(s.mu);
-        s.cv.wait(lock, moved);
+      while (!moved()) {
+        // Counted as asleep before the last look at the job (both sequentially
+        // consistent; see run()).
+        sleepers_.fetch_add(1);
+        const uint32_t value = static_cast<uint32_t>(seen);
+        if (generationOf(job_.load()) == seen) {
+          syscall(SYS_futex, reinterpret_cast<uint32_t*>(&wake_), FUTEX_WAIT_PRIVATE, value,
+                  nullptr, nullptr, 0);
+        }
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
       }
-      // One load decides: a helper that missed jobs (it took no part in them, or the
-      // caller would still be waiting for it) joins the latest one if that one names it.
       const uint64_t word = job_.load(std::memory_order_acquire);
       seen = generationOf(word);
-      const int ways = waysOf(word);
-      if (index < ways) {
-        wakeChildren(index, ways);
-        runPart(index, ways);
-        pending_.fetch_sub(1, std::memory_order_release);
-      }
+      const int ways = partsOf(word);
+      int mine = 0;
+      for (int part; (part = claim(seen)) >= 0; ++mine) runPart(part, ways);
+      // Release: the parts' writes, and this thread's reads of the description, come
+      // before the caller may publish the next job.
+      if (mine > 0) done_.fetch_add(mine, std::memory_order_release);
     }
   }
 
@@ -165,12 +196,13 @@ class PassPool {
 
   static std::atomic<PassPool*> current_;
   std::mutex runMu_;  // one job at a time
-  std::array<Sleeper, kMaxHelpers + 1> sleepers_;  // by helper index; 0 is unused
-  std::atomic<uint64_t> job_{0};    // jobWord(generation, ways) of the latest job
-  std::atomic<int> pending_{0};     // helpers not yet done with their part of it
-  int helpers_ = 0;                 // under runMu_
+  std::atomic<uint64_t> job_{0};        // jobWord(generation, parts, next) of the latest job
+  std::atomic<int> done_{0};            // parts of the current job done
+  std::atomic<uint32_t> wake_{0};       // the futex helpers sleep on: the generation's low bits
+  std::atomic<int> sleepers_{0};        // helpers on the futex, or about to be
+  int helpers_ = 0;                     // under runMu_
   // The current job, written under runMu_ before its word is stored, read only by the
-  // helpers it names, after they load that word.
+  // threads that claimed a part of it (the caller waits for those before the next job).
   void (*call_)(const void*, size_t, size_t) = nullptr;
   const void* fn_ = nullptr;
   size_t bytes_ = 0, grain_ = 1;
