@@ -5,9 +5,10 @@
 // part (the caller first, then any helper that is awake) claims it by moving that index
 // on with a compare-and-swap of the whole word, runs it, and counts it done; the caller
 // takes parts too until none are left, then waits only for the parts others took. So a
-// pass never waits for a helper to be woken or scheduled: on a host with fewer free
-// cores than helpers the caller runs the parts nobody came for, and helpers a pass does
-// not need wake, find nothing left and sleep again. The next job may overwrite the
+// pass never waits for a helper to be woken: on a host with fewer free cores than
+// helpers the caller runs the parts nobody has claimed (a helper that claimed one and
+// then lost its core still holds the pass up), and helpers a pass does not need wake,
+// find nothing left and sleep again. The next job may overwrite the
 // description only when every part is done, which is what keeps a helper that claimed a
 // part reading the right one. Helpers spin a little after a job, because a collective's
 // passes come back to back (three per chunk of a window's half), and then sleep on a
