@@ -16,7 +16,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -719,11 +718,13 @@ void ProcessGroupTDX::listenForMismatchNotices() {
 
 namespace {
 
-std::string leftText(int q, uint64_t last, uint64_t seq) {
-  return "rank " + std::to_string(q) + " shut the group down (destroy_process_group, abort " +
-         "or exit) after issuing " + std::to_string(last) + " collective" +
-         (last == 1 ? "" : "s") + " on it, so it never calls op #" + std::to_string(seq) +
-         ": every rank must call the same collectives before it destroys the group";
+std::string leftText(int q, uint64_t last, uint64_t seq, const std::string& reason) {
+  std::string text = "rank " + std::to_string(q) +
+                     " shut the group down (destroy_process_group, abort or exit) after " +
+                     "issuing " + std::to_string(last) + " collective" + (last == 1 ? "" : "s") +
+                     " on it, so it never calls op #" + std::to_string(seq);
+  if (!reason.empty()) return text + ", having given the group up: " + reason;
+  return text + ": every rank must call the same collectives before it destroys the group";
 }
 
 } // namespace
@@ -745,19 +746,23 @@ void ProcessGroupTDX::listenForGoodbyes() {
     if (q == rank_) continue;
     state->receives[q] = transport_->irecv(
         endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,
-        &state->message[2 * q], 2 * sizeof(uint64_t), transport::MemType::Host,
+        &state->message[q * Goodbyes::kBytes], Goodbyes::kBytes, transport::MemType::Host,
         [state, fault, q](transport::Request& r) {
           if (!r.ok()) return;  // cancelled at shutdown
-          if (r.receivedBytes != 2 * sizeof(uint64_t) || state->message[2 * q] != state->token) {
+          const char* m = &state->message[q * Goodbyes::kBytes];
+          uint64_t words[2] = {0, 0};
+          if (r.receivedBytes >= sizeof(words)) std::memcpy(words, m, sizeof(words));
+          if (r.receivedBytes < sizeof(words) || words[0] != state->token) {
             state->stale[q].store(true);
             return;
           }
-          const uint64_t last = state->message[2 * q + 1];
+          const uint64_t last = words[1];
+          state->reason[q].assign(m + sizeof(words), r.receivedBytes - sizeof(words));
           // Published before `running` is read, as runTask publishes `running` before it
           // reads this: one of the two sees the other (both sequentially consistent).
           state->lastSeq[q].store(last);
           const uint64_t now = state->running.load();
-          if (now > last) fault->record(leftText(q, last, now), /*abort=*/true);
+          if (now > last) fault->record(leftText(q, last, now, state->reason[q]), /*abort=*/true);
         });
   }
   for (auto& r : state->receives) {
@@ -770,7 +775,9 @@ std::string ProcessGroupTDX::leftBefore(uint64_t seq) const {
   if (!goodbyes_) return std::string();
   for (int q = 0; q < size_; ++q) {
     const uint64_t last = goodbyes_->lastSeq[q].load();
-    if (last != Goodbyes::kStayed && last < seq) return leftText(q, last, seq);
+    if (last != Goodbyes::kStayed && last < seq) {
+      return leftText(q, last, seq, goodbyes_->reason[q]);
+    }
   }
   return std::string();
 }
@@ -1662,8 +1669,13 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
                                  : kGoodbyeSendWait);
   // The goodbye says how many collectives this rank issued on the group (see Goodbyes);
   // kept alive by the sends' completions.
-  auto message = std::make_shared<std::array<uint64_t, 2>>(
-      std::array<uint64_t, 2>{goodbyeToken(), seq_.load()});
+  std::string why = brokenReason();
+  if (why.empty() && fault_->happened.load()) why = fault_->read();
+  why = why.substr(0, Goodbyes::kBytes - 2 * sizeof(uint64_t));
+  auto message = std::make_shared<std::string>(2 * sizeof(uint64_t) + why.size(), '\0');
+  const uint64_t words[2] = {goodbyeToken(), seq_.load()};
+  std::memcpy(message->data(), words, sizeof(words));
+  std::memcpy(message->data() + sizeof(words), why.data(), why.size());
   std::vector<transport::RequestPtr> sends;
   std::vector<transport::RequestPtr> goodbyes;  // the peers', posted at the group's start
   std::vector<transport::RequestPtr> late;      // posted again here (see Goodbyes::stale)
@@ -1673,7 +1685,8 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
       if (goodbyes_->stale[q].load()) {
         late.push_back(transport_->irecv(
             endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,
-            &goodbyes_->late[2 * q], 2 * sizeof(uint64_t), transport::MemType::Host, nullptr));
+            &goodbyes_->late[q * Goodbyes::kBytes], Goodbyes::kBytes,
+            transport::MemType::Host, nullptr));
         goodbyes.push_back(late.back());
       } else {
         goodbyes.push_back(goodbyes_->receives[q]);
@@ -1681,7 +1694,7 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
     }
     sends.push_back(transport_->isend(endpoints_[q],
                                       tag::pointToPoint(groupId_, rank_, tag::kShutdownTag),
-                                      message->data(), sizeof(*message),
+                                      message->data(), message->size(),
                                       transport::MemType::Host, [message](transport::Request&) {}));
   }
   // Waited for in slices: an abort() from another thread queues behind this shutdown,

@@ -370,12 +370,15 @@ class ProcessGroupTDX : public c10d::Backend {
   // will run) fails that op at once, naming the member, instead of at the group timeout
   // or that member's exit. Shared with the receives' completions, which may outlive the
   // group.
-  // A goodbye is two words: this group instance's token (a hash of its name and
-  // incarnation: a goodbye left unreceived by an earlier group with the same id must not
-  // count), then the count of collectives.
+  // A goodbye is this group instance's token (a hash of its name and incarnation: a
+  // goodbye left unreceived by an earlier group with the same id must not count), the
+  // count of collectives, then why the member gave the group up, if it had (a member
+  // that leaves because a rank died must not be taken for the cause).
   struct Goodbyes {
+    static constexpr size_t kBytes = 1024;  // a goodbye at most: two words and the reason
     Goodbyes(int size, uint64_t token)
-        : token(token), lastSeq(size), stale(size), message(2 * size, 0), late(2 * size, 0) {
+        : token(token), lastSeq(size), stale(size), reason(size),
+          message(size * kBytes, 0), late(size * kBytes, 0) {
       for (auto& s : lastSeq) s.store(kStayed);
       for (auto& s : stale) s.store(false);
     }
@@ -384,8 +387,9 @@ class ProcessGroupTDX : public c10d::Backend {
     std::vector<std::atomic<uint64_t>> lastSeq;  // by group rank
     // The receive took another group's goodbye: shutdown posts a plain one again.
     std::vector<std::atomic<bool>> stale;
-    std::vector<uint64_t> message;               // the receives' buffers, two words each
-    std::vector<uint64_t> late;                  // shutdown's receives' buffers, two words each
+    std::vector<std::string> reason;  // by group rank; written before its lastSeq
+    std::vector<char> message;        // the receives' buffers, kBytes each
+    std::vector<char> late;           // shutdown's receives' buffers, kBytes each
     std::atomic<uint64_t> running{0};            // the op the worker runs now (0: none)
     std::vector<transport::RequestPtr> receives; // by group rank (null for this rank)
   };
