@@ -761,6 +761,9 @@ void ProcessGroupTDX::listenForGoodbyes() {
           // Published before `running` is read, as runTask publishes `running` before it
           // reads this: one of the two sees the other (both sequentially consistent).
           state->lastSeq[q].store(last);
+          uint64_t first = state->firstLeft.load();
+          while (last < first && !state->firstLeft.compare_exchange_weak(first, last)) {
+          }
           const uint64_t now = state->running.load();
           if (now > last) fault->record(leftText(q, last, now, state->reason[q]), /*abort=*/true);
         });
@@ -772,7 +775,8 @@ void ProcessGroupTDX::listenForGoodbyes() {
 }
 
 std::string ProcessGroupTDX::leftBefore(uint64_t seq) const {
-  if (!goodbyes_) return std::string();
+  // Every op passes here: one load, and the scan for the member only once one left.
+  if (!goodbyes_ || goodbyes_->firstLeft.load() >= seq) return std::string();
   for (int q = 0; q < size_; ++q) {
     const uint64_t last = goodbyes_->lastSeq[q].load();
     if (last != Goodbyes::kStayed && last < seq) {
@@ -1679,6 +1683,11 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   std::vector<transport::RequestPtr> sends;
   std::vector<transport::RequestPtr> goodbyes;  // the peers', posted at the group's start
   std::vector<transport::RequestPtr> late;      // posted again here (see Goodbyes::stale)
+  if (awaitPeers && goodbyes_) {
+    for (int q = 0; q < size_ && goodbyes_->late.empty(); ++q) {
+      if (goodbyes_->stale[q].load()) goodbyes_->late.assign(size_ * Goodbyes::kBytes, 0);
+    }
+  }
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
     if (awaitPeers && goodbyes_ && goodbyes_->receives[q]) {
