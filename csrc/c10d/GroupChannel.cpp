@@ -21,8 +21,8 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
   return lost.empty() ? "" : "; lost so far: " + lost;
 }
 
-std::string rankList(const std::vector<int>& ranks) {
-  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+std::string rankList(const std::vector<int>& ranks, const char* one, const char* many) {
+  std::string s = ranks.size() == 1 ? one : many;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
   return s;
 }
@@ -125,7 +125,7 @@ bool GroupChannel::peerLost(int peer) const {
   return transport_.endpointFailed(endpoints_.at(peer));
 }
 
-void GroupChannel::wait(const RequestPtr& r) {
+void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
   auto it = std::find_if(posted_.begin(), posted_.end(),
                          [&](const Posted& p) { return p.request == r; });
   if (it == posted_.end()) throw std::logic_error("request does not belong to this op");
@@ -140,6 +140,7 @@ void GroupChannel::wait(const RequestPtr& r) {
     // wait on is with a live rank (which may itself be stuck on the dead one): name the
     // lost rank now instead of timing out on an innocent neighbour.
     for (size_t q = 0; q < endpoints_.size(); ++q) {
+      if (!watch.anyRank && static_cast<int>(q) != p.peer) continue;
       if (static_cast<int>(q) != rank_ && transport_.endpointFailed(endpoints_[q])) {
         throw std::runtime_error("rank " + std::to_string(q) +
                                  " of the group was lost (its connection failed) while this "
@@ -148,6 +149,7 @@ void GroupChannel::wait(const RequestPtr& r) {
       }
     }
     if (Clock::now() >= deadline_) {
+      if (watch.timedOut != nullptr) throw TimedOut(watch.timedOut);
       throw TimedOut(
           std::string("timed out waiting to ") + (r->isSend ? "send to" : "receive from") +
           " rank " + std::to_string(p.peer) + " (step " + std::to_string(p.step) +

@@ -20,8 +20,10 @@ struct TimedOut : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// "rank 2" or "ranks 0, 1" (in the order given), for errors that list ranks.
-std::string rankList(const std::vector<int>& ranks);
+// "rank 2" or "ranks 0, 1" (in the order given), for errors that list ranks; `one` and
+// `many` replace the word (a sentence that starts with the list capitalises it).
+std::string rankList(const std::vector<int>& ranks, const char* one = "rank ",
+                     const char* many = "ranks ");
 
 // "; lost so far: rank 1, rank 2" for the ranks of a group (endpoints indexed by group
 // rank) whose connections failed, or "" when none did. When several ranks went down (a
@@ -88,7 +90,18 @@ class GroupChannel final : public algorithms::Channel {
   }
   transport::RequestPtr isend(int peer, uint32_t step, const void* data, size_t bytes) override;
   transport::RequestPtr irecv(int peer, uint32_t step, void* data, size_t bytes) override;
-  void wait(const transport::RequestPtr& request) override;
+  void wait(const transport::RequestPtr& request) override {
+    wait(request, Watch{});
+  }
+  // What ends a wait early. By default the loss of any rank of the group does (every step
+  // of an op needs every rank, so a dead rank elsewhere makes this transfer hopeless); an
+  // op that judges its peers one by one (the monitored barrier) watches only the
+  // request's own peer, and may say itself what reaching the deadline means.
+  struct Watch {
+    bool anyRank = true;
+    const char* timedOut = nullptr;  // the TimedOut text; the generic one when null
+  };
+  void wait(const transport::RequestPtr& request, const Watch& watch);
   char* scratch(size_t bytes) override;
 
   // For an op that judges each peer on its own (the monitored barrier), where wait()

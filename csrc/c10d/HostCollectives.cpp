@@ -234,27 +234,13 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
     // error is the one every rank ends with when rank 0 fails.
     auto report = ch.isend(0, 0, token, 1);
     auto release = ch.irecv(0, 1, &tokens[0], 1);
-    for (const auto& req : {report, release}) {
-      while (!req->done()) {
-        if (ch.abortedFlag().load()) {
-          throw std::runtime_error("the process group was aborted during monitored_barrier");
-        }
-        if (ch.peerLost(0)) {
-          throw std::runtime_error("rank " + std::to_string(r) +
-                                   " reached monitored_barrier, but rank 0 was lost (its "
-                                   "connection failed)");
-        }
-        if (transport::Clock::now() >= ch.deadline()) {
-          throw TimedOut("rank " + std::to_string(r) + " reached monitored_barrier, but " +
-                         "rank 0 did not release it within " + std::to_string(timeout.count()) +
-                         " ms and a grace: rank 0 has not reached it, or is waiting for a " +
-                         "rank that has not. Rank 0's error names the ranks that did not "
-                         "arrive");
-        }
-        ch.settle(req, transport::Clock::now() + std::chrono::milliseconds(50));
-      }
-      ch.wait(req);  // done: raises if it failed
-    }
+    const std::string late =
+        "rank " + std::to_string(r) + " reached monitored_barrier, but rank 0 did not " +
+        "release it within " + std::to_string(timeout.count()) + " ms and a grace: rank 0 " +
+        "has not reached it, or is waiting for a rank that has not. Rank 0's error names " +
+        "the ranks that did not arrive";
+    ch.wait(report, GroupChannel::Watch{false, late.c_str()});
+    ch.wait(release, GroupChannel::Watch{false, late.c_str()});
     return;
   }
   std::vector<transport::RequestPtr> reports(n);
@@ -313,11 +299,9 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
   }
   if (!failedRanks.empty()) {
     // torch's wording first (tools look for it), then why and who did arrive.
-    std::string text = failedRanks.size() == 1
-                           ? "Rank " + std::to_string(failedRanks[0])
-                           : "Ranks " + rankList(failedRanks).substr(6);
-    text += " failed to pass monitoredBarrier in " + std::to_string(timeout.count()) +
-            " ms (" + detail + ")";
+    std::string text = rankList(failedRanks, "Rank ", "Ranks ") +
+                       " failed to pass monitoredBarrier in " +
+                       std::to_string(timeout.count()) + " ms (" + detail + ")";
     if (waitAll) text += "; arrived: " + rankList(arrived);
     throw std::runtime_error(text);
   }
