@@ -213,7 +213,7 @@ void bindAlgorithms(py::module& m) {
         d["link"] = linkName(a.link);
         d["priced_on"] = linkName(Registry::pricedOn(a, p));
         // the threads a pass of this size splits over (1 for every other algorithm)
-        d["ways"] = a.splitsPasses ? shmAllreduceWays(bytes, world, p.passThreads) : 1;
+        d["ways"] = a.passWays != nullptr ? a.passWays(bytes, world, p.passThreads) : 1;
         d["seconds"] = Registry::get().predict(a, bytes, world, p, Registry::get().costModel());
         d["unusable"] = Registry::get().unusable(a, bytes, world, p);
         return d;

@@ -12,7 +12,7 @@
 #     cuda tests; cpubench: CPU
 #     all_reduce against gloo at 2 and 4 ranks (4 KiB to 128 MiB), then every op at 4;
 #     threads: the CPU all_reduce with TDX_SHM_THREADS 1, 2, 4 (and 8 at 2 ranks) at
-#     2 and 4 ranks, gloo beside the one-thread run;
+#     2 and 4 ranks, auto and cma pinned, gloo beside the one-thread run;
 #     membw: the host's memory-copy bandwidth by threads, and the helper pool's cost
 #     per pass (scripts/pass_pool_probe.py); calibrate: the cost model
 #     fitted to this host at 2 ranks (all_reduce, with the thread exponent at the
@@ -145,7 +145,7 @@ stage_threads() {
   for w in 2 4; do
     for t in 1 2 4 $([ $w = 2 ] && echo 8); do
       [ "$(limit 60)" -gt 30 ] || break 2
-      backends=tdx; [ $t = 1 ] && backends=tdx,gloo
+      backends=tdx,tdx:cma; [ $t = 1 ] && backends=tdx,tdx:cma,gloo
       TDX_SHM_THREADS=$t timeout "$(limit 60)" $PY -m torchdist_ext.bench --device cpu \
         --world $w --backends $backends -b 1M -e 128M -f 2 -n 10 -w 3 --no-progress \
         --json "$OUT/threads_w${w}_t$t.json" > "$OUT/threads_w${w}_t$t.txt" 2>&1

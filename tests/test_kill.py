@@ -119,6 +119,17 @@ def test_kill_during_direct_reduce() -> None:
         _check_survivors(results, "reduce", victim)
 
 
+def test_kill_during_threaded_cma_all_reduce() -> None:
+    """cma over 3 threads per rank: the reads of a dead rank's buffer fail on helper
+    threads, which may not throw; the caller's thread must still name the victim."""
+    n = 3
+    env = {"TDX_ALGO": "allreduce:cma", "TDX_SHM_THREADS": "3"}
+    for victim in (0, n - 1):
+        results = run_ranks(_trial, n, timeout=TIMEOUT, args=("all_reduce", victim),
+                            may_exit=[victim], env=env)
+        _check_survivors(results, "all_reduce", victim)
+
+
 def test_kill_sender_part_way_through_an_any_source_message() -> None:
     """With every message sent eagerly, in fragments (UCX_RNDV_THRESH=inf), a sender that
     dies part way leaves rank 0's any-source receive matched to a message that will never

@@ -58,16 +58,19 @@ def _results(rank: int, n: int) -> list[bytes]:
     return out
 
 
+# shm: the window's passes split; cma: the reads of peers' buffers in place split.
+@pytest.mark.parametrize("algo", ["shm", "cma"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_threaded_shm_all_reduce_every_dtype_and_op(world: int) -> None:
-    env = {"TDX_SHM_THREADS": "3", "TDX_ALGO": "allreduce:shm"}
+def test_threaded_all_reduce_every_dtype_and_op(world: int, algo: str) -> None:
+    env = {"TDX_SHM_THREADS": "3", "TDX_ALGO": f"allreduce:{algo}"}
     fails = [f for r in run_ranks(_sweep, world, timeout=240, env=env) for f in r]
     assert not fails, "\n".join(fails[:20])
 
 
-def test_threads_do_not_change_a_rounded_result() -> None:
+@pytest.mark.parametrize("algo", ["shm", "cma"])
+def test_threads_do_not_change_a_rounded_result(algo: str) -> None:
     """Sums in float32 and bfloat16 round: the same bits with 1 and with 4 threads."""
-    env = {"TDX_ALGO": "allreduce:shm"}
+    env = {"TDX_ALGO": f"allreduce:{algo}"}
     one = run_ranks(_results, 3, timeout=120, env={**env, "TDX_SHM_THREADS": "1"})
     four = run_ranks(_results, 3, timeout=120, env={**env, "TDX_SHM_THREADS": "4"})
     for rank in range(3):
@@ -190,7 +193,14 @@ def test_the_model_prices_the_split_passes() -> None:
     small = float(64 << 10)
     assert _C._algorithm_cost("allreduce", "shm", small, 2, pass_threads=8)["seconds"] == \
         _C._algorithm_cost("allreduce", "shm", small, 2)["seconds"]
-    for coll, name in (("allreduce", "cma"), ("allreduce", "shm_direct"),
+    # cma splits its reads of a rank's piece (8 MiB here): 4 ways, priced as sqrt(4).
+    cma_one = _C._algorithm_cost("allreduce", "cma", nbytes, 2)
+    cma_four = _C._algorithm_cost("allreduce", "cma", nbytes, 2, pass_threads=4)
+    cma_fixed = torchdist_ext.cost_model()["cma"]["alpha"] * cma_one["steps"]
+    assert (cma_one["ways"], cma_four["ways"]) == (1, 4)
+    assert cma_four["seconds"] - cma_fixed == pytest.approx(
+        (cma_one["seconds"] - cma_fixed) / 2, rel=1e-9)
+    for coll, name in (("allreduce", "shm_direct"),
                        ("allreduce", "ring"), ("broadcast", "shm"), ("reduce", "shm")):
         assert _C._algorithm_cost(coll, name, nbytes, 2, pass_threads=4)["seconds"] == \
             _C._algorithm_cost(coll, name, nbytes, 2)["seconds"], (coll, name)

@@ -240,9 +240,11 @@ Registry::Registry() : model_(CostModel::defaults()) {
       {C::Allreduce, "direct", L::Net, false, 64.0 * (1 << 20), false, directAllreducePlan,
        directAllreduceCost, "one step: everyone sends everything to everyone"},
       {C::Allreduce, "shm", L::Shm, false, noLimit, false, nullptr, shmAllreduceCost,
-       "same host: reduce-scatter + all-gather through a shared-memory window", true},
+       "same host: reduce-scatter + all-gather through a shared-memory window",
+       shmAllreduceWays},
       {C::Allreduce, "cma", L::Cma, false, noLimit, true, nullptr, cmaAllreduceCost,
-       "same host: ranks read each other's buffers in place (process_vm_readv), 3 signals"},
+       "same host: ranks read each other's buffers in place (process_vm_readv), 3 signals",
+       cmaAllreduceWays},
       {C::Allreduce, "shm_direct", L::Shm, false, noLimit, false, nullptr, shmDirectAllreduceCost,
        "same host: every rank reduces every slot of a shared-memory window"},
       {C::Broadcast, "tree", L::Net, false, noLimit, false, treeBroadcastPlan, treeBroadcastCost,
@@ -340,8 +342,10 @@ double Registry::predict(const Algorithm& a, double bytes, int n, const Placemen
   // 3.4x faster at 2 ranks and 1.8x at 4, 8 threads 2.8x at 2 ranks; the default
   // exponent, 0.5 (2 for 4 threads and 2.8 for 8), lies within that spread. t counts only
   // the threads a pass of this size really splits over. The terms calibrate with one
-  // thread (`bench calibrate` sets it), so the speedup is not counted twice.
-  const int ways = a.splitsPasses ? shmAllreduceWays(bytes, n, p.passThreads) : 1;
+  // thread (`bench calibrate` sets it), so the speedup is not counted twice. The cma
+  // all_reduce's split reads take the same exponent, fitted on the window's passes: a
+  // kernel copy per block shares the same memory.
+  const int ways = a.passWays != nullptr ? a.passWays(bytes, n, p.passThreads) : 1;
   const double split = std::pow(static_cast<double>(ways), model.threadExponent);
   return alpha * c.steps + (l.beta * c.bytesMoved + l.gamma * c.bytesReduced) / split;
 }

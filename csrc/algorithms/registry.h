@@ -158,10 +158,10 @@ struct Algorithm {
   Plan (*plan)(const PlanArgs&);  // null for shared-memory algorithms
   Cost (*cost)(double bytes, int n);
   const char* summary;
-  // Splits its memory passes over Placement::passThreads threads per rank, which the
-  // model prices as a speedup of its byte terms (Registry::predict; shmAllreduceWays
-  // says how many threads a pass of a given size uses).
-  bool splitsPasses = false;
+  // For an algorithm that splits its memory passes over Placement::passThreads threads
+  // per rank: how many threads a pass of an op of `bytes` really splits over, which the
+  // model prices as a speedup of its byte terms (Registry::predict). Null: one thread.
+  int (*passWays)(double bytes, int n, int threads) = nullptr;
 };
 
 // The pinned algorithm of each collective ("" for auto), as of one moment: an op runs

@@ -13,16 +13,19 @@
 // variant reduces all N slots (N-1) S but needs a single signal per chunk on its
 // critical path, which wins for small messages. With TDX_SHM_THREADS above 1 the shm
 // all_reduce splits each of its passes (copy in, reduce, copy out) over helper threads
-// (pass_pool.h); the signals stay on the calling thread.
+// (pass_pool.h), and so does the cma all_reduce (its reads of peers' pieces, reduced a
+// staged block at a time through every peer); the signals stay on the calling thread.
 #include "algorithms/shm_collectives.h"
 
 #include "algorithms/pass_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tdx {
 namespace algorithms {
@@ -130,6 +133,10 @@ size_t chunkElems(const HostWindow& w, size_t elemSize) {
 // ready peer's block is folded into it, so a run of peers costs one pass over memory
 // instead of one per peer.
 constexpr size_t kReduceBlockBytes = 16 << 10;
+// cma's reads of a peer's piece go through a staging buffer of this size, a block at a
+// time: big enough that a read's system call is a small part of its time, small enough
+// that the block and the piece's block it is reduced into stay in a core's cache.
+constexpr size_t kCmaStageBytes = 128 << 10;
 
 // dst = own (through `load`, which scales where the op does) reduced with each peer's
 // data, `bytes` of it, in the fixed order (r + 1) % n, (r + 2) % n, ..., so the result's
@@ -271,9 +278,41 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
   }
 }
 
+// Reads of peers' memory split over the pass's threads. A helper may not throw (nor
+// touch the window's state), so each part records the first read that failed, the
+// others skip what is left of theirs, and the caller throws for it once the pass is over.
+class CmaReads {
+ public:
+  explicit CmaReads(HostWindow& w) : w_(w) {}
+  // False once any read of the pass failed: the part stops.
+  bool read(int q, const char* remote, char* local, size_t bytes) {
+    if (failed_.load(std::memory_order_relaxed)) return false;
+    const int error = w_.tryReadFrom(q, remote, local, bytes);
+    if (error == 0) return true;
+    int expected = -1;
+    if (peer_.compare_exchange_strong(expected, q)) error_ = error;
+    failed_.store(true, std::memory_order_release);
+    return false;
+  }
+  bool failed() const {
+    return failed_.load(std::memory_order_relaxed);
+  }
+  // After the pass, on the caller's thread.
+  void throwIfFailed(const WaitContext& wc) {
+    if (failed_.load(std::memory_order_acquire)) w_.readFailed(peer_.load(), error_, wc);
+  }
+
+ private:
+  HostWindow& w_;
+  std::atomic<bool> failed_{false};
+  std::atomic<int> peer_{-1};
+  int error_ = 0;  // written by the part that set peer_, read after the pass
+};
+
 void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
                   size_t elemSize, kernels::ReduceFn reduce) {
   const int n = w.size(), r = w.rank();
+  const int ways = w.passThreads();
   auto at = [&](int q) { return pieceBegin(count, n, q) * elemSize; };
   auto len = [&](int q) { return pieceCount(count, n, q) * elemSize; };
   // The window's half carries only the op info (with this rank's buffer address).
@@ -283,28 +322,71 @@ void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
   w.post();
   const uint64_t published = w.posted();
   // Peers' pieces land in a small staging buffer that stays in cache, and are reduced
-  // into this rank's own piece of its buffer.
-  static thread_local std::vector<char> staging;
-  const size_t stage = std::max(elemSize, (size_t{256} << 10) / elemSize * elemSize);
-  if (staging.size() < stage) staging.resize(stage);
-  for (int k = 1; k < n; ++k) {
-    const int q = (r + k) % n;
-    w.waitRank(q, published, wc);
-    verify(w, h, q);
-    const char* theirs = reinterpret_cast<const char*>(w.opInfo(q, h).address);
-    for (size_t off = 0; off < len(r); off += stage) {
-      const size_t b = std::min(stage, len(r) - off);
-      w.readFrom(q, theirs + at(r) + off, staging.data(), b, wc);
-      reduce(data + at(r) + off, staging.data(), b / elemSize);
+  // into this rank's own piece of its buffer (a buffer per thread, helpers included).
+  const size_t stage = std::max(elemSize, kCmaStageBytes / elemSize * elemSize);
+  const size_t grain = std::max(elemSize, kReduceBlockBytes / elemSize * elemSize);
+  auto staging = [stage]() {
+    static thread_local std::vector<char> buffer;
+    if (buffer.size() < stage) buffer.resize(stage);
+    return buffer.data();
+  };
+  std::vector<const char*> theirs(n, nullptr);
+  if (ways <= 1) {
+    // One thread: each peer as soon as it has published its address.
+    for (int k = 1; k < n; ++k) {
+      const int q = (r + k) % n;
+      w.waitRank(q, published, wc);
+      verify(w, h, q);
+      theirs[q] = reinterpret_cast<const char*>(w.opInfo(q, h).address);
+      for (size_t off = 0; off < len(r); off += stage) {
+        const size_t b = std::min(stage, len(r) - off);
+        w.readFrom(q, theirs[q] + at(r) + off, staging(), b, wc);
+        reduce(data + at(r) + off, staging(), b / elemSize);
+      }
     }
+  } else {
+    // Several: every address first, then one pass over this rank's piece split over the
+    // threads, a staged block at a time through every peer, so each block of the piece
+    // is read and written once (not once per peer) and stays in cache meanwhile. The
+    // peers are reduced in the same order as with one thread: the same bits.
+    for (int k = 1; k < n; ++k) {
+      const int q = (r + k) % n;
+      w.waitRank(q, published, wc);
+      verify(w, h, q);
+      theirs[q] = reinterpret_cast<const char*>(w.opInfo(q, h).address);
+    }
+    CmaReads reads(w);
+    parallelPass(len(r), grain, ways, [&](size_t from, size_t to) {
+      char* buffer = staging();
+      for (size_t off = from; off < to && !reads.failed(); off += stage) {
+        const size_t b = std::min(stage, to - off);
+        for (int k = 1; k < n; ++k) {
+          const int q = (r + k) % n;
+          if (!reads.read(q, theirs[q] + at(r) + off, buffer, b)) return;
+          reduce(data + at(r) + off, buffer, b / elemSize);
+        }
+      }
+    });
+    reads.throwIfFailed(wc);
   }
   w.post();
   const uint64_t reduced = w.posted();
-  for (int k = 1; k < n; ++k) {
-    const int q = (r + k) % n;
-    w.waitRank(q, reduced, wc);
-    const char* theirs = reinterpret_cast<const char*>(w.opInfo(q, h).address);
-    if (len(q) > 0) w.readFrom(q, theirs + at(q), data + at(q), len(q), wc);
+  if (ways <= 1) {
+    for (int k = 1; k < n; ++k) {
+      const int q = (r + k) % n;
+      w.waitRank(q, reduced, wc);
+      if (len(q) > 0) w.readFrom(q, theirs[q] + at(q), data + at(q), len(q), wc);
+    }
+  } else {
+    for (int k = 1; k < n; ++k) w.waitRank((r + k) % n, reduced, wc);
+    CmaReads reads(w);
+    allButPiece(at(r), len(r), count * elemSize, grain, ways, [&](size_t b, size_t e) {
+      for (int q = 0; q < n; ++q) {
+        const size_t lo = std::max(b, at(q)), hi = std::min(e, at(q) + len(q));
+        if (lo < hi && !reads.read(q, theirs[q] + lo, data + lo, hi - lo)) return;
+      }
+    });
+    reads.throwIfFailed(wc);
   }
   // Others may still be reading this rank's buffer: it is the caller's again only when
   // every rank is done.
@@ -586,6 +668,10 @@ Cost shmDirectAllreduceCost(double bytes, int n) {
 Cost cmaAllreduceCost(double bytes, int n) {
   if (n == 1) return {};
   return {3, 2.0 * (n - 1) / n * bytes, double(n - 1) / n * bytes};
+}
+
+int cmaAllreduceWays(double bytes, int n, int threads) {
+  return passWays(static_cast<size_t>(bytes / std::max(n, 1)), threads);
 }
 
 Cost shmBroadcastCost(double bytes, int n) {

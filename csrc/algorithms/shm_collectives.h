@@ -82,6 +82,9 @@ Cost shmAllreduceCost(double bytes, int n);
 int shmAllreduceWays(double bytes, int n, int threads);
 Cost shmDirectAllreduceCost(double bytes, int n);
 Cost cmaAllreduceCost(double bytes, int n);
+// The same for cmaAllreduce: its reads and reductions of a rank's piece (bytes over n)
+// split as passWays says.
+int cmaAllreduceWays(double bytes, int n, int threads);
 Cost shmBroadcastCost(double bytes, int n);
 Cost shmReduceCost(double bytes, int n);
 Cost shmDirectReduceCost(double bytes, int n);

@@ -255,24 +255,33 @@ bool HostWindow::probeCrossMemory() const {
   return true;
 }
 
-void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
-                          const WaitContext& wc) {
+int HostWindow::tryReadFrom(int r, const void* remote, void* local, size_t bytes) const
+    noexcept {
   size_t done = 0;
   while (done < bytes) {
     iovec l{static_cast<char*>(local) + done, bytes - done};
     iovec rm{const_cast<char*>(static_cast<const char*>(remote)) + done, bytes - done};
     const ssize_t n = process_vm_readv(pid(r), &l, 1, &rm, 1, 0);
-    const int err = n < 0 ? errno : 0;  // checkAlive() below makes calls that set errno
-    if (n <= 0) {
-      if (err == EINTR) continue;
-      if (err == ESRCH) checkAlive(r, wc);  // names every rank that is gone
-      throw std::runtime_error(std::string("reading rank ") + std::to_string(r) +
-                               "'s buffer in place failed during " + wc.what + ": " +
-                               (n < 0 ? std::strerror(err) : "no progress") +
-                               (err == ESRCH ? " (that rank has exited)" : ""));
-    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno;
+    if (n == 0) return kNoProgress;
     done += static_cast<size_t>(n);
   }
+  return 0;
+}
+
+void HostWindow::readFailed(int r, int error, const WaitContext& wc) {
+  if (error == ESRCH) checkAlive(r, wc);  // names every rank that is gone
+  throw std::runtime_error(std::string("reading rank ") + std::to_string(r) +
+                           "'s buffer in place failed during " + wc.what + ": " +
+                           (error == kNoProgress ? "no progress" : std::strerror(error)) +
+                           (error == ESRCH ? " (that rank has exited)" : ""));
+}
+
+void HostWindow::readFrom(int r, const void* remote, void* local, size_t bytes,
+                          const WaitContext& wc) {
+  const int error = tryReadFrom(r, remote, local, bytes);
+  if (error != 0) readFailed(r, error, wc);
 }
 
 void HostWindow::post() {

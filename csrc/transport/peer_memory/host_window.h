@@ -127,6 +127,14 @@ class HostWindow {
 
   // Copies `bytes` at `remote` in rank r's address space to `local`; throws naming r.
   void readFrom(int r, const void* remote, void* local, size_t bytes, const WaitContext& wc);
+  // The same from any thread (helpers of a split pass): returns 0, or the errno that
+  // stopped it (kNoProgress when the kernel copied nothing), for the caller's thread to
+  // pass to readFailed(). Touches nothing of the window's own state.
+  static constexpr int kNoProgress = -1;
+  int tryReadFrom(int r, const void* remote, void* local, size_t bytes) const noexcept;
+  // Throws for a read of rank r that tryReadFrom ended with `error`, naming every rank
+  // that is gone when r has exited. Caller's thread only.
+  [[noreturn]] void readFailed(int r, int error, const WaitContext& wc);
 
   // The default slot size (TDX_SHM_SLOT_BYTES).
   static size_t defaultSlotBytes();
