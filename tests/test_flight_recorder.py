@@ -118,33 +118,46 @@ def test_needs_a_tdx_group() -> None:
         torchdist_ext.flight_recorder()  # no process group at all in the test process
 
 
-def _one_never_calls(rank: int, n: int) -> dict:
+def _one_never_calls(rank: int, n: int, op: str, warm: bool) -> dict:
     t = torch.ones(1 << 16)
-    dist.all_reduce(t)  # everyone connected
+    if warm:
+        dist.all_reduce(t)  # everyone connected, and the window set up
     if rank == n - 1:
         time.sleep(6)  # never calls the next op, and outlives the others' timeout
         return {}
     start = time.monotonic()
     try:
-        dist.all_reduce(t)
+        if op == "all_gather":
+            dist.all_gather_into_tensor(torch.empty(n * t.numel()), t)
+        else:
+            dist.all_reduce(t)
         err = "no error"
     except Exception as e:  # noqa: BLE001 - the type is checked by the caller
         err = f"{type(e).__name__}: {e}"
     return {"error": err, "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("shm", ["0", "1"])
-def test_a_timeout_names_the_ranks_that_reached_the_op_and_those_that_did_not(shm: str) -> None:
+@pytest.mark.parametrize("shm, op, warm", [
+    ("0", "all_reduce", True),
+    ("1", "all_reduce", True),
+    # Its ranks wait on one peer at a time: the ranks it did not wait for count too.
+    ("1", "all_gather", True),
+    # The group's first op sets the window up, through the store.
+    ("1", "all_reduce", False),
+])
+def test_a_timeout_names_the_ranks_that_reached_the_op_and_those_that_did_not(
+        shm: str, op: str, warm: bool) -> None:
     """Over messages a rank waits on one peer, which may itself wait on the rank that
     never called (rank 1's ring neighbour is rank 0, not rank 2): every rank that reached
     the op says so, and each error lists who did and who did not. Windows list the ranks
-    that got as far from the window itself."""
-    results = run_ranks(_one_never_calls, 3, timeout=3, env={"TDX_SHM": shm})
+    that got as far from the window itself. A rank's error may instead be the notice of
+    a peer that timed out first, which quotes that peer's list."""
+    results = run_ranks(_one_never_calls, 3, timeout=3, args=(op, warm), env={"TDX_SHM": shm})
     for rank, r in enumerate(results[:2]):
         assert r["error"].startswith("DistBackendError"), (rank, r)
         assert 2.5 < r["seconds"] < 8.0, (rank, r)
-        if shm == "0":
+        if shm == "0" or not warm:
             assert "Reached this op and timed out on it: ranks 0, 1" in r["error"], (rank, r)
             assert "not timed out on it within 1 s: rank 2 " in r["error"], (rank, r)
         else:
-            assert "rank 2" in r["error"], (rank, r)
+            assert "ranks that got this far: 0, 1; not: 2)" in r["error"], (rank, r)

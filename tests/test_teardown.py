@@ -1,10 +1,13 @@
 """Teardown: repeated new_group / destroy cycles leak no threads, file descriptors or
-memory."""
+memory; a group destroyed with ops still posted ends them."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -110,3 +113,48 @@ def test_shutdown_waits_for_peers_still_reading() -> None:
     """A sender that shuts down right after its sends completed must not cut off a peer
     that has not read them yet: shutdown exchanges a goodbye with every live peer first."""
     assert run_ranks(_send_then_leave, 2, timeout=60) == [True, True]
+
+
+def _destroy_with_a_send_pending(rank: int, n: int, kind: str) -> dict:
+    sub = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    dist.barrier()
+    out: dict = {}
+    if rank == 0:
+        big = torch.ones(1 << 22)  # 16 MiB: rendezvous, and rank 1 never receives it
+        if kind == "isend":
+            works = [dist.isend(big, 1, group=sub)]
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty(8), 1, group=sub),
+                                            dist.P2POp(dist.isend, big, 1, group=sub)])
+        time.sleep(0.3)
+        start = time.monotonic()
+        dist.destroy_process_group(sub)
+        out["destroy_s"] = time.monotonic() - start
+        out["errors"] = []
+        start = time.monotonic()
+        for w in works:
+            try:
+                w.wait()
+                out["errors"].append("no error")
+            except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+                out["errors"].append(f"{type(e).__name__}: {e}")
+        out["wait_s"] = time.monotonic() - start
+    else:
+        time.sleep(3)  # alive, and never receiving on the subgroup
+    x = torch.ones(4)
+    dist.all_reduce(x)  # the default group, which shares the transport, still works
+    out["sum"] = x[0].item()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["isend", "batch"])
+def test_destroying_a_subgroup_ends_its_pending_sends(kind: str) -> None:
+    """UCX cannot cancel a rendezvous send, and a subgroup's transport outlives it (the
+    default group shares it): the send's wait() ends with the shutdown at once, not at
+    the op's timeout, and shutdown waits for no goodbye while an op is still posted."""
+    r0, r1 = run_ranks(_destroy_with_a_send_pending, 2, timeout=60, args=(kind,))
+    assert r0["destroy_s"] < 2.0, r0  # not the goodbye wait (10 s or the timeout)
+    assert r0["wait_s"] < 1.0, r0
+    for err in r0["errors"]:
+        assert err.startswith("DistBackendError") and "the process group was shut down" in err, r0
+    assert r0["sum"] == r1["sum"] == 2.0

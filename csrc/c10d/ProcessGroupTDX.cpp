@@ -651,10 +651,10 @@ void ProcessGroupTDX::cancelPointToPointIfBroken() {
     p2pUnended_[i] = std::move(p2pUnended_.back());
     p2pUnended_.pop_back();
   }
-  abandonReceives(due, reason);  // the cancel's reason stays theirs
+  abandonRequests(due, reason);  // the cancel's reason stays theirs
 }
 
-void ProcessGroupTDX::abandonReceives(const std::vector<std::weak_ptr<transport::Request>>& rs,
+void ProcessGroupTDX::abandonRequests(const std::vector<std::weak_ptr<transport::Request>>& rs,
                                       const std::string& reason) {
   // A completion run by abandon() may shut the group down (and drop transport_).
   const auto transport = transport_;
@@ -667,7 +667,8 @@ void ProcessGroupTDX::abandonReceives(const std::vector<std::weak_ptr<transport:
 }
 
 void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,
-                                         std::vector<std::weak_ptr<transport::Request>>* unended) {
+                                         std::vector<std::weak_ptr<transport::Request>>* unended,
+                                         bool everyRequest) {
   std::vector<std::weak_ptr<transport::Request>> requests;
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
@@ -678,7 +679,9 @@ void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,
       if (r->done()) continue;
       transport_->cancel(*r, reason);
       // UCX cancels a receive it has not matched yet; one it has, it lets finish.
-      if (unended && !r->isSend && r->endpoint < 0) unended->push_back(weak);
+      if (unended && (everyRequest || (!r->isSend && r->endpoint < 0))) {
+        unended->push_back(weak);
+      }
     }
   }
 }
@@ -1108,7 +1111,7 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
   return choice;
 }
 
-std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key,
+std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int owner,
                                                      const transport::WaitContext& wc) {
   // Short store waits, so a rank that died before publishing `key` (or an abort, or the
   // op's deadline) is reported instead of blocking for the store's own timeout.
@@ -1126,9 +1129,10 @@ std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key,
                                  lost);
       }
       if (Clock::now() >= wc.deadline) {
-        throw std::runtime_error("timed out setting up shared memory for " +
-                                 std::string(wc.what) + ": waiting for store key " + key +
-                                 "; a rank has not reached this op");
+        // A timeout of the op: runTask adds which ranks reached it (timeoutNote).
+        throw TimedOut("timed out setting up shared memory for " + std::string(wc.what) +
+                       ": rank " + std::to_string(owner) + " has not reached this op or " +
+                       "is behind (store key " + key + ")");
       }
     }
   }
@@ -1168,7 +1172,7 @@ transport::HostWindow* ProcessGroupTDX::setUpWindow(const transport::WaitContext
     }
     store_->set(base + "name", bytesOf(window_ ? name + "|" + std::to_string(slot) : ""));
   } else {
-    const auto v = storeGetWithin(base + "name", wc);
+    const auto v = storeGetWithin(base + "name", 0, wc);
     const std::string text(v.begin(), v.end());
     const auto bar = text.find('|');
     if (bar == std::string::npos) {
@@ -1187,7 +1191,7 @@ transport::HostWindow* ProcessGroupTDX::setUpWindow(const transport::WaitContext
   store_->set(base + "ok/" + std::to_string(rank_), bytesOf(window_ ? "1" : "0"));
   bool all = true;
   for (int r = 0; r < size_; ++r) {
-    const auto v = storeGetWithin(base + "ok/" + std::to_string(r), wc);
+    const auto v = storeGetWithin(base + "ok/" + std::to_string(r), r, wc);
     all = all && v.size() == 1 && v[0] == '1';
   }
   if (window_ && rank_ == 0) window_->unlinkName();
@@ -1205,7 +1209,7 @@ transport::HostWindow* ProcessGroupTDX::setUpWindow(const transport::WaitContext
               bytesOf(window_->probeCrossMemory() ? "1" : "0"));
   bool cma = true;
   for (int r = 0; r < size_; ++r) {
-    const auto v = storeGetWithin(base + "cma/" + std::to_string(r), wc);
+    const auto v = storeGetWithin(base + "cma/" + std::to_string(r), r, wc);
     cma = cma && v.size() == 1 && v[0] == '1';
   }
   window_->setCrossMemory(cma);
@@ -1362,8 +1366,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     // Null only while the transport is being torn down (which fails what is in flight).
     const auto transport = weakTransport.lock();
     if (r.orphaned.load()) {
-      // UCX still holds the receive buffer (a lost peer left the message part-filled):
-      // never give it back to the allocator.
+      // UCX still holds the buffer (a receive a lost peer left part-filled, or an op
+      // its group's shutdown could not cancel): never give it back to the allocator.
       new std::vector<at::Tensor>{wire, host};
     }
     if (!r.ok()) {
@@ -1621,8 +1625,10 @@ void ProcessGroupTDX::shutdownLocked() {
   // (a point-to-point receive from it, say), and only this rank's exit releases it. Nor
   // does an aborted group, or one with an op queued or running, which is abandoned
   // below: its peers cannot finish that op either.
+  // A point-to-point op still posted counts as running: it ends below with an error, so
+  // its peer's matching op cannot finish either, and that peer may not shut down soon.
   const bool lost = !lostRanksNote(*transport_, endpoints_, rank_).empty();
-  const bool busy = queued_.load() > 0 || running_.load();
+  const bool busy = queued_.load() > 0 || running_.load() || p2pInFlight_->load() > 0;
   sayGoodbye(/*awaitPeers=*/!aborted_ && brokenReason().empty() && !lost && !busy);
   // The notice's buffer lives on with its completion, so a cancel is all it needs.
   if (noticeRecv_ && !noticeRecv_->done()) {
@@ -1636,8 +1642,7 @@ void ProcessGroupTDX::shutdownLocked() {
     std::lock_guard<std::mutex> lock(p2pMu_);
     p2pClosed_ = true;
   }
-  cancelPointToPoint("the process group was shut down",
-                     lost || !brokenReason().empty() ? &unended : nullptr);
+  cancelPointToPoint("the process group was shut down", &unended, /*everyRequest=*/true);
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;
@@ -1646,7 +1651,18 @@ void ProcessGroupTDX::shutdownLocked() {
   // part-filled end here, as no cancel ends them, rather than at the group timeout.
   for (auto& entry : p2pUnended_) unended.push_back(entry.first);
   p2pUnended_.clear();
-  abandonReceives(unended, "the process group was shut down");
+  // UCX cancels only receives it has not matched, and a group's transport outlives it
+  // when other groups share it: a rendezvous send the peer never receives, or a
+  // receive matched to a message still arriving, would hold its op's wait() until the
+  // op's own timeout. What the cancels have not ended after a short grace ends here,
+  // its buffer left to UCX for good.
+  const auto grace = Clock::now() + std::chrono::milliseconds(200);
+  for (const auto& weak : unended) {
+    if (auto r = weak.lock()) {
+      if (!r->done()) transport_->wait(*r, grace);
+    }
+  }
+  abandonRequests(unended, "the process group was shut down");
   std::shared_ptr<transport::UcxTransport> dropped;
   {
     std::lock_guard<std::mutex> lock(transportMu_);

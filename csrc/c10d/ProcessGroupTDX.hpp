@@ -275,7 +275,9 @@ class ProcessGroupTDX : public c10d::Backend {
   const algorithms::Pins* taskPins_ = nullptr;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
   transport::HostWindow* setUpWindow(const transport::WaitContext& wc);  // hostWindow's first call
-  std::vector<uint8_t> storeGetWithin(const std::string& key, const transport::WaitContext& wc);
+  // `owner`: the group rank that sets `key`, named when it does not in time.
+  std::vector<uint8_t> storeGetWithin(const std::string& key, int owner,
+                                      const transport::WaitContext& wc);
   std::unique_ptr<transport::HostWindow> window_;
   int windowState_ = 0;  // 0: not tried, 1: ready, -1: unavailable
   // What the window turned out to be, for predict() on other threads: 0 not known yet,
@@ -345,16 +347,18 @@ class ProcessGroupTDX : public c10d::Backend {
   std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
   void cancelPointToPointIfBroken();
   // Ends every point-to-point request still in flight with `reason`. Any-source receives
-  // it could not end are collected in `unended` when given.
+  // it could not end (every request it cancelled, with `everyRequest`) are collected in
+  // `unended` when given.
   void cancelPointToPoint(const std::string& reason,
-                          std::vector<std::weak_ptr<transport::Request>>* unended = nullptr);
+                          std::vector<std::weak_ptr<transport::Request>>* unended = nullptr,
+                          bool everyRequest = false);
   // Any-source receives of a broken group that a cancel did not end: UCX had matched them
   // to a message a lost rank was part way through sending, and only the group timeout
   // would end them. Each is abandoned once its time has come.
   std::vector<std::pair<std::weak_ptr<transport::Request>, std::chrono::steady_clock::time_point>>
       p2pUnended_;
   // Ends those of `rs` still pending (Transport::abandon).
-  void abandonReceives(const std::vector<std::weak_ptr<transport::Request>>& rs,
+  void abandonRequests(const std::vector<std::weak_ptr<transport::Request>>& rs,
                        const std::string& reason);
 
   // Under fingerprint checks, a point-to-point mismatch ends the group on every rank, not

@@ -46,7 +46,8 @@ struct Request {
   bool isSend = false;
   bool truncated = false;   // receives: the message was longer than the buffer (Failed)
   // Failed by the transport while UCX still holds the buffer (a receive a lost peer left
-  // part-filled): done, but its buffer must never be reused.
+  // part-filled, a request abandoned at shutdown): done, but its buffer must never be
+  // reused.
   std::atomic<bool> orphaned{false};
   // Posted for the life of a group rather than for an op (a peer's goodbye): a peer
   // that goes away with only these pending had nothing waiting on it.
@@ -112,10 +113,11 @@ class Transport {
   // Asks the transport to end a pending request with `reason`; completion (as Failed)
   // is still reported through the request.
   virtual void cancel(Request& request, const std::string& reason) = 0;
-  // Ends a pending receive at once with `reason`, as a lost sender's clean-up does: UCX
+  // Ends a pending request at once with `reason`, as a lost sender's clean-up does: UCX
   // may still hold its buffer, so the request is marked orphaned (the buffer must never
-  // be reused). For what cancel() cannot end: a receive UCX has already matched to a
-  // message whose sender is gone, and which no lost endpoint names (any source).
+  // be reused or freed). For what cancel() cannot end: a receive UCX has already matched
+  // to a message whose sender is gone, and which no lost endpoint names (any source); a
+  // send of a group shut down before its peer received it.
   virtual void abandon(Request& request, const std::string& reason) = 0;
 
   // True once the endpoint's peer has been reported lost.

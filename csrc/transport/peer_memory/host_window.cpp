@@ -377,17 +377,20 @@ void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
       if (now >= wc.deadline) {
         std::string list;
         for (int r : who) list += (list.empty() ? "" : ", ") + std::to_string(r);
-        std::string reached = std::to_string(rank_);
+        // Every rank's counter is in the window, so the ranks this one did not wait for
+        // (a step that waits for one peer) are judged too: all that got this far, and
+        // all that did not, whoever this step needed.
+        std::string arrived, behindNow;
         for (int r = 0; r < size_; ++r) {
-          if (waitedFor(r) && std::find(who.begin(), who.end(), r) == who.end()) {
-            reached += ", " + std::to_string(r);
-          }
+          std::string& to = r == rank_ || reached(r, target) ? arrived : behindNow;
+          to += (to.empty() ? "" : ", ") + std::to_string(r);
         }
         throw std::runtime_error("timed out in " + std::string(wc.what) + " waiting for rank" +
                                  (who.size() > 1 ? "s " : " ") + list +
-                                 " in shared memory (ranks that got this far: " + reached +
-                                 "); the others have not reached this op or are behind. Every "
-                                 "rank must call the same collectives in the same order");
+                                 " in shared memory (ranks that got this far: " + arrived +
+                                 "; not: " + behindNow + "): those have not reached this op or "
+                                 "are behind. Every rank must call the same collectives in "
+                                 "the same order");
       }
       nextCheck = now + std::chrono::milliseconds(20);
     }

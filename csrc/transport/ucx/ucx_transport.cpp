@@ -823,7 +823,7 @@ void UcxTransport::cancel(Request& r, const std::string& reason) {
 }
 
 void UcxTransport::abandon(Request& r, const std::string& reason) {
-  if (r.isSend || r.done()) return;
+  if (r.done()) return;
   // Before the completion runs: it must see that the buffer is UCX's for good.
   r.orphaned.store(true);
   finishRequest(r, false, reason);
