@@ -3,9 +3,11 @@ keeps working afterwards."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -628,3 +630,91 @@ def test_a_goodbye_after_the_last_op_fails_nothing() -> None:
         for r, got in enumerate(run_ranks(_root_leaves_while_read, 3, timeout=30,
                                           env={"TDX_SHM": shm})):
             assert got == [0.0, float((1 << 20) - 1)], (shm, r, got)
+
+
+def _new_group_after_a_death(rank: int, n: int, members: list[int]) -> dict:
+    dist.barrier()
+    if rank == n - 1:
+        os.kill(os.getpid(), 9)
+    time.sleep(1.0)  # the default group's watch has seen the death by now
+    start = time.monotonic()
+    try:
+        dist.new_group(members)
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("members, named", [
+    ([0, 1, 2], "rank 2 is gone"),
+    # Group ranks differ from global ones: both are named.
+    ([1, 2], "rank 1 (global rank 2) is gone"),
+])
+def test_a_group_with_a_member_already_dead_fails_at_once(members: list[int],
+                                                          named: str) -> None:
+    """new_group waits for its members in the store, whose own timeout is minutes: a
+    member that another group already saw die is named at once instead."""
+    results = run_ranks(_new_group_after_a_death, 3, timeout=30, args=(members,),
+                        may_exit=[2])
+    for rank in (0, 1):
+        if rank not in members:
+            assert results[rank]["error"] == "no error", results[rank]
+            continue
+        r = results[rank]
+        assert r["error"].startswith("DistBackendError") and named in r["error"], (rank, r)
+        assert r["seconds"] < 5.0, (rank, r)
+
+
+def _new_group_with_a_late_member(rank: int, n: int) -> dict:
+    dist.barrier()
+    if rank == n - 1:
+        time.sleep(4.0)  # after the others' 2 s
+    start = time.monotonic()
+    try:
+        dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=2))
+        err = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "seconds": time.monotonic() - start}
+
+
+def test_a_group_whose_member_does_not_come_fails_at_its_timeout() -> None:
+    """Not at the store's timeout (minutes): at the new group's own, naming the member
+    that did not come and those that did."""
+    results = run_ranks(_new_group_with_a_late_member, 3, timeout=30)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["error"].startswith("DistBackendError"), (rank, r)
+        assert "rank 2 did not join the group within 2000 ms" in r["error"], (rank, r)
+        assert "done so far: ranks 0, 1; not: rank 2" in r["error"], (rank, r)
+        assert 1.5 < r["seconds"] < 5.0, (rank, r)
+    # The late member finds the others gone from the set-up, and fails in its turn.
+    assert results[2]["error"].startswith("DistBackendError"), results[2]
+
+
+def _subgroup_loses_a_member(rank: int, n: int) -> dict:
+    sub = dist.new_group([1, 2])
+    if rank:  # members connected before the death
+        dist.all_reduce(torch.ones(4), group=sub)
+    dist.barrier()
+    if rank == 2:
+        os.kill(os.getpid(), 9)
+    if rank == 0:
+        return {}
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < 10:
+            dist.all_reduce(torch.ones(1 << 16), group=sub)
+        return {"error": "no error"}
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def test_a_subgroup_error_maps_its_ranks_to_global_ones() -> None:
+    """A subgroup's errors name its own ranks (rank 1 of [1, 2] is global rank 2): they
+    say which global rank each is."""
+    results = run_ranks(_subgroup_loses_a_member, 3, timeout=30, may_exit=[2])
+    err = results[1]["error"]
+    assert err.startswith("DistBackendError") and "rank 1" in err, err
+    assert "its ranks 0..1 are global ranks 1, 2]" in err, err

@@ -23,6 +23,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "algorithms/collectives.h"
 #include "algorithms/executor.h"
@@ -99,6 +100,34 @@ constexpr std::chrono::milliseconds kAbortPoll{50};
 std::atomic<int>& jobCpusPerRank() {
   static std::atomic<int> share{0};
   return share;
+}
+
+// Global rank -> endpoint of the process's transport, as its groups connected them.
+// Connections are per peer process and shared by the groups, so a group being set up can
+// tell a member that another group already saw die, before it has connected itself.
+struct KnownPeers {
+  std::mutex mu;
+  std::weak_ptr<transport::UcxTransport> transport;  // the endpoints' (a re-init starts anew)
+  std::unordered_map<int64_t, int> endpointOf;
+
+  void add(const std::shared_ptr<transport::UcxTransport>& t, int64_t globalRank, int endpoint) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (transport.lock() != t) {
+      transport = t;
+      endpointOf.clear();
+    }
+    endpointOf[globalRank] = endpoint;
+  }
+  bool lost(int64_t globalRank) {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto t = transport.lock();
+    const auto it = endpointOf.find(globalRank);
+    return t && it != endpointOf.end() && t->endpointFailed(it->second);
+  }
+};
+KnownPeers& knownPeers() {
+  static auto* peers = new KnownPeers;  // never destroyed: groups may outlive statics
+  return *peers;
 }
 
 // TDX_SHM_THREADS: 1 to 16, or 0 for auto. Throws naming the group on anything else.
@@ -252,12 +281,25 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   const int shmThreads = shmThreadsSetting(prefix());
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
+  setupDeadline_ = Clock::now() + options_->timeout;
   fault_ = std::make_shared<Fault>();
   fault_->abortFlag = abortFlag_;
   // torch creates the default group with no global ranks.
   const bool defaultGroup = globalRanks_.empty();
   if (globalRanks_.empty()) {
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
+  }
+  bool globalNumbers = static_cast<int>(globalRanks_.size()) == size;
+  for (int r = 0; globalNumbers && r < size; ++r) globalNumbers = globalRanks_[r] == r;
+  if (!globalNumbers && static_cast<int>(globalRanks_.size()) == size) {
+    constexpr int kListed = 16;
+    std::string list;
+    for (int r = 0; r < std::min(size, kListed); ++r) {
+      list += (r ? ", " : "") + std::to_string(globalRanks_[r]);
+    }
+    if (size > kListed) list += ", ... (torch.distributed.get_global_rank maps the rest)";
+    rankNote_ = " [ranks named here are this group's; its ranks 0.." + std::to_string(size - 1) +
+                " are global ranks " + list + "]";
   }
 
   // One round of store reads settles four things. Each rank publishes whether it allows
@@ -315,7 +357,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                         "|" + tuningText + "@" + cpuText() + "|" + key));
     std::string disagreement;
     for (int r = 0; r < size; ++r) {
-      const auto theirs = store_->get("tdx/host/" + std::to_string(r));
+      const auto theirs = setupGet("tdx/host/", r, "join the group");
       const std::string text(theirs.begin(), theirs.end());
       // flag, mask, "|", tuning, "@", CPUs, "|", host key: the separators tell a record
       // of another version apart (which, in turn, refuses this one at the "@"; records
@@ -420,15 +462,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
               std::vector<uint8_t>(addr.begin(), addr.end()));
   endpoints_.resize(size);
   for (int r = 0; r < size; ++r) {
-    std::vector<uint8_t> peer;
-    try {
-      peer = store_->get("tdx/addr/" + std::to_string(r));
-    } catch (const std::exception& e) {
-      C10_THROW_ERROR(DistBackendError, prefix() + " rank " + std::to_string(r) +
-                                            " did not publish its address: " + errorText(e) +
-                                            ". Did every rank of the group call init?");
-    }
+    const auto peer = setupGet("tdx/addr/", r, "publish its transport address");
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
+    knownPeers().add(transport_, globalRanks_[r], endpoints_[r]);
   }
   sharedEndpoints_ = std::make_shared<const std::vector<int>>(endpoints_);
 
@@ -437,7 +473,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   if (rank == 0) {
     store_->set("tdx/costmodel", bytesOf(algorithms::Registry::get().costModel().serialize()));
   }
-  const auto model = store_->get("tdx/costmodel");
+  const auto model = setupGet("tdx/costmodel", 0, "publish the group's cost model");
   costModel_ = algorithms::CostModel::parse(std::string(model.begin(), model.end()));
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
@@ -490,9 +526,10 @@ std::string ProcessGroupTDX::describe(const char* op, uint64_t seq,
 }
 
 std::exception_ptr ProcessGroupTDX::wrapError(const std::string& what,
-                                              const std::string& message) {
+                                              const std::string& message,
+                                              const std::string& ranks) {
   try {
-    C10_THROW_ERROR(DistBackendError, what + " failed: " + message);
+    C10_THROW_ERROR(DistBackendError, what + " failed: " + message + ranks);
   } catch (...) {
     return std::current_exception();
   }
@@ -942,7 +979,7 @@ void ProcessGroupTDX::runTask(Task& task) {
   flight_->start(task.flightId);
   const std::string broken = brokenReason();
   if (!broken.empty()) {
-    error = wrapError(what, refusal(broken));
+    error = wrapError(what, refusal(broken), rankNote_);
     flight_->finish(task.flightId, false, 0, "", "refused: group broken");
   } else {
     try {
@@ -1025,7 +1062,7 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
                                     const std::string& path, bool refused,
                                     std::exception_ptr& error) {
   if (!refused) markBroken(what + ": " + why);
-  error = wrapError(what, why);
+  error = wrapError(what, why, rankNote_);
   flight_->finish(task.flightId, false, steps, path, why);
   // `what` starts with this group's prefix, which the log line already carries.
   const std::string pre = prefix() + " ";
@@ -1109,6 +1146,47 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
     return reg.choose(c, bytes, size_, noCrossMemory, costModel_, pins.get());
   }
   return choice;
+}
+
+std::vector<uint8_t> ProcessGroupTDX::setupGet(const std::string& key, int r,
+                                                const char* step) {
+  // The store's own timeout (minutes by default) is not the group's: waited for in short
+  // slices, a member that never comes is named at the group timeout, and one that
+  // another group of this process already saw die is named at once. A key that names no
+  // rank ("tdx/costmodel") is rank r's.
+  const bool perRank = key.back() == '/';
+  const std::string full = perRank ? key + std::to_string(r) : key;
+  const auto member = [&](int q) {
+    std::string text = "rank " + std::to_string(q);
+    if (globalRanks_[q] != q) text += " (global rank " + std::to_string(globalRanks_[q]) + ")";
+    return text;
+  };
+  for (;;) {
+    try {
+      store_->wait({full}, std::chrono::milliseconds(100));
+      return store_->get(full);
+    } catch (const c10::Error&) {
+      if (knownPeers().lost(globalRanks_[r])) {
+        C10_THROW_ERROR(DistBackendError,
+                        prefix() + " " + member(r) + " is gone: another group of this "
+                        "process lost its connection, so it cannot " + step + ". Create "
+                        "groups of the ranks that are still alive");
+      }
+      if (Clock::now() < setupDeadline_) continue;
+      std::vector<int> did, didNot;
+      for (int q = 0; q < size_; ++q) {
+        const bool there = q == rank_ || (perRank && store_->check({key + std::to_string(q)}));
+        (there ? did : didNot).push_back(q);
+      }
+      std::string text = prefix() + " " + member(r) + " did not " + step + " within " +
+                         std::to_string(options_->timeout.count()) + " ms (store key " + full +
+                         "): every rank of the group must create it, with the same ranks";
+      if (perRank) {
+        text += "; done so far: " + rankList(did) + "; not: " + rankList(didNot);
+      }
+      C10_THROW_ERROR(DistBackendError, text);
+    }
+  }
 }
 
 std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int owner,
@@ -1309,7 +1387,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     registerWork(work);
     flight_->finish(flight_->record(0, opName, what, "p2p"), false, 0, "p2p",
                     "refused: group broken");
-    work->finishPart(wrapError(what, refusal(broken)));
+    work->finishPart(wrapError(what, refusal(broken), rankNote_));
     return work;
   }
 
@@ -1359,6 +1437,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                      weakTransport, endpoints = sharedEndpoints_, self = rank_,
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
                      inFlight = p2pInFlight_, flight = flight_,
+                     rankNote = std::make_shared<const std::string>(rankNote_),
                      flightId](transport::Request& r) {
     std::string failure;  // why the op failed ("" when it did not)
     bool sizesDiffer = r.truncated;  // this pair of ops disagrees: only this rank knows
@@ -1435,7 +1514,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
         sendNotice(*transport, *endpoints, self, group,
                    gaveUp(self, what + " failed: " + failure));
       }
-      error = wrapError(what, failure);
+      error = wrapError(what, failure, *rankNote);
     }
     flight->finish(flightId, failure.empty(), failure.empty() ? 1 : 0, "p2p", failure);
     inFlight->fetch_sub(1);
@@ -1596,7 +1675,9 @@ void ProcessGroupTDX::stopWorker(const std::string& reason) {
     pending.swap(queue_);
   }
   queueCv_.notify_all();
-  for (auto& t : pending) t.work->finishPart(wrapError(t.work->description(), reason));
+  for (auto& t : pending) {
+    t.work->finishPart(wrapError(t.work->description(), reason, rankNote_));
+  }
   if (worker_.joinable()) {
     if (worker_.get_id() == std::this_thread::get_id()) {
       worker_.detach();  // shut down from a completion callback on the worker itself

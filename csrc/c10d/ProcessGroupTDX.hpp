@@ -239,7 +239,9 @@ class ProcessGroupTDX : public c10d::Backend {
   void sayGoodbye(bool awaitPeers);
   std::chrono::milliseconds timeout() const;
   std::string describe(const char* op, uint64_t seq, const std::vector<at::Tensor>& ts) const;
-  static std::exception_ptr wrapError(const std::string& what, const std::string& message);
+  // `ranks`: rankNote_ of the group, so the ranks the message names can be found.
+  static std::exception_ptr wrapError(const std::string& what, const std::string& message,
+                                      const std::string& ranks);
 
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend::Options> options_;
@@ -247,6 +249,9 @@ class ProcessGroupTDX : public c10d::Backend {
   std::string groupName_;
   int64_t incarnation_ = 0;  // see the constructor: keys of this incarnation only
   std::vector<int64_t> globalRanks_;
+  // For a group whose ranks are not the global ones: which global rank each is, added to
+  // its errors (which name ranks of the group); "" otherwise.
+  std::string rankNote_;
   uint32_t groupId_;
   // Dropped at shutdown, which may run on another thread (abort from a watchdog) while a
   // caller's thread is in a point-to-point op: that thread takes its own reference under
@@ -275,6 +280,10 @@ class ProcessGroupTDX : public c10d::Backend {
   const algorithms::Pins* taskPins_ = nullptr;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
   transport::HostWindow* setUpWindow(const transport::WaitContext& wc);  // hostWindow's first call
+  // A store read of the group's set-up (`key` and rank r, or `key` alone when it does not
+  // end in '/'), bounded by the group timeout; `step` says what rank r failed to do.
+  std::vector<uint8_t> setupGet(const std::string& key, int r, const char* step);
+  std::chrono::steady_clock::time_point setupDeadline_;
   // `owner`: the group rank that sets `key`, named when it does not in time.
   std::vector<uint8_t> storeGetWithin(const std::string& key, int owner,
                                       const transport::WaitContext& wc);
