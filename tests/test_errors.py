@@ -718,3 +718,61 @@ def test_a_subgroup_error_maps_its_ranks_to_global_ones() -> None:
     err = results[1]["error"]
     assert err.startswith("DistBackendError") and "rank 1" in err, err
     assert "its ranks 0..1 are global ranks 1, 2]" in err, err
+
+
+def _p2p_wait_timeout(rank: int, n: int, batch: bool) -> dict:
+    out: dict = {}
+    got, big = torch.empty(4), torch.ones(1 << 22)  # 16 MiB: a rendezvous send
+    if rank == 0:  # rank 1 posts nothing in time
+        if batch:
+            work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, 1),
+                                           dist.P2POp(dist.isend, big, 1)])[-1]
+        else:
+            work = dist.isend(big, 1)
+        start = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=0.3))
+            out["wait"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the caller checks
+            out["wait"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    else:
+        time.sleep(2)
+    return out
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_rendezvous_send_ends_at_its_wait_timeout(batch: bool) -> None:
+    """UCX cannot cancel a rendezvous send: wait(timeout) must still end at its timeout
+    (not a second later), naming the op, alone or in a batch with a receive."""
+    r = run_ranks(_p2p_wait_timeout, 2, timeout=30, args=(batch,))[0]
+    assert r["wait"].startswith("DistBackendError"), r
+    assert "timed out: the peer never posted the matching op" in r["wait"], r
+    assert ("from rank 1" if batch else "send (Float[4194304] on cpu) to rank 1") in r["wait"], r
+    assert 0.25 < r["seconds"] < 0.8, r
+
+
+def _non_positive_timeouts(rank: int, n: int) -> list[str]:
+    errors = []
+    for seconds in (0, -1):
+        try:
+            dist.new_group(timeout=datetime.timedelta(seconds=seconds))
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        dist.set_timeout(datetime.timedelta(0))
+        errors.append("no error")
+    except (ValueError, RuntimeError) as e:
+        errors.append(str(e))
+    dist.all_reduce(torch.ones(4))  # the group itself is untouched
+    return errors
+
+
+def test_a_timeout_that_is_not_positive_is_refused() -> None:
+    """A zero or negative timeout would fail ops at random (by which rank came first):
+    refused where it is set, naming the group."""
+    for errors in run_ranks(_non_positive_timeouts, 2, timeout=60):
+        assert len(errors) == 3, errors
+        for e in errors:
+            assert "the timeout must be positive" in e and "pg=" in e, errors

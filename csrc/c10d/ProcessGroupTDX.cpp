@@ -130,6 +130,14 @@ KnownPeers& knownPeers() {
   return *peers;
 }
 
+// A group's timeout bounds every op: zero or less would fail any op that waits at all,
+// at random, depending on which rank came first.
+void checkTimeout(const std::string& prefix, std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(timeout.count() > 0, prefix, ": the timeout must be positive, got ",
+                    timeout.count(), " ms; for no practical limit pass a long one, such as "
+                    "timedelta(days=365)");
+}
+
 // TDX_SHM_THREADS: 1 to 16, or 0 for auto. Throws naming the group on anything else.
 int shmThreadsSetting(const std::string& prefix) {
   if (env::get("TDX_SHM_THREADS") == "auto") return 0;
@@ -275,6 +283,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       flight_(std::make_shared<FlightRecorder>(
           static_cast<size_t>(std::max<int64_t>(1, env::getInt("TDX_FLIGHT_OPS"))))) {
   groupName_ = options_->group_name.empty() ? std::string("default") : options_->group_name;
+  checkTimeout(prefix(), options_->timeout);
   // Read only when a window opens, where a bad value would quietly cost the group its
   // windows: checked now, as the other knobs are.
   if (env::get("TDX_SHM_SPIN_US") != "auto") (void)env::getInt("TDX_SHM_SPIN_US");
@@ -506,6 +515,7 @@ std::chrono::milliseconds ProcessGroupTDX::timeout() const {
 }
 
 void ProcessGroupTDX::setTimeout(std::chrono::milliseconds timeout) {
+  checkTimeout(prefix(), timeout);
   // The worker and the transport's threads read the timeout: they read the atomic copy.
   timeoutMs_.store(timeout.count(), std::memory_order_relaxed);
   options_->timeout = timeout;
@@ -1033,6 +1043,13 @@ void ProcessGroupTDX::runTask(Task& task) {
         handleFailure(task, what, e.what(), steps, path, /*refused=*/true, error);
       } else {
         std::string why = errorText(e);
+        const bool timedOut = dynamic_cast<const TimedOut*>(&e) != nullptr ||
+                              dynamic_cast<const transport::WindowTimedOut*>(&e) != nullptr;
+        if (timedOut) {
+          // Which limit ran out: a slow op (rather than a stuck one) wants a longer one.
+          why += " [the op's limit: " + std::to_string(task.timeout.count()) +
+                 " ms, the timeout of its group or call]";
+        }
         if (dynamic_cast<const TimedOut*>(&e) != nullptr && !fault_->cutShort.load()) {
           why += timeoutNote(task.seq);
         }
@@ -1590,7 +1607,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     if (t && first && !fault->closed.load()) {
       sendNotice(*t, *endpoints, self, group, gaveUp(self, why));
     }
-    if (t) t->cancel(*r, "timed out: the peer never posted the matching op");
+    if (!t) return;
+    const std::string reason = "timed out: the peer never posted the matching op";
+    t->cancel(*r, reason);
+    if (r->isSend) {
+      // UCX cannot cancel a rendezvous send: it would hold the wait (and a coalesced
+      // block's) past its timeout. Ended here, its buffer left to UCX; the group is
+      // broken anyway.
+      t->wait(*r, transport::Clock::now() + std::chrono::milliseconds(100));
+      t->abandon(*r, reason);
+    }
   });
   // The waiting thread drives the transport while it polls: a small message's
   // completion then runs on that thread, with no wake-up of this process's progress

@@ -385,7 +385,7 @@ void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
           std::string& to = r == rank_ || reached(r, target) ? arrived : behindNow;
           to += (to.empty() ? "" : ", ") + std::to_string(r);
         }
-        throw std::runtime_error("timed out in " + std::string(wc.what) + " waiting for rank" +
+        throw WindowTimedOut("timed out in " + std::string(wc.what) + " waiting for rank" +
                                  (who.size() > 1 ? "s " : " ") + list +
                                  " in shared memory (ranks that got this far: " + arrived +
                                  "; not: " + behindNow + "): those have not reached this op or "

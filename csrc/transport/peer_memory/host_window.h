@@ -18,11 +18,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace tdx {
 namespace transport {
+
+// A window wait that reached its op's deadline (the group's timeout).
+struct WindowTimedOut : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 struct WaitContext {
   std::chrono::steady_clock::time_point deadline;
