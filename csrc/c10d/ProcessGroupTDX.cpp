@@ -1467,7 +1467,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       new std::vector<at::Tensor>{wire, host};
     }
     if (!r.ok()) {
-      failure = r.error + (transport ? lostRanksNote(*transport, *endpoints, self) : "");
+      // The transport's words (UCX's "Input/output error", say) mean little alone: when
+      // the peer is gone, that is said first.
+      const bool peerLost = transport && peer >= 0 && transport->endpointFailed((*endpoints)[peer]);
+      failure = (peerLost ? "rank " + std::to_string(peer) + " was lost (" + r.error + ")"
+                          : r.error) +
+                (transport ? lostRanksNote(*transport, *endpoints, self) : "");
       // A message too long for an any-source receive still carries its sender's tag (a
       // point-to-point tag has its kind bit set; an unknown sender leaves it zero).
       if (!isSend && peer < 0 && r.truncated && (r.senderTag >> tag::kKindShift) != 0) {
