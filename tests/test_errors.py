@@ -724,9 +724,9 @@ def _p2p_wait_timeout(rank: int, n: int, batch: bool) -> dict:
     out: dict = {}
     got, big = torch.empty(4), torch.ones(1 << 22)  # 16 MiB: a rendezvous send
     if rank == 0:  # rank 1 posts nothing in time
-        if batch:
-            work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, 1),
-                                           dist.P2POp(dist.isend, big, 1)])[-1]
+        if batch:  # several sends: each must not add to the block's time
+            work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, 1)] + [
+                dist.P2POp(dist.isend, big, 1, tag=t) for t in range(4)])[-1]
         else:
             work = dist.isend(big, 1)
         start = time.monotonic()
@@ -744,7 +744,7 @@ def _p2p_wait_timeout(rank: int, n: int, batch: bool) -> dict:
 @pytest.mark.parametrize("batch", [False, True])
 def test_a_rendezvous_send_ends_at_its_wait_timeout(batch: bool) -> None:
     """UCX cannot cancel a rendezvous send: wait(timeout) must still end at its timeout
-    (not a second later), naming the op, alone or in a batch with a receive."""
+    (not a second later), naming the op, alone or in a batch of four with a receive."""
     r = run_ranks(_p2p_wait_timeout, 2, timeout=30, args=(batch,))[0]
     assert r["wait"].startswith("DistBackendError"), r
     assert "timed out: the peer never posted the matching op" in r["wait"], r

@@ -290,7 +290,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   const int shmThreads = shmThreadsSetting(prefix());
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
-  setupDeadline_ = Clock::now() + options_->timeout;
+  setupDeadline_ = Clock::now() + timeout();  // bounded, as every deadline (timeout())
   fault_ = std::make_shared<Fault>();
   fault_->abortFlag = abortFlag_;
   // torch creates the default group with no global ranks.
@@ -298,9 +298,11 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   if (globalRanks_.empty()) {
     for (int r = 0; r < size; ++r) globalRanks_.push_back(r);
   }
-  bool globalNumbers = static_cast<int>(globalRanks_.size()) == size;
+  TORCH_CHECK_VALUE(static_cast<int>(globalRanks_.size()) == size, prefix(), ": ",
+                    globalRanks_.size(), " global ranks given for a group of ", size);
+  bool globalNumbers = true;
   for (int r = 0; globalNumbers && r < size; ++r) globalNumbers = globalRanks_[r] == r;
-  if (!globalNumbers && static_cast<int>(globalRanks_.size()) == size) {
+  if (!globalNumbers) {
     constexpr int kListed = 16;
     std::string list;
     for (int r = 0; r < std::min(size, kListed); ++r) {
@@ -365,8 +367,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
                         "|" + tuningText + "@" + cpuText() + "|" + key));
     std::string disagreement;
+    setupWait("tdx/host/", "join the group");
     for (int r = 0; r < size; ++r) {
-      const auto theirs = setupGet("tdx/host/", r, "join the group");
+      const auto theirs = store_->get("tdx/host/" + std::to_string(r));
       const std::string text(theirs.begin(), theirs.end());
       // flag, mask, "|", tuning, "@", CPUs, "|", host key: the separators tell a record
       // of another version apart (which, in turn, refuses this one at the "@"; records
@@ -470,8 +473,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   store_->set("tdx/addr/" + std::to_string(rank),
               std::vector<uint8_t>(addr.begin(), addr.end()));
   endpoints_.resize(size);
+  setupWait("tdx/addr/", "publish its transport address");
   for (int r = 0; r < size; ++r) {
-    const auto peer = setupGet("tdx/addr/", r, "publish its transport address");
+    const auto peer = store_->get("tdx/addr/" + std::to_string(r));
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
     knownPeers().add(transport_, globalRanks_[r], endpoints_[r]);
   }
@@ -482,7 +486,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   if (rank == 0) {
     store_->set("tdx/costmodel", bytesOf(algorithms::Registry::get().costModel().serialize()));
   }
-  const auto model = setupGet("tdx/costmodel", 0, "publish the group's cost model");
+  setupWait("tdx/costmodel", "publish the group's cost model");
+  const auto model = store_->get("tdx/costmodel");
   costModel_ = algorithms::CostModel::parse(std::string(model.begin(), model.end()));
   peer_ = PeerMemory::create(rank, size, prefix(), [this] { return timeout(); });
   checkFingerprints_ =
@@ -715,7 +720,7 @@ void ProcessGroupTDX::abandonRequests(const std::vector<std::weak_ptr<transport:
 
 void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,
                                          std::vector<std::weak_ptr<transport::Request>>* unended,
-                                         bool everyRequest) {
+                                         bool sends, bool anySourceReceives) {
   std::vector<std::weak_ptr<transport::Request>> requests;
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
@@ -726,9 +731,8 @@ void ProcessGroupTDX::cancelPointToPoint(const std::string& reason,
       if (r->done()) continue;
       transport_->cancel(*r, reason);
       // UCX cancels a receive it has not matched yet; one it has, it lets finish.
-      if (unended && (everyRequest || (!r->isSend && r->endpoint < 0))) {
-        unended->push_back(weak);
-      }
+      const bool collected = r->isSend ? sends : anySourceReceives && r->endpoint < 0;
+      if (unended && collected) unended->push_back(weak);
     }
   }
 }
@@ -1165,44 +1169,50 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
   return choice;
 }
 
-std::vector<uint8_t> ProcessGroupTDX::setupGet(const std::string& key, int r,
-                                                const char* step) {
-  // The store's own timeout (minutes by default) is not the group's: waited for in short
-  // slices, a member that never comes is named at the group timeout, and one that
-  // another group of this process already saw die is named at once. A key that names no
-  // rank ("tdx/costmodel") is rank r's.
+void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
+  // The store's own timeout (minutes by default) is not the group's: polled, a member
+  // that never comes is named at the group timeout, and one that
+  // another group of this process already saw die is named at once. One check covers
+  // every rank's key, so the set-up costs the store a request per key and a few more,
+  // not two per key. A key that names no rank ("tdx/costmodel") is rank 0's.
   const bool perRank = key.back() == '/';
-  const std::string full = perRank ? key + std::to_string(r) : key;
+  std::vector<std::string> keys;
+  for (int q = 0; q < (perRank ? size_ : 1); ++q) {
+    keys.push_back(perRank ? key + std::to_string(q) : key);
+  }
   const auto member = [&](int q) {
     std::string text = "rank " + std::to_string(q);
     if (globalRanks_[q] != q) text += " (global rank " + std::to_string(globalRanks_[q]) + ")";
     return text;
   };
+  // Polled, not waited for: a TCPStore logs a warning for every wait that times out,
+  // and a store that fails (or is gone) raises at once rather than being retried. The
+  // pause doubles up to 256 ms, a few requests a second while a member is late.
+  std::chrono::milliseconds pause{1};
   for (;;) {
-    try {
-      store_->wait({full}, std::chrono::milliseconds(100));
-      return store_->get(full);
-    } catch (const c10::Error&) {
-      if (knownPeers().lost(globalRanks_[r])) {
+    if (store_->check(keys)) return;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(256));
+    for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
+      if (knownPeers().lost(globalRanks_[q]) && !store_->check({keys[q]})) {
         C10_THROW_ERROR(DistBackendError,
-                        prefix() + " " + member(r) + " is gone: another group of this "
+                        prefix() + " " + member(q) + " is gone: another group of this "
                         "process lost its connection, so it cannot " + step + ". Create "
                         "groups of the ranks that are still alive");
       }
-      if (Clock::now() < setupDeadline_) continue;
-      std::vector<int> did, didNot;
-      for (int q = 0; q < size_; ++q) {
-        const bool there = q == rank_ || (perRank && store_->check({key + std::to_string(q)}));
-        (there ? did : didNot).push_back(q);
-      }
-      std::string text = prefix() + " " + member(r) + " did not " + step + " within " +
-                         std::to_string(options_->timeout.count()) + " ms (store key " + full +
-                         "): every rank of the group must create it, with the same ranks";
-      if (perRank) {
-        text += "; done so far: " + rankList(did) + "; not: " + rankList(didNot);
-      }
-      C10_THROW_ERROR(DistBackendError, text);
     }
+    if (Clock::now() < setupDeadline_) continue;
+    std::vector<int> did, didNot;
+    for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
+      (q == rank_ || store_->check({keys[q]}) ? did : didNot).push_back(q);
+    }
+    if (didNot.empty()) return;  // came just now
+    std::string text = prefix() + " " + member(didNot[0]) + " did not " + step + " within " +
+                       std::to_string(timeout().count()) + " ms (store key " +
+                       keys[didNot[0]] + "): every rank of the group must create it, with "
+                       "the same ranks";
+    if (perRank) text += "; done so far: " + rankList(did) + "; not: " + rankList(didNot);
+    C10_THROW_ERROR(DistBackendError, text);
   }
 }
 
@@ -1615,13 +1625,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     if (!t) return;
     const std::string reason = "timed out: the peer never posted the matching op";
     t->cancel(*r, reason);
-    if (r->isSend) {
-      // UCX cannot cancel a rendezvous send: it would hold the wait (and a coalesced
-      // block's) past its timeout. Ended here, its buffer left to UCX; the group is
-      // broken anyway.
-      t->wait(*r, transport::Clock::now() + std::chrono::milliseconds(100));
-      t->abandon(*r, reason);
-    }
+    // UCX cannot cancel a rendezvous send: it would hold the wait (and a coalesced
+    // block's) past its timeout. Ended here, its buffer left to UCX; the group is broken
+    // anyway. Not waited for first: a block's sends time out one after another.
+    if (r->isSend) t->abandon(*r, reason);
   });
   // The waiting thread drives the transport while it polls: a small message's
   // completion then runs on that thread, with no wake-up of this process's progress
@@ -1737,10 +1744,8 @@ void ProcessGroupTDX::shutdownLocked() {
   // (a point-to-point receive from it, say), and only this rank's exit releases it. Nor
   // does an aborted group, or one with an op queued or running, which is abandoned
   // below: its peers cannot finish that op either.
-  // A point-to-point op still posted counts as running: it ends below with an error, so
-  // its peer's matching op cannot finish either, and that peer may not shut down soon.
   const bool lost = !lostRanksNote(*transport_, endpoints_, rank_).empty();
-  const bool busy = queued_.load() > 0 || running_.load() || p2pInFlight_->load() > 0;
+  const bool busy = queued_.load() > 0 || running_.load();
   sayGoodbye(/*awaitPeers=*/!aborted_ && brokenReason().empty() && !lost && !busy);
   // The notice's buffer lives on with its completion, so a cancel is all it needs.
   if (noticeRecv_ && !noticeRecv_->done()) {
@@ -1754,7 +1759,8 @@ void ProcessGroupTDX::shutdownLocked() {
     std::lock_guard<std::mutex> lock(p2pMu_);
     p2pClosed_ = true;
   }
-  cancelPointToPoint("the process group was shut down", &unended, /*everyRequest=*/true);
+  cancelPointToPoint("the process group was shut down", &unended,
+                     /*sends=*/true, /*anySourceReceives=*/lost || !brokenReason().empty());
   // Ops still queued or running at shutdown are abandoned, not waited for: shutdown must
   // not hang on a peer that is gone.
   aborted_ = true;
@@ -1763,11 +1769,12 @@ void ProcessGroupTDX::shutdownLocked() {
   // part-filled end here, as no cancel ends them, rather than at the group timeout.
   for (auto& entry : p2pUnended_) unended.push_back(entry.first);
   p2pUnended_.clear();
-  // UCX cancels only receives it has not matched, and a group's transport outlives it
-  // when other groups share it: a rendezvous send the peer never receives, or a
-  // receive matched to a message still arriving, would hold its op's wait() until the
-  // op's own timeout. What the cancels have not ended after a short grace ends here,
-  // its buffer left to UCX for good.
+  // UCX cannot cancel a rendezvous send, and a group's transport outlives it when other
+  // groups share it: a send the peer never receives would hold its op's wait() until
+  // the op's own timeout. What the cancels have not ended after a short grace ends here,
+  // its buffer left to UCX for good (UCX only reads it). A receive from a live peer is
+  // left to finish: abandoned, UCX could still write into a tensor its caller was told
+  // is free.
   const auto grace = Clock::now() + std::chrono::milliseconds(200);
   for (const auto& weak : unended) {
     if (auto r = weak.lock()) {
@@ -1816,9 +1823,24 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
       if (goodbyes_->stale[q].load()) goodbyes_->late.assign(size_ * Goodbyes::kBytes, 0);
     }
   }
+  // A peer this rank still has a point-to-point op posted with is not waited for: the op
+  // ends with this shutdown, so the peer's matching op cannot finish either, and that
+  // peer may not shut down soon. (Any-source receives name no peer.)
+  std::vector<bool> opPosted(size_, false);
+  if (awaitPeers) {
+    std::unordered_map<int, int> rankOf;
+    for (int q = 0; q < size_; ++q) rankOf[endpoints_[q]] = q;
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    for (const auto& weak : p2pRequests_) {
+      const auto r = weak.lock();
+      if (!r || r->done() || r->endpoint < 0) continue;
+      const auto it = rankOf.find(r->endpoint);
+      if (it != rankOf.end()) opPosted[it->second] = true;
+    }
+  }
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
-    if (awaitPeers && goodbyes_ && goodbyes_->receives[q]) {
+    if (awaitPeers && goodbyes_ && goodbyes_->receives[q] && !opPosted[q]) {
       if (goodbyes_->stale[q].load()) {
         late.push_back(transport_->irecv(
             endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,

@@ -280,9 +280,9 @@ class ProcessGroupTDX : public c10d::Backend {
   const algorithms::Pins* taskPins_ = nullptr;
   transport::HostWindow* hostWindow(const transport::WaitContext& wc);
   transport::HostWindow* setUpWindow(const transport::WaitContext& wc);  // hostWindow's first call
-  // A store read of the group's set-up (`key` and rank r, or `key` alone when it does not
-  // end in '/'), bounded by the group timeout; `step` says what rank r failed to do.
-  std::vector<uint8_t> setupGet(const std::string& key, int r, const char* step);
+  // Waits until the store holds `key` + every rank (or `key` alone when it does not end
+  // in '/'), bounded by the group timeout; `step` says what a missing rank failed to do.
+  void setupWait(const std::string& key, const char* step);
   std::chrono::steady_clock::time_point setupDeadline_;
   // `owner`: the group rank that sets `key`, named when it does not in time.
   std::vector<uint8_t> storeGetWithin(const std::string& key, int owner,
@@ -355,12 +355,12 @@ class ProcessGroupTDX : public c10d::Backend {
   bool p2pClosed_ = false;
   std::shared_ptr<std::atomic<int>> p2pInFlight_ = std::make_shared<std::atomic<int>>(0);
   void cancelPointToPointIfBroken();
-  // Ends every point-to-point request still in flight with `reason`. Any-source receives
-  // it could not end (every request it cancelled, with `everyRequest`) are collected in
-  // `unended` when given.
+  // Ends every point-to-point request still in flight with `reason`. Those it may not
+  // end (UCX cancels only receives it has not matched) are collected in `unended` when
+  // given: the sends with `sends`, the any-source receives with `anySourceReceives`.
   void cancelPointToPoint(const std::string& reason,
                           std::vector<std::weak_ptr<transport::Request>>* unended = nullptr,
-                          bool everyRequest = false);
+                          bool sends = false, bool anySourceReceives = true);
   // Any-source receives of a broken group that a cancel did not end: UCX had matched them
   // to a message a lost rank was part way through sending, and only the group timeout
   // would end them. Each is abandoned once its time has come.
