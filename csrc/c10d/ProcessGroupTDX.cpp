@@ -1218,27 +1218,27 @@ void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
 
 std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int owner,
                                                      const transport::WaitContext& wc) {
-  // Short store waits, so a rank that died before publishing `key` (or an abort, or the
-  // op's deadline) is reported instead of blocking for the store's own timeout.
+  // Polled, so a rank that died before publishing `key` (or an abort, or the op's
+  // deadline) is reported instead of blocking for the store's own timeout; not waited on
+  // in slices, as a TCPStore logs a warning for each wait that times out (setupWait).
+  std::chrono::milliseconds pause{1};
   for (;;) {
-    try {
-      store_->wait({key}, std::chrono::milliseconds(100));
-      return store_->get(key);
-    } catch (const c10::Error&) {
-      if (wc.aborted && wc.aborted->load()) {
-        throw std::runtime_error("the process group was aborted while setting up shared memory");
-      }
-      const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
-      if (!lost.empty()) {
-        throw std::runtime_error("a rank of the group was lost while setting up shared memory" +
-                                 lost);
-      }
-      if (Clock::now() >= wc.deadline) {
-        // A timeout of the op: runTask adds which ranks reached it (timeoutNote).
-        throw TimedOut("timed out setting up shared memory for " + std::string(wc.what) +
-                       ": rank " + std::to_string(owner) + " has not reached this op or " +
-                       "is behind (store key " + key + ")");
-      }
+    if (store_->check({key})) return store_->get(key);
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+    if (wc.aborted && wc.aborted->load()) {
+      throw std::runtime_error("the process group was aborted while setting up shared memory");
+    }
+    const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
+    if (!lost.empty()) {
+      throw std::runtime_error("a rank of the group was lost while setting up shared memory" +
+                               lost);
+    }
+    if (Clock::now() >= wc.deadline && !store_->check({key})) {
+      // A timeout of the op: runTask adds which ranks reached it (timeoutNote).
+      throw TimedOut("timed out setting up shared memory for " + std::string(wc.what) +
+                     ": rank " + std::to_string(owner) + " has not reached this op or " +
+                     "is behind (store key " + key + ")");
     }
   }
 }
