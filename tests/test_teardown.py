@@ -158,3 +158,27 @@ def test_destroying_a_subgroup_ends_its_pending_sends(kind: str) -> None:
     for err in r0["errors"]:
         assert err.startswith("DistBackendError") and "the process group was shut down" in err, r0
     assert r0["sum"] == r1["sum"] == 2.0
+
+
+def _send_then_leave_with_a_receive_posted(rank: int, n: int) -> bool:
+    """As _send_then_leave, to rank 2, while rank 0 also has a receive from rank 1 posted
+    that rank 1 never sends: only rank 1's goodbye may be skipped at shutdown."""
+    msgs = [torch.full((16384,), float(i)) for i in range(64)]
+    if rank == 0:
+        dist.irecv(torch.empty(4), 1)  # never matched; ends with the shutdown
+        for w in [dist.isend(m, 2) for m in msgs]:
+            w.wait()
+        return True
+    if rank == 1:
+        return True
+    time.sleep(1.0)
+    got = [torch.empty(16384) for _ in msgs]
+    for w in [dist.irecv(g, 0) for g in got]:
+        w.wait()
+    return all(torch.equal(g, m) for g, m in zip(got, msgs))
+
+
+def test_shutdown_with_an_op_posted_still_waits_for_the_other_peers() -> None:
+    """A point-to-point op posted with one peer spares shutdown that peer's goodbye alone:
+    a peer still reading this rank's completed sends is waited for as before."""
+    assert run_ranks(_send_then_leave_with_a_receive_posted, 3, timeout=60) == [True] * 3
