@@ -92,15 +92,21 @@ def test_init_destroy_cycles_leak_nothing(tmp_path) -> None:
         assert m1 - m0 < 2 << 20, f"resident memory grew by {(m1 - m0) / 2**20:.2f} MiB"
 
 
-def _send_then_leave(rank: int, n: int) -> bool:
-    """Rank 0 sends 64 messages of 64 KiB, which complete as soon as the transport holds
-    them, then shuts the group down at once; rank 1 starts reading only later."""
+def _send_then_leave(rank: int, n: int, posted: bool = False) -> bool:
+    """Rank 0 sends 64 messages of 64 KiB to the last rank, which complete as soon as the
+    transport holds them, then shuts the group down at once; the last rank starts reading
+    only later. With `posted`, rank 0 also has a receive from rank 1 posted that rank 1
+    never sends."""
     import time
 
     msgs = [torch.full((16384,), float(i)) for i in range(64)]
     if rank == 0:
-        for w in [dist.isend(m, 1) for m in msgs]:
+        if posted:
+            dist.irecv(torch.empty(4), 1)  # never matched; ends with the shutdown
+        for w in [dist.isend(m, n - 1) for m in msgs]:
             w.wait()
+        return True
+    if rank != n - 1:
         return True
     time.sleep(1.0)
     got = [torch.empty(16384) for _ in msgs]
@@ -160,25 +166,7 @@ def test_destroying_a_subgroup_ends_its_pending_sends(kind: str) -> None:
     assert r0["sum"] == r1["sum"] == 2.0
 
 
-def _send_then_leave_with_a_receive_posted(rank: int, n: int) -> bool:
-    """As _send_then_leave, to rank 2, while rank 0 also has a receive from rank 1 posted
-    that rank 1 never sends: only rank 1's goodbye may be skipped at shutdown."""
-    msgs = [torch.full((16384,), float(i)) for i in range(64)]
-    if rank == 0:
-        dist.irecv(torch.empty(4), 1)  # never matched; ends with the shutdown
-        for w in [dist.isend(m, 2) for m in msgs]:
-            w.wait()
-        return True
-    if rank == 1:
-        return True
-    time.sleep(1.0)
-    got = [torch.empty(16384) for _ in msgs]
-    for w in [dist.irecv(g, 0) for g in got]:
-        w.wait()
-    return all(torch.equal(g, m) for g, m in zip(got, msgs))
-
-
 def test_shutdown_with_an_op_posted_still_waits_for_the_other_peers() -> None:
     """A point-to-point op posted with one peer spares shutdown that peer's goodbye alone:
     a peer still reading this rank's completed sends is waited for as before."""
-    assert run_ranks(_send_then_leave_with_a_receive_posted, 3, timeout=60) == [True] * 3
+    assert run_ranks(_send_then_leave, 3, timeout=60, args=(True,)) == [True] * 3

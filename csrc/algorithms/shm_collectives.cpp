@@ -330,64 +330,43 @@ void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
     if (buffer.size() < stage) buffer.resize(stage);
     return buffer.data();
   };
+  // Every address first, then one pass over this rank's piece (split over the threads
+  // when there are several), a staged block at a time through every peer, so each block
+  // of the piece is read and written once, not once per peer, and stays in cache
+  // meanwhile. Peers are reduced in rank order from r + 1 for every block, whatever the
+  // split: the same bits with any number of threads.
   std::vector<const char*> theirs(n, nullptr);
-  if (ways <= 1) {
-    // One thread: each peer as soon as it has published its address.
-    for (int k = 1; k < n; ++k) {
-      const int q = (r + k) % n;
-      w.waitRank(q, published, wc);
-      verify(w, h, q);
-      theirs[q] = reinterpret_cast<const char*>(w.opInfo(q, h).address);
-      for (size_t off = 0; off < len(r); off += stage) {
-        const size_t b = std::min(stage, len(r) - off);
-        w.readFrom(q, theirs[q] + at(r) + off, staging(), b, wc);
-        reduce(data + at(r) + off, staging(), b / elemSize);
-      }
-    }
-  } else {
-    // Several: every address first, then one pass over this rank's piece split over the
-    // threads, a staged block at a time through every peer, so each block of the piece
-    // is read and written once (not once per peer) and stays in cache meanwhile. The
-    // peers are reduced in the same order as with one thread: the same bits.
-    for (int k = 1; k < n; ++k) {
-      const int q = (r + k) % n;
-      w.waitRank(q, published, wc);
-      verify(w, h, q);
-      theirs[q] = reinterpret_cast<const char*>(w.opInfo(q, h).address);
-    }
-    CmaReads reads(w);
-    parallelPass(len(r), grain, ways, [&](size_t from, size_t to) {
-      char* buffer = staging();
-      for (size_t off = from; off < to && !reads.failed(); off += stage) {
-        const size_t b = std::min(stage, to - off);
-        for (int k = 1; k < n; ++k) {
-          const int q = (r + k) % n;
-          if (!reads.read(q, theirs[q] + at(r) + off, buffer, b)) return;
-          reduce(data + at(r) + off, buffer, b / elemSize);
-        }
-      }
-    });
-    reads.throwIfFailed(wc);
+  for (int k = 1; k < n; ++k) {
+    const int q = (r + k) % n;
+    w.waitRank(q, published, wc);
+    verify(w, h, q);
+    theirs[q] = reinterpret_cast<const char*>(w.opInfo(q, h).address);
   }
+  CmaReads reduceReads(w);
+  parallelPass(len(r), grain, ways, [&](size_t from, size_t to) {
+    char* buffer = staging();
+    for (size_t off = from; off < to && !reduceReads.failed(); off += stage) {
+      const size_t b = std::min(stage, to - off);
+      for (int k = 1; k < n; ++k) {
+        const int q = (r + k) % n;
+        if (!reduceReads.read(q, theirs[q] + at(r) + off, buffer, b)) return;
+        reduce(data + at(r) + off, buffer, b / elemSize);
+      }
+    }
+  });
+  reduceReads.throwIfFailed(wc);
   w.post();
   const uint64_t reduced = w.posted();
-  if (ways <= 1) {
-    for (int k = 1; k < n; ++k) {
-      const int q = (r + k) % n;
-      w.waitRank(q, reduced, wc);
-      if (len(q) > 0) w.readFrom(q, theirs[q] + at(q), data + at(q), len(q), wc);
+  // Every reduced piece, read straight into this rank's buffer.
+  for (int k = 1; k < n; ++k) w.waitRank((r + k) % n, reduced, wc);
+  CmaReads gatherReads(w);
+  allButPiece(at(r), len(r), count * elemSize, grain, ways, [&](size_t b, size_t e) {
+    for (int q = 0; q < n; ++q) {
+      const size_t lo = std::max(b, at(q)), hi = std::min(e, at(q) + len(q));
+      if (lo < hi && !gatherReads.read(q, theirs[q] + lo, data + lo, hi - lo)) return;
     }
-  } else {
-    for (int k = 1; k < n; ++k) w.waitRank((r + k) % n, reduced, wc);
-    CmaReads reads(w);
-    allButPiece(at(r), len(r), count * elemSize, grain, ways, [&](size_t b, size_t e) {
-      for (int q = 0; q < n; ++q) {
-        const size_t lo = std::max(b, at(q)), hi = std::min(e, at(q) + len(q));
-        if (lo < hi && !reads.read(q, theirs[q] + lo, data + lo, hi - lo)) return;
-      }
-    });
-    reads.throwIfFailed(wc);
-  }
+  });
+  gatherReads.throwIfFailed(wc);
   // Others may still be reading this rank's buffer: it is the caller's again only when
   // every rank is done.
   w.post();

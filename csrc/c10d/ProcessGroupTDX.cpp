@@ -102,6 +102,20 @@ std::atomic<int>& jobCpusPerRank() {
   return share;
 }
 
+// Polls `store` until it holds every key of `keys`, calling stop() after each pause: it
+// throws to give up, or returns true to end the wait early. Polled, not waited on: a
+// TCPStore logs a warning for each wait that times out, and a store that fails (or is
+// gone) raises at once rather than being retried. The pause doubles from 1 ms to `longest`.
+template <class Stop>
+void pollStore(c10d::Store& store, const std::vector<std::string>& keys,
+               std::chrono::milliseconds longest, const Stop& stop) {
+  for (std::chrono::milliseconds pause{1};; pause = std::min(pause * 2, longest)) {
+    if (store.check(keys)) return;
+    std::this_thread::sleep_for(pause);
+    if (stop()) return;
+  }
+}
+
 // Global rank -> endpoint of the process's transport, as its groups connected them.
 // Connections are per peer process and shared by the groups, so a group being set up can
 // tell a member that another group already saw die, before it has connected itself.
@@ -309,8 +323,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
       list += (r ? ", " : "") + std::to_string(globalRanks_[r]);
     }
     if (size > kListed) list += ", ... (torch.distributed.get_global_rank maps the rest)";
-    rankNote_ = " [ranks named here are this group's; its ranks 0.." + std::to_string(size - 1) +
-                " are global ranks " + list + "]";
+    rankNote_ = std::make_shared<const std::string>(
+        " [ranks named here are this group's; its ranks 0.." + std::to_string(size - 1) +
+        " are global ranks " + list + "]");
   }
 
   // One round of store reads settles four things. Each rank publishes whether it allows
@@ -993,7 +1008,7 @@ void ProcessGroupTDX::runTask(Task& task) {
   flight_->start(task.flightId);
   const std::string broken = brokenReason();
   if (!broken.empty()) {
-    error = wrapError(what, refusal(broken), rankNote_);
+    error = wrapError(what, refusal(broken), *rankNote_);
     flight_->finish(task.flightId, false, 0, "", "refused: group broken");
   } else {
     try {
@@ -1083,7 +1098,7 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
                                     const std::string& path, bool refused,
                                     std::exception_ptr& error) {
   if (!refused) markBroken(what + ": " + why);
-  error = wrapError(what, why, rankNote_);
+  error = wrapError(what, why, *rankNote_);
   flight_->finish(task.flightId, false, steps, path, why);
   // `what` starts with this group's prefix, which the log line already carries.
   const std::string pre = prefix() + " ";
@@ -1171,8 +1186,8 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
 
 void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
   // The store's own timeout (minutes by default) is not the group's: polled, a member
-  // that never comes is named at the group timeout, and one that
-  // another group of this process already saw die is named at once. One check covers
+  // that never comes is named at the group timeout, and one that another group of this
+  // process already saw die is named at once. One check covers
   // every rank's key, so the set-up costs the store a request per key and a few more,
   // not two per key. A key that names no rank ("tdx/costmodel") is rank 0's.
   const bool perRank = key.back() == '/';
@@ -1185,14 +1200,8 @@ void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
     if (globalRanks_[q] != q) text += " (global rank " + std::to_string(globalRanks_[q]) + ")";
     return text;
   };
-  // Polled, not waited for: a TCPStore logs a warning for every wait that times out,
-  // and a store that fails (or is gone) raises at once rather than being retried. The
-  // pause doubles up to 256 ms, a few requests a second while a member is late.
-  std::chrono::milliseconds pause{1};
-  for (;;) {
-    if (store_->check(keys)) return;
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(256));
+  // A few requests a second at most while a member is late.
+  pollStore(*store_, keys, std::chrono::milliseconds(256), [&] {
     for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
       if (knownPeers().lost(globalRanks_[q]) && !store_->check({keys[q]})) {
         C10_THROW_ERROR(DistBackendError,
@@ -1201,31 +1210,26 @@ void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
                         "groups of the ranks that are still alive");
       }
     }
-    if (Clock::now() < setupDeadline_) continue;
+    if (Clock::now() < setupDeadline_) return false;
     std::vector<int> did, didNot;
     for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
       (q == rank_ || store_->check({keys[q]}) ? did : didNot).push_back(q);
     }
-    if (didNot.empty()) return;  // came just now
+    if (didNot.empty()) return true;  // came just now
     std::string text = prefix() + " " + member(didNot[0]) + " did not " + step + " within " +
                        std::to_string(timeout().count()) + " ms (store key " +
                        keys[didNot[0]] + "): every rank of the group must create it, with "
                        "the same ranks";
     if (perRank) text += "; done so far: " + rankList(did) + "; not: " + rankList(didNot);
     C10_THROW_ERROR(DistBackendError, text);
-  }
+  });
 }
 
 std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int owner,
                                                      const transport::WaitContext& wc) {
-  // Polled, so a rank that died before publishing `key` (or an abort, or the op's
-  // deadline) is reported instead of blocking for the store's own timeout; not waited on
-  // in slices, as a TCPStore logs a warning for each wait that times out (setupWait).
-  std::chrono::milliseconds pause{1};
-  for (;;) {
-    if (store_->check({key})) return store_->get(key);
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  // Polled (pollStore), so a rank that died before publishing `key` (or an abort, or
+  // the op's deadline) is reported instead of blocking for the store's own timeout.
+  pollStore(*store_, {key}, std::chrono::milliseconds(100), [&] {
     if (wc.aborted && wc.aborted->load()) {
       throw std::runtime_error("the process group was aborted while setting up shared memory");
     }
@@ -1240,7 +1244,9 @@ std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int
                      ": rank " + std::to_string(owner) + " has not reached this op or " +
                      "is behind (store key " + key + ")");
     }
-  }
+    return false;
+  });
+  return store_->get(key);
 }
 
 transport::HostWindow* ProcessGroupTDX::hostWindow(const transport::WaitContext& wc) {
@@ -1414,7 +1420,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     registerWork(work);
     flight_->finish(flight_->record(0, opName, what, "p2p"), false, 0, "p2p",
                     "refused: group broken");
-    work->finishPart(wrapError(what, refusal(broken), rankNote_));
+    work->finishPart(wrapError(what, refusal(broken), *rankNote_));
     return work;
   }
 
@@ -1464,7 +1470,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
                      weakTransport, endpoints = sharedEndpoints_, self = rank_,
                      group = groupId_, groupPrefix = prefix(), fault = fault_,
                      inFlight = p2pInFlight_, flight = flight_,
-                     rankNote = std::make_shared<const std::string>(rankNote_),
+                     rankNote = rankNote_,
                      flightId](transport::Request& r) {
     std::string failure;  // why the op failed ("" when it did not)
     bool sizesDiffer = r.truncated;  // this pair of ops disagrees: only this rank knows
@@ -1714,7 +1720,7 @@ void ProcessGroupTDX::stopWorker(const std::string& reason) {
   }
   queueCv_.notify_all();
   for (auto& t : pending) {
-    t.work->finishPart(wrapError(t.work->description(), reason, rankNote_));
+    t.work->finishPart(wrapError(t.work->description(), reason, *rankNote_));
   }
   if (worker_.joinable()) {
     if (worker_.get_id() == std::this_thread::get_id()) {

@@ -250,8 +250,9 @@ class ProcessGroupTDX : public c10d::Backend {
   int64_t incarnation_ = 0;  // see the constructor: keys of this incarnation only
   std::vector<int64_t> globalRanks_;
   // For a group whose ranks are not the global ones: which global rank each is, added to
-  // its errors (which name ranks of the group); "" otherwise.
-  std::string rankNote_;
+  // its errors (which name ranks of the group); "" otherwise. Shared, so a point-to-point
+  // op's completion holds it without a copy per op.
+  std::shared_ptr<const std::string> rankNote_ = std::make_shared<const std::string>();
   uint32_t groupId_;
   // Dropped at shutdown, which may run on another thread (abort from a watchdog) while a
   // caller's thread is in a point-to-point op: that thread takes its own reference under
