@@ -188,6 +188,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict info;
     auto t = tdx::transport::UcxTransport::current();
     info["running"] = t != nullptr;
+    // Memory kept for transfers that were given up on but that UCX had not let go of
+    // (see Request::holdUntilReleased); it returns to the allocator as UCX lets go.
+    info["held_bytes"] = tdx::transport::heldBytes().load();
     if (!t) return info;
     info["tcp"] = t->tcpLoaded();
     info["rndv_thresh"] = t->rendezvousThreshold();

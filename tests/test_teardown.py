@@ -170,3 +170,67 @@ def test_shutdown_with_an_op_posted_still_waits_for_the_other_peers() -> None:
     """A point-to-point op posted with one peer spares shutdown that peer's goodbye alone:
     a peer still reading this rank's completed sends is waited for as before."""
     assert run_ranks(_send_then_leave, 3, timeout=60, args=(True,)) == [True] * 3
+
+
+def _held_bytes() -> int:
+    import torchdist_ext
+
+    return torchdist_ext.transport_info()["held_bytes"]
+
+
+def _give_up_on_a_send(rank: int, n: int, op: str, then: str, store_dir: str) -> dict:
+    """Rank 0 gives up on 16 MiB that rank 1 never takes (a point-to-point send at its
+    wait timeout, or a collective at the group's timeout). The memory UCX may still read
+    stays held, then goes once nothing can read it: `then` says how ("exit": rank 1's
+    process ends; "destroy": every group goes, which stops the transport)."""
+    if then == "destroy":
+        dist.destroy_process_group()  # the harness's own: the job's groups are these
+        dist.init_process_group("tdx", store=dist.FileStore(os.path.join(store_dir, "a"), n),
+                                rank=rank, world_size=n, timeout=datetime.timedelta(seconds=30))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=1))
+    out: dict = {"before": _held_bytes()}
+    if rank == 0:
+        big = torch.ones(1 << 22)
+        try:
+            if op == "isend":
+                dist.isend(big, 1, group=group).wait(timeout=datetime.timedelta(seconds=0.3))
+            else:  # through UCX (TDX_SHM=0), whose sends of 8 MiB are rendezvous
+                dist.all_reduce(big, group=group)
+            out["error"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["held"] = _held_bytes()
+        del big
+    if then == "exit":
+        if rank == 1:
+            time.sleep(4)  # past rank 0's timeout and its look at who reached the op
+            os._exit(0)
+        start = time.monotonic()
+        while _held_bytes() and time.monotonic() - start < 10:
+            time.sleep(0.05)
+    else:
+        time.sleep(1.5 if rank == 1 else 0)
+        dist.destroy_process_group()
+        dist.init_process_group("tdx", store=dist.FileStore(os.path.join(store_dir, "b"), n),
+                                rank=rank, world_size=n)
+    out["after"] = _held_bytes()
+    return out
+
+
+@pytest.mark.parametrize(
+    "op,then,env",
+    [("isend", "exit", {}), ("isend", "exit", {"TDX_UCX_PEER_ERRORS": "1"}),
+     ("isend", "destroy", {}), ("all_reduce", "exit", {"TDX_SHM": "0"})],
+    ids=["isend-exit", "isend-exit-ucx-errors", "isend-destroy", "all_reduce-exit"])
+def test_memory_of_a_send_given_up_on_is_freed_once_nothing_reads_it(
+        tmp_path, op: str, then: str, env: dict) -> None:
+    """A send UCX cannot cancel keeps its buffer from the allocator while its peer may
+    still read it, and gives it back when the peer is gone (watched through its pidfd, or
+    by UCX) or the transport stops: a job that survives timeouts does not leak them."""
+    results = run_ranks(_give_up_on_a_send, 2, timeout=60, env=env,
+                        args=(op, then, str(tmp_path)), may_exit=[1] if then == "exit" else [])
+    r0 = results[0]
+    assert r0["error"].startswith("DistBackendError") and "timed out" in r0["error"], r0
+    assert r0["before"] == 0, r0
+    assert r0["held"] >= 16 << 20, r0  # at least the tensor itself
+    assert r0["after"] == 0, r0

@@ -89,7 +89,12 @@ def ucx_version() -> str:
 def transport_info() -> dict[str, Any]:
     """What this process's UCX transport runs on, for checking a deployment.
 
-    ``running``: whether a tdx group holds the transport now. While one does: ``tcp``,
+    ``running``: whether a tdx group holds the transport now. ``held_bytes``: memory
+    still kept for transfers that were given up on (a send that timed out or whose group
+    was destroyed before its peer took it, a receive a lost peer left part-filled) while
+    UCX may still read or write it; it goes back to the allocator when UCX lets go of
+    them (the peer takes the message, cancels, or is gone). While a group holds the
+    transport: ``tcp``,
     whether UCX's TCP transport is loaded (then the process listens on a TCP port of each
     interface UCX uses), ``rndv_thresh`` (the UCX rendezvous threshold the transport set
     because this host's ranks outnumber its cores, or ``""``), and ``endpoints``, one dict

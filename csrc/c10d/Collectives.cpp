@@ -567,7 +567,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(
                    if (inImg.bytes() > 0 && outImg.data() < inImg.data() + inImg.bytes() &&
                        inImg.data() < outImg.data() + outImg.bytes()) {
                      src = src.clone();
-                     ch.keep(std::make_shared<at::Tensor>(src));  // sends read it
+                     ch.keep(std::make_shared<at::Tensor>(src), src.nbytes());  // sends read it
                    }
                    const size_t rowBytes = row * in.element_size();
                    std::vector<Block> sends, recvs;
@@ -616,7 +616,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall(std::vector<at::Tensor>
         if (src.numel() > 0 && o.data() < inImgs[r].data() + inImgs[r].bytes() &&
             inImgs[r].data() < o.data() + o.bytes()) {
           src = src.clone();
-          ch.keep(std::make_shared<at::Tensor>(src));  // sends read it
+          ch.keep(std::make_shared<at::Tensor>(src), src.nbytes());  // sends read it
           break;
         }
       }

@@ -44,9 +44,10 @@ void ScratchBuffer::trim() {
   }
 }
 
-void ScratchBuffer::abandon() {
-  (void)data_.release();  // leaked: a transfer may still write it
+std::shared_ptr<const void> ScratchBuffer::abandon() {
+  char* data = data_.release();
   size_ = 0;
+  return std::shared_ptr<const void>(data, [](const void* p) { delete[] static_cast<const char*>(p); });
 }
 
 GroupChannel::GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints,
@@ -76,14 +77,15 @@ bool GroupChannel::quiesce() {
   const auto now = Clock::now();
   for (auto& p : posted_) {
     if (p.request->done()) {
-      clean_ = clean_ && !p.request->orphaned.load();  // UCX may still write its buffer
+      // UCX may still write an orphaned request's buffer.
+      if (p.request->orphaned.load()) unended_.push_back(p.request);
       continue;
     }
     if (p.request->isSend) {
       // A send only reads its buffer, and one that UCX cannot cancel (a rendezvous
       // waiting for a peer that has given up on it) may wait for that peer's exit: it
       // is not waited for; the buffers are kept alive instead.
-      clean_ = false;
+      unended_.push_back(p.request);
       continue;
     }
     // A receive UCX could not cancel is already matched. From a live peer it ends in a
@@ -92,14 +94,32 @@ bool GroupChannel::quiesce() {
     // the progress thread drains within microseconds.
     const bool lost = transport_.endpointFailed(endpoints_.at(p.peer));
     const auto until = now + (lost ? std::chrono::milliseconds(100) : std::chrono::seconds(1));
-    clean_ = transport_.wait(*p.request, until) && clean_;
+    if (!transport_.wait(*p.request, until)) unended_.push_back(p.request);
   }
+  clean_ = unended_.empty();
   if (!clean_) {
-    // A transfer may still touch these: leaked on purpose.
-    if (scratchUsed_) scratch_.abandon();
-    if (!held_.empty()) new std::vector<std::shared_ptr<const void>>(std::move(held_));
+    // A transfer may still touch these: they stay until the transport lets go of it.
+    if (scratchUsed_) {
+      const size_t bytes = scratch_.size();
+      holdUntilReleased(scratch_.abandon(), bytes);
+    }
+    if (!held_.empty()) {
+      holdUntilReleased(
+          std::make_shared<const std::vector<std::shared_ptr<const void>>>(std::move(held_)),
+          heldBytes_);
+      held_.clear();
+      heldBytes_ = 0;
+    }
   }
   return clean_;
+}
+
+void GroupChannel::holdUntilReleased(std::shared_ptr<const void> owner, size_t bytes) {
+  if (unended_.empty()) return;  // nothing uses it any more: it may go now
+  // One hold shared by every request that may still use the memory: it goes with the
+  // last of them, and is counted once.
+  auto hold = transport::countedHold(std::move(owner), bytes);
+  for (const auto& r : unended_) r->holdUntilReleased(hold);
 }
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {

@@ -50,9 +50,13 @@ class ScratchBuffer {
   char* get(size_t bytes);
   // Frees the buffer if it grew past kKeepBytes (the next op allocates again).
   void trim();
-  // A transfer that could not be stopped may still write the buffer: it is leaked on
-  // purpose, and the next op gets a new one.
-  void abandon();
+  // A transfer that could not be stopped may still write the buffer: the caller holds
+  // what this returns until those transfers end (Request::holdUntilReleased), and the
+  // next op gets a new buffer.
+  std::shared_ptr<const void> abandon();
+  size_t size() const {
+    return size_;
+  }
 
  private:
   std::unique_ptr<char[]> data_;
@@ -114,23 +118,31 @@ class GroupChannel final : public algorithms::Channel {
 
   // True when every request of this op has finished (so its buffers may be reused).
   // Cancels what it can and waits (at most 1 s, 100 ms for a lost peer) for the
-  // receives that cannot be cancelled, once; when false, the scratch buffer is abandoned
-  // and the caller keeps the op's tensors alive.
+  // receives that cannot be cancelled, once; when false, the scratch buffer and what
+  // keep() holds stay with the requests that have not ended, and the caller hands the
+  // op's tensors to holdUntilReleased().
   bool quiesce();
+  // After a quiesce() that returned false: keeps `owner` (`bytes` of memory the op's
+  // transfers use) until the transport has let go of every request that had not ended.
+  void holdUntilReleased(std::shared_ptr<const void> owner, size_t bytes);
 
   // Keeps `owner` (memory that this op's transfers read or write, such as a staged copy
   // of a tensor) alive as long as the channel. An error unwinds the op's frames before
   // quiesce() runs, so a buffer owned only by a frame would be freed while a transfer
   // UCX has not stopped yet still uses it; one that cannot be stopped leaks it instead.
-  void keep(std::shared_ptr<const void> owner) {
+  void keep(std::shared_ptr<const void> owner, size_t bytes) {
     held_.push_back(std::move(owner));
+    heldBytes_ += bytes;
   }
   // Between the entries of a coalesced op: once every transfer posted so far has been
   // waited for, nothing reads or writes what keep() holds, so an entry's staged copies
   // go before the next entry stages its own. Peak memory is then the largest entry's,
   // not the sum of all of them.
   void releaseHeld() {
-    if (posted_.empty()) held_.clear();
+    if (posted_.empty()) {
+      held_.clear();
+      heldBytes_ = 0;
+    }
   }
 
   transport::Clock::time_point deadline() const {
@@ -175,6 +187,8 @@ class GroupChannel final : public algorithms::Channel {
   ScratchBuffer& scratch_;
   bool scratchUsed_ = false;  // this op took the scratch (so an unclean end abandons it)
   std::vector<std::shared_ptr<const void>> held_;  // see keep()
+  size_t heldBytes_ = 0;
+  std::vector<transport::RequestPtr> unended_;     // what quiesce() could not end
   bool quiesced_ = false;
   bool clean_ = true;
   uint32_t stepsDone_ = 0;

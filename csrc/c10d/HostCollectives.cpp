@@ -224,7 +224,7 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
   // buffers live as long as the channel: a late report or release may still land after
   // an error has unwound this frame, before the channel cancels what is posted.
   auto buffers = std::make_shared<std::vector<char>>(n + 1, 0);
-  ch.keep(buffers);
+  ch.keep(buffers, buffers->size());
   char* token = &buffers->at(n);
   *token = 1;
   char* tokens = buffers->data();

@@ -1036,8 +1036,19 @@ void ProcessGroupTDX::runTask(Task& task) {
         steps = ch.stepsDone();
         if (!ch.quiesce()) {
           // A transfer could not be cancelled: its buffers may still be written, so they
-          // are never returned to the allocator (leaked on purpose).
-          new std::vector<at::Tensor>(task.keepAlive);
+          // go back to the allocator only once the transport has let go of it. The
+          // channel moves host memory only (a device tensor goes through a host copy,
+          // which the channel holds itself).
+          std::vector<at::Tensor> host;
+          size_t bytes = 0;
+          for (const auto& t : task.keepAlive) {
+            if (t.defined() && t.is_cpu()) {
+              host.push_back(t);
+              bytes += t.nbytes();
+            }
+          }
+          ch.holdUntilReleased(std::make_shared<const std::vector<at::Tensor>>(std::move(host)),
+                               bytes);
         }
         throw;
       }
@@ -1479,8 +1490,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     const auto transport = weakTransport.lock();
     if (r.orphaned.load()) {
       // UCX still holds the buffer (a receive a lost peer left part-filled, or an op
-      // its group's shutdown could not cancel): never give it back to the allocator.
-      new std::vector<at::Tensor>{wire, host};
+      // its group's shutdown could not cancel): it goes back to the allocator only once
+      // UCX lets go of the request. Both are host tensors (a device tensor is staged).
+      const size_t held = wire.nbytes() + (host.is_same(wire) ? 0 : host.nbytes());
+      r.holdUntilReleased(transport::countedHold(
+          std::make_shared<const std::vector<at::Tensor>>(std::vector<at::Tensor>{wire, host}),
+          held));
     }
     if (!r.ok()) {
       // The transport's words (UCX's "Input/output error", say) mean little alone: when

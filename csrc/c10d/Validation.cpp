@@ -429,7 +429,7 @@ HostImage::HostImage(GroupChannel& ch, const at::Tensor& t, bool copyIn) : user_
   }
   staged_ = true;
   host_ = at::empty(t.sizes(), t.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous));
-  ch.keep(std::make_shared<at::Tensor>(host_));
+  ch.keep(std::make_shared<at::Tensor>(host_), host_.nbytes());
   if (copyIn) host_.copy_(t);
 }
 

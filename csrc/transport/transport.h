@@ -11,6 +11,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace tdx {
 namespace transport {
@@ -32,6 +33,34 @@ class PeerError : public std::runtime_error {
  private:
   int endpoint_;
 };
+
+// Bytes of memory held, process-wide, for transfers the transport has not let go of
+// (see Request::holdUntilReleased): what abandoned transfers still pin.
+inline std::atomic<int64_t>& heldBytes() {
+  static std::atomic<int64_t> bytes{0};
+  return bytes;
+}
+
+// `owner` counted in heldBytes() for as long as the returned handle (or a copy) lives.
+inline std::shared_ptr<const void> countedHold(std::shared_ptr<const void> owner, size_t bytes) {
+  class Hold {
+   public:
+    Hold(std::shared_ptr<const void> owner, size_t bytes)
+        : owner_(std::move(owner)), bytes_(static_cast<int64_t>(bytes)) {
+      heldBytes().fetch_add(bytes_, std::memory_order_relaxed);
+    }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+    ~Hold() {
+      heldBytes().fetch_sub(bytes_, std::memory_order_relaxed);
+    }
+
+   private:
+    std::shared_ptr<const void> owner_;
+    int64_t bytes_;
+  };
+  return std::make_shared<const Hold>(std::move(owner), bytes);
+}
 
 // One in-flight send or receive. Completed exactly once, by the transport.
 struct Request {
@@ -67,6 +96,16 @@ struct Request {
     if (cb) cb(*this);
   }
 
+  // Keeps `owner` (a countedHold of memory this request's transfer reads or writes)
+  // until the request itself goes. A transport holds each request until UCX lets go of
+  // it, so this is how a request ended on this side only (orphaned: abandoned, or failed
+  // for a lost peer) keeps its buffer from the allocator exactly as long as UCX may
+  // still read or write it, and no longer.
+  void holdUntilReleased(std::shared_ptr<const void> owner) {
+    std::lock_guard<std::mutex> lock(mu);
+    held.push_back(std::move(owner));
+  }
+
   bool done() const {
     return state.load(std::memory_order_acquire) != State::Pending;
   }
@@ -80,6 +119,7 @@ struct Request {
   bool retired = false;
   std::mutex mu;
   std::condition_variable cv;
+  std::vector<std::shared_ptr<const void>> held;  // see holdUntilReleased()
 };
 using RequestPtr = std::shared_ptr<Request>;
 

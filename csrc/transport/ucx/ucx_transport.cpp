@@ -655,6 +655,7 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     // UCX lets go of it, since it still points at the Request. Looked up again after the
     // close: a send posted since the first look is among them now.
     failPending(endpoint, /*sends=*/true, lost);
+    releaseSends(endpoint);
   });
   wake();
 }
@@ -965,6 +966,25 @@ void UcxTransport::failPending(int endpoint, bool sends, const std::string& why)
     finishRequest(*r, false, why);
     runCompletionGuarded(*r);
   }
+}
+
+void UcxTransport::releaseSends(int endpoint) {
+  // A send's buffer is only read by the peer (a rendezvous) or by the endpoint's lanes,
+  // and after a force close neither is left: the sends failPending ends give their
+  // buffers back to their callers on that ground too. The requests stay tracked, as UCX
+  // may still point at them; only what they hold goes.
+  std::vector<std::shared_ptr<const void>> held;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    for (auto& kv : inflight_) {
+      Request& r = *kv.second;
+      if (r.endpoint != endpoint || !r.isSend || !r.done()) continue;
+      std::lock_guard<std::mutex> requestLock(r.mu);
+      for (auto& h : r.held) held.push_back(std::move(h));
+      r.held.clear();
+    }
+  }
+  // `held` goes here, outside the locks: the last reference frees tensors.
 }
 
 void UcxTransport::progressLoop() {

@@ -141,6 +141,9 @@ class UcxTransport final : public Transport {
   // Fails the endpoint's pending sends (or posted receives) with `why`, leaving their
   // UCX requests tracked until UCX lets go of them.
   void failPending(int endpoint, bool sends, const std::string& why);
+  // Lets go of what sends to `endpoint` ended on this side earlier (abandoned) still
+  // hold, once its force close leaves nothing that reads their buffers.
+  void releaseSends(int endpoint);
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
