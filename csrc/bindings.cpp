@@ -206,6 +206,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       endpoints.append(d);
     }
     info["endpoints"] = endpoints;
+    {
+      // This may be the last reference (a group destroyed meanwhile on another thread):
+      // stopping the transport joins its progress thread, which may be freeing a held
+      // tensor whose Python object needs the GIL.
+      py::gil_scoped_release release;
+      t.reset();
+    }
     return info;
   });
   m.def("env_knobs", [] {

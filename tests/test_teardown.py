@@ -4,6 +4,7 @@ memory; a group destroyed with ops still posted ends them."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 
@@ -187,6 +188,7 @@ def _give_up_on_a_send(rank: int, n: int, op: str, then: str, store_dir: str) ->
         dist.destroy_process_group()  # the harness's own: the job's groups are these
         dist.init_process_group("tdx", store=dist.FileStore(os.path.join(store_dir, "a"), n),
                                 rank=rank, world_size=n, timeout=datetime.timedelta(seconds=30))
+    store = dist.distributed_c10d._get_default_store()
     group = dist.new_group(timeout=datetime.timedelta(seconds=1))
     out: dict = {"before": _held_bytes()}
     if rank == 0:
@@ -201,15 +203,19 @@ def _give_up_on_a_send(rank: int, n: int, op: str, then: str, store_dir: str) ->
             out["error"] = f"{type(e).__name__}: {e}"
         out["held"] = _held_bytes()
         del big
+        gc.collect()
+        time.sleep(0.2)
+        out["still_held"] = _held_bytes()  # the caller's reference gone, the peer alive
+        store.set("gave_up", "1")
+    else:
+        store.wait(["gave_up"], datetime.timedelta(seconds=30))
     if then == "exit":
         if rank == 1:
-            time.sleep(4)  # past rank 0's timeout and its look at who reached the op
             os._exit(0)
         start = time.monotonic()
         while _held_bytes() and time.monotonic() - start < 10:
             time.sleep(0.05)
     else:
-        time.sleep(1.5 if rank == 1 else 0)
         dist.destroy_process_group()
         dist.init_process_group("tdx", store=dist.FileStore(os.path.join(store_dir, "b"), n),
                                 rank=rank, world_size=n)
@@ -233,4 +239,5 @@ def test_memory_of_a_send_given_up_on_is_freed_once_nothing_reads_it(
     assert r0["error"].startswith("DistBackendError") and "timed out" in r0["error"], r0
     assert r0["before"] == 0, r0
     assert r0["held"] >= 16 << 20, r0  # at least the tensor itself
+    assert r0["still_held"] == r0["held"], r0
     assert r0["after"] == 0, r0

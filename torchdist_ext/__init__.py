@@ -93,7 +93,8 @@ def transport_info() -> dict[str, Any]:
     still kept for transfers that were given up on (a send that timed out or whose group
     was destroyed before its peer took it, a receive a lost peer left part-filled) while
     UCX may still read or write it; it goes back to the allocator when UCX lets go of
-    them (the peer takes the message, cancels, or is gone). While a group holds the
+    them (the peer takes the message, or is seen gone: its exit on this host, or UCX's
+    own peer error handling), or when the transport stops. While a group holds the
     transport: ``tcp``,
     whether UCX's TCP transport is loaded (then the process listens on a TCP port of each
     interface UCX uses), ``rndv_thresh`` (the UCX rendezvous threshold the transport set

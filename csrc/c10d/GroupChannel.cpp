@@ -94,7 +94,10 @@ bool GroupChannel::quiesce() {
     // the progress thread drains within microseconds.
     const bool lost = transport_.endpointFailed(endpoints_.at(p.peer));
     const auto until = now + (lost ? std::chrono::milliseconds(100) : std::chrono::seconds(1));
-    if (!transport_.wait(*p.request, until)) unended_.push_back(p.request);
+    // Ended by a lost peer's sweep during the wait, it is orphaned: UCX may still write.
+    if (!transport_.wait(*p.request, until) || p.request->orphaned.load()) {
+      unended_.push_back(p.request);
+    }
   }
   clean_ = unended_.empty();
   if (!clean_) {

@@ -144,6 +144,21 @@ KnownPeers& knownPeers() {
   return *peers;
 }
 
+// Bytes of the distinct storages of `tensors`, for what a hold keeps: an in-place op
+// lists its tensor twice, and a view keeps its whole storage.
+size_t storageBytes(const std::vector<at::Tensor>& tensors) {
+  std::vector<const c10::StorageImpl*> seen;
+  size_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.has_storage()) continue;
+    const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+    if (std::find(seen.begin(), seen.end(), s) != seen.end()) continue;
+    seen.push_back(s);
+    bytes += s->nbytes();
+  }
+  return bytes;
+}
+
 // A group's timeout bounds every op: zero or less would fail any op that waits at all,
 // at random, depending on which rank came first.
 void checkTimeout(const std::string& prefix, std::chrono::milliseconds timeout) {
@@ -1040,13 +1055,10 @@ void ProcessGroupTDX::runTask(Task& task) {
           // channel moves host memory only (a device tensor goes through a host copy,
           // which the channel holds itself).
           std::vector<at::Tensor> host;
-          size_t bytes = 0;
           for (const auto& t : task.keepAlive) {
-            if (t.defined() && t.is_cpu()) {
-              host.push_back(t);
-              bytes += t.nbytes();
-            }
+            if (t.defined() && t.is_cpu()) host.push_back(t);
           }
+          const size_t bytes = storageBytes(host);
           ch.holdUntilReleased(std::make_shared<const std::vector<at::Tensor>>(std::move(host)),
                                bytes);
         }
@@ -1492,10 +1504,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       // UCX still holds the buffer (a receive a lost peer left part-filled, or an op
       // its group's shutdown could not cancel): it goes back to the allocator only once
       // UCX lets go of the request. Both are host tensors (a device tensor is staged).
-      const size_t held = wire.nbytes() + (host.is_same(wire) ? 0 : host.nbytes());
+      std::vector<at::Tensor> buffers{wire, host};
+      const size_t held = storageBytes(buffers);
       r.holdUntilReleased(transport::countedHold(
-          std::make_shared<const std::vector<at::Tensor>>(std::vector<at::Tensor>{wire, host}),
-          held));
+          std::make_shared<const std::vector<at::Tensor>>(std::move(buffers)), held));
     }
     if (!r.ok()) {
       // The transport's words (UCX's "Input/output error", say) mean little alone: when

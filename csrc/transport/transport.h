@@ -99,10 +99,16 @@ struct Request {
   // Keeps `owner` (a countedHold of memory this request's transfer reads or writes)
   // until the request itself goes. A transport holds each request until UCX lets go of
   // it, so this is how a request ended on this side only (orphaned: abandoned, or failed
-  // for a lost peer) keeps its buffer from the allocator exactly as long as UCX may
-  // still read or write it, and no longer.
+  // for a lost peer) keeps its buffer from the allocator while UCX may still read or
+  // write it. A transport lets go earlier where it knows nothing can any more (a send to
+  // a dead watched peer; see `released`), and later where a live peer still might.
   void holdUntilReleased(std::shared_ptr<const void> owner) {
-    std::lock_guard<std::mutex> lock(mu);
+    std::unique_lock<std::mutex> lock(mu);
+    if (released) {
+      lock.unlock();  // let go of already (see UcxTransport::releaseSends): goes now
+      owner.reset();
+      return;
+    }
     held.push_back(std::move(owner));
   }
 
@@ -120,6 +126,7 @@ struct Request {
   std::mutex mu;
   std::condition_variable cv;
   std::vector<std::shared_ptr<const void>> held;  // see holdUntilReleased()
+  bool released = false;  // nothing reads or writes the buffer any more: hold nothing
 };
 using RequestPtr = std::shared_ptr<Request>;
 

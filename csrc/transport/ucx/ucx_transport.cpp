@@ -353,7 +353,7 @@ UcxTransport::~UcxTransport() {
   {
     std::lock_guard<std::mutex> lock(closingMu_);
     auto limit = Clock::now() + std::chrono::seconds(1);
-    for (void* req : forceClosing_) {
+    for (auto& [req, endpoint] : forceClosing_) {
       while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < limit) {
         ucp_worker_progress(worker_);
       }
@@ -364,6 +364,20 @@ UcxTransport::~UcxTransport() {
   if (epollFd_ >= 0) ::close(epollFd_);
   ucp_worker_destroy(worker_);
   ucp_cleanup(context_);
+  // What requests UCX had not let go of still hold goes with inflight_, except a
+  // receive's from a peer that may be alive: its process may still write into the
+  // buffer (a rendezvous by put through CMA needs only this process's pid), so that is
+  // kept, and counted, for the life of the process. A send's buffer is only read.
+  static auto* kept = new std::vector<std::shared_ptr<const void>>();
+  static std::mutex keptMu;
+  std::lock_guard<std::mutex> inflightLock(inflightMu_);
+  for (auto& [raw, r] : inflight_) {
+    if (r->isSend || (r->endpoint >= 0 && endpointFailed(r->endpoint))) continue;
+    std::lock_guard<std::mutex> requestLock(r->mu);
+    std::lock_guard<std::mutex> lock(keptMu);
+    for (auto& h : r->held) kept->push_back(std::move(h));
+    r->held.clear();
+  }
 }
 
 void UcxTransport::closeEndpoints() {
@@ -630,6 +644,7 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
       if (r->error.empty()) r->error = lost;
     }
     ucp_ep_h handle = nullptr;
+    bool closed = false;  // the force close completed at once
     {
       // Exclusive: no isend is between its check of `failed` and its post (it posts on
       // the handle, which the close frees); later ones find no handle. The close itself
@@ -646,7 +661,9 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
       void* req = ucp_ep_close_nbx(handle, &p);
       if (UCS_PTR_IS_PTR(req)) {
         std::lock_guard<std::mutex> lock(closingMu_);
-        forceClosing_.push_back(req);
+        forceClosing_.emplace_back(req, endpoint);
+      } else {
+        closed = true;
       }
     }
     // Without peer error handling UCX keeps no list of an endpoint's sends that wait for
@@ -655,7 +672,7 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     // UCX lets go of it, since it still points at the Request. Looked up again after the
     // close: a send posted since the first look is among them now.
     failPending(endpoint, /*sends=*/true, lost);
-    releaseSends(endpoint);
+    if (closed) releaseSends(endpoint);  // else once the close completes (checkWatched)
   });
   wake();
 }
@@ -906,16 +923,21 @@ void UcxTransport::checkWatched() {
     failEndpoint(id, "process " + std::to_string(pid) + " on this host exited");
   }
   sweepLostReceives();
-  std::lock_guard<std::mutex> lock(closingMu_);
-  for (size_t i = 0; i < forceClosing_.size();) {
-    if (ucp_request_check_status(forceClosing_[i]) == UCS_INPROGRESS) {
-      ++i;
-      continue;
+  std::vector<int> closed;
+  {
+    std::lock_guard<std::mutex> lock(closingMu_);
+    for (size_t i = 0; i < forceClosing_.size();) {
+      if (ucp_request_check_status(forceClosing_[i].first) == UCS_INPROGRESS) {
+        ++i;
+        continue;
+      }
+      ucp_request_free(forceClosing_[i].first);
+      closed.push_back(forceClosing_[i].second);
+      forceClosing_[i] = forceClosing_.back();
+      forceClosing_.pop_back();
     }
-    ucp_request_free(forceClosing_[i]);
-    forceClosing_[i] = forceClosing_.back();
-    forceClosing_.pop_back();
   }
+  for (int endpoint : closed) releaseSends(endpoint);
 }
 
 void UcxTransport::sweepLostReceives() {
@@ -982,6 +1004,7 @@ void UcxTransport::releaseSends(int endpoint) {
       std::lock_guard<std::mutex> requestLock(r.mu);
       for (auto& h : r.held) held.push_back(std::move(h));
       r.held.clear();
+      r.released = true;  // a hold its completion attaches later goes at once
     }
   }
   // `held` goes here, outside the locks: the last reference frees tensors.

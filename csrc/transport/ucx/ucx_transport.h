@@ -142,7 +142,7 @@ class UcxTransport final : public Transport {
   // UCX requests tracked until UCX lets go of them.
   void failPending(int endpoint, bool sends, const std::string& why);
   // Lets go of what sends to `endpoint` ended on this side earlier (abandoned) still
-  // hold, once its force close leaves nothing that reads their buffers.
+  // hold, once its completed force close leaves nothing that reads their buffers.
   void releaseSends(int endpoint);
 
   ucp_context_h context_ = nullptr;
@@ -154,7 +154,9 @@ class UcxTransport final : public Transport {
   // watched peer's endpoint handle is taken out to be closed by force.
   std::shared_mutex postMu_;
   std::mutex closingMu_;
-  std::vector<void*> forceClosing_;  // ucp_ep_close_nbx requests of lost watched peers
+  // ucp_ep_close_nbx requests of lost watched peers, with their endpoints: what sends to
+  // one still hold is let go of once its close has completed (releaseSends).
+  std::vector<std::pair<void*, int>> forceClosing_;
   // Lost endpoints whose receives still pending at the given time are failed then: UCX
   // cancels only receives it has not matched yet, and one that had begun taking in a
   // message in fragments waits forever for the rest from a dead peer. The grace lets
