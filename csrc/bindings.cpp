@@ -75,7 +75,7 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
 #endif
   }
   // CPU: the same arithmetic the host path of the collectives runs.
-  const tdx::kernels::Load load = red.load();
+  const tdx::kernels::Load load = red.load(n);
   at::Tensor acc = at::empty_like(inputs[0]);
   load(acc.data_ptr(), inputs[0].data_ptr(), acc.nbytes());
   at::Tensor scaled = load.scales && n > 1 ? at::empty_like(acc) : at::Tensor();
@@ -87,7 +87,7 @@ void multiReduce(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
     }
     red.fn(acc.data_ptr(), x.data_ptr(), acc.numel());
   }
-  if (red.average) tdx::kernels::cpuDivide(acc.data_ptr(), acc.numel(), red.dtype, n);
+  load.finish(acc.data_ptr(), acc.nbytes());
   for (const auto& o : outputs) o.copy_(acc);
 }
 

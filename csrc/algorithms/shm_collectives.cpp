@@ -139,7 +139,7 @@ constexpr size_t kReduceBlockBytes = 16 << 10;
 constexpr size_t kCmaStageBytes = 128 << 10;
 
 // dst = own (through `load`, which scales where the op does) reduced with each peer's
-// data, `bytes` of it, in the fixed order (r + 1) % n, (r + 2) % n, ..., so the result's
+// data and finished by `load` (AVG's division, each block once it is final), `bytes` of it, in the fixed order (r + 1) % n, (r + 2) % n, ..., so the result's
 // bits do not depend on timing. Peers are taken as they become ready (with more ranks
 // than cores, whoever runs makes progress): wait for the next one in order, then take
 // every following one that has posted `target` as well, and fold that run in a block at
@@ -172,6 +172,7 @@ void reduceAsReady(HostWindow& w, const WaitContext& wc, int h, uint64_t target,
         for (int k = next; k < end; ++k) {
           reduce(dst + off, peerData((r + k) % n) + off, b / elemSize);
         }
+        if (last) load.finish(dst + off, b);
         if (last && publish != nullptr) std::memcpy(publish + off, dst + off, b);
       }
     });
@@ -272,6 +273,7 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
       const size_t b = std::min(block, cnt - e);
       std::memcpy(dst + e * elemSize, w.half(0, h) + e * elemSize, b * elemSize);
       for (int q = 1; q < n; ++q) reduce(dst + e * elemSize, w.half(q, h) + e * elemSize, b);
+      load.finish(dst + e * elemSize, b * elemSize);
     }
     w.post();
     w.releaseHalf(h);
@@ -310,7 +312,7 @@ class CmaReads {
 };
 
 void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
-                  size_t elemSize, kernels::ReduceFn reduce) {
+                  size_t elemSize, kernels::ReduceFn reduce, const kernels::Load& load) {
   const int n = w.size(), r = w.rank();
   const int ways = w.passThreads();
   auto at = [&](int q) { return pieceBegin(count, n, q) * elemSize; };
@@ -352,6 +354,8 @@ void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count
         if (!reduceReads.read(q, theirs[q] + at(r) + off, buffer, b)) return;
         reduce(data + at(r) + off, buffer, b / elemSize);
       }
+      // No peer reads this rank's own piece before the post below.
+      load.finish(data + at(r) + off, b);
     }
   });
   reduceReads.throwIfFailed(wc);
@@ -417,6 +421,7 @@ void shmReduce(HostWindow& w, const WaitContext& wc, const char* input, char* ou
       for (int q = 0; q < n; ++q) {
         if (q != r) reduce(w.half(r, h) + o, w.half(q, h) + o, b);
       }
+      load.finish(w.half(r, h) + o, b * elemSize);
     }
     w.post();
     if (r == root) {

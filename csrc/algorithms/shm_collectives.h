@@ -23,6 +23,11 @@ namespace algorithms {
 using transport::HostWindow;
 using transport::WaitContext;
 
+// The reducing ops take a rank's input through `load` (scaled where the op scales) and
+// finish each block of the result through it once the block is final (AVG's division),
+// so neither costs a pass of its own. cmaAllreduce, which reduces in place in `data`,
+// only finishes (its caller has loaded the input).
+
 // Reduce-scatter then all-gather through the window: each rank reduces 1/N of every
 // chunk, from the others' slots into its own buffer, and publishes it; 3 signals per
 // chunk. For medium and large messages. `input` may be `output` (in place); otherwise
@@ -40,7 +45,7 @@ void shmDirectAllreduce(HostWindow& w, const WaitContext& wc, const char* input,
 // the others' finished pieces. 3 signals per op, whatever its size, and no copies into
 // or out of the window. Needs HostWindow::crossMemory().
 void cmaAllreduce(HostWindow& w, const WaitContext& wc, char* data, size_t count,
-                  size_t elemSize, kernels::ReduceFn reduce);
+                  size_t elemSize, kernels::ReduceFn reduce, const kernels::Load& load);
 void shmBroadcast(HostWindow& w, const WaitContext& wc, char* data, size_t bytes, int root);
 // `output` (root only) receives the result and may be `input`; other ranks' `input` is
 // never written.

@@ -23,10 +23,6 @@ Block blockOf(const HostImage& img) {
   return Block{img.data(), img.bytes()};
 }
 
-void finishAverage(void* data, int64_t numel, const Reduction& red, int size) {
-  if (red.average) kernels::cpuDivide(data, numel, red.dtype, size);
-}
-
 // `input` may be `output` (in place).
 void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                   const at::Tensor& input, const Reduction& red) {
@@ -35,8 +31,7 @@ void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& outpu
   HostImage in = inPlace ? out : HostImage(ch, input, /*copyIn=*/true);
   ch.setOpDetail(red.detail.c_str());
   host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn,
-                  red.load());
-  finishAverage(out.data(), out.numel(), red, ch.size());
+                  red.load(ch.size()));
   out.copyOut();
 }
 
@@ -62,8 +57,8 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
   std::vector<Block> blocks;
   for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{in.data() + r * block, block});
   ch.setOpDetail(red.detail.c_str());
-  host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn, red.load());
-  finishAverage(out.data(), out.numel(), red, ch.size());
+  host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn,
+                      red.load(ch.size()));
   out.copyOut();
 }
 
@@ -172,11 +167,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
     // The root reduces into its own tensor; other ranks leave theirs untouched.
     ch.setOpDetail(red.detail.c_str());
     host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,
-                 red.load());
-    if (isRoot) {
-      finishAverage(img.data(), img.numel(), red, ch.size());
-      img.copyOut();
-    }
+                 red.load(ch.size()));
+    if (isRoot) img.copyOut();
   }, /*peerAttempt=*/nullptr, /*writesOutputs=*/isRoot);
 }
 
@@ -451,8 +443,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
                    HostImage out(ch, output, false);
                    ch.setOpDetail(red.detail.c_str());
                    host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
-                                       red.fn, red.load());
-                   finishAverage(out.data(), out.numel(), red, ch.size());
+                                       red.fn, red.load(ch.size()));
                    out.copyOut();
                  });
 }

@@ -80,7 +80,7 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* o
   if (sel.window) {
     onWindow(ch, *sel.window, [&] {
       if (!shm) {
-        algorithms::cmaAllreduce(*sel.window, sel.wait, output, count, elemSize, reduce);
+        algorithms::cmaAllreduce(*sel.window, sel.wait, output, count, elemSize, reduce, load);
       } else if (std::strcmp(sel.algorithm->name, "shm_direct") == 0) {
         algorithms::shmDirectAllreduce(*sel.window, sel.wait, input, output, count, elemSize,
                                        reduce, load);
@@ -98,6 +98,7 @@ void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* o
   b.data = output;
   b.dataBytes = count * elemSize;
   run(ch, sel, a, b, reduce);
+  load.finish(output, count * elemSize);
 }
 
 void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, int root) {
@@ -144,6 +145,7 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
   // The executor scales the input where the plan first reads it (`load`).
   b.send = {Block{const_cast<char*>(input), count * elemSize}};
   run(ch, sel, a, b, fn, load);
+  if (ch.rank() == root) load.finish(output, count * elemSize);
 }
 
 void allgather(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& blocks) {
@@ -184,6 +186,7 @@ void reduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Bloc
   b.send = inputs;
   b.recv = {Block{output, bytes}};
   run(ch, sel, a, b, fn, load);
+  load.finish(output, bytes);
 }
 
 void alltoall(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& sends,

@@ -269,8 +269,9 @@ double Reduction::factor() const {
   return premulFactor;
 }
 
-kernels::Load Reduction::load() const {
+kernels::Load Reduction::load(int groupSize) const {
   kernels::Load l;
+  l.divisor = average ? groupSize : 1;
   l.dtype = dtype;
   l.scales = premul;
   l.factor = premul ? factor() : 1.0;
@@ -333,13 +334,17 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
       TORCH_CHECK_TYPE(r.dtype != DType::Bool, ctx,
                        ": AVG is not defined for bool tensors; use SUM (logical or) or MIN");
       r.kind = ReduceKind::Sum;
-      if (floating) {
+      if (r.dtype == DType::Float16) {
         // Each rank scales its share by 1/size before the sum (as NCCL does): a sum of
         // float16 values each within range can overflow, their average cannot.
         r.premul = true;
         r.premulFactor = 1.0 / groupSize;
       } else {
-        r.average = true;  // integers: sum, then divide with truncation
+        // Sum, then divide (integers truncate): rounded once at the end, so the mean of
+        // equal values is that value and an exact mean comes out exact, as gloo's does.
+        // Scaling each share by a rounded 1/size first (NCCL's way) is off by a unit in
+        // the last place for a third of the means of three ranks' integers.
+        r.average = true;
       }
       break;
     case c10d::ReduceOp::PREMUL_SUM: {

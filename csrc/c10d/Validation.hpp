@@ -66,8 +66,8 @@ struct Reduction {
   ReduceKind kind = ReduceKind::Sum;
   DType dtype = DType::Float32;
   kernels::ReduceFn fn = nullptr;
-  bool average = false;                // divide the SUM by the group size afterwards (integers)
-  bool premul = false;                 // scale inputs before the SUM (also floating AVG)
+  bool average = false;                // divide the SUM by the group size afterwards (AVG)
+  bool premul = false;                 // scale inputs before the SUM (also float16 AVG)
   double premulFactor = 1.0;
   // An integer tensor scaled by an integer factor tensor: the factor exactly, modulo 2^64
   // (premulFactor holds it rounded to double, for messages).
@@ -81,15 +81,16 @@ struct Reduction {
   std::string detail;
 
   double factor() const;               // the PREMUL_SUM factor
-  // How this rank's input enters the reduction: scaled by factor() when premul. Reads the
-  // factor tensor, so it is made when the op runs.
-  kernels::Load load() const;
+  // How this rank's input enters the reduction (scaled by factor() when premul) and how
+  // the result leaves it (divided by `groupSize` when average). Reads the factor
+  // tensor, so it is made when the op runs.
+  kernels::Load load(int groupSize) const;
   // The same for the CUDA multi-reduce: the reduction's kind and scaling (buffers and
   // count left to the caller); AVG of integers divides by `groupSize`.
   kernels::MultiReduceArgs multiReduceArgs(int groupSize) const;
 };
-// AVG of a floating dtype becomes a PREMUL_SUM by 1/groupSize; of an integer one, a SUM
-// divided afterwards (`average`).
+// AVG becomes a SUM divided afterwards (`average`), except on float16, whose sum may
+// overflow where the average does not: a PREMUL_SUM by 1/groupSize there.
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op, at::ScalarType dtype,
                         int groupSize);
 // What a reduction runs on: a complex tensor as its real and imaginary parts

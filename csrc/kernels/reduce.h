@@ -42,6 +42,11 @@ struct Load {
   // own: src is scaled a few KiB at a time into a buffer that stays in L1. The result is
   // the same as scaling all of src first and then reducing.
   void reduce(void* dst, const void* src, size_t bytes, ReduceFn fn) const;
+
+  // AVG: the finished sum divided by `divisor` (cpuDivide), once, where an algorithm
+  // has a block of it final and still in cache, or over the result after the op.
+  int64_t divisor = 1;
+  void finish(void* buf, size_t bytes) const;
 };
 
 // buf[i] = buf[i] / divisor; integer types use truncating division (as NCCL's AVG does).

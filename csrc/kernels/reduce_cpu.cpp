@@ -221,6 +221,12 @@ void divideLoop(void* bufv, size_t n, int64_t d) {
   if constexpr (std::is_integral_v<T>) {
     // Divided as int64: the group size need not fit T (256 ranks is 0 as a uint8).
     for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(static_cast<int64_t>(buf[i]) / d);
+  } else if ((d & (d - 1)) == 0) {
+    // A power of two has an exact reciprocal, and the product rounds as the quotient
+    // does: the same bits, at the cost of a multiply (a vector divide takes several
+    // times as long, and AVG divides every element of the result).
+    const T inverse = T(1) / static_cast<T>(d);
+    for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] * inverse);
   } else {
     for (size_t i = 0; i < n; ++i) buf[i] = static_cast<T>(buf[i] / static_cast<T>(d));
   }
@@ -238,6 +244,13 @@ void scaleNarrow(void* dstv, const void* srcv, size_t n, double f) {
 template <float (*ToF)(uint16_t), uint16_t (*FromF)(float)>
 void divideNarrow(void* bufv, size_t n, int64_t d) {
   uint16_t* buf = static_cast<uint16_t*>(bufv);
+  if ((d & (d - 1)) == 0) {  // an exact reciprocal: the same bits (see divideLoop)
+    const double inverse = 1.0 / static_cast<double>(d);
+    for (size_t i = 0; i < n; ++i) {
+      buf[i] = FromF(static_cast<float>(static_cast<double>(ToF(buf[i])) * inverse));
+    }
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     buf[i] = FromF(static_cast<float>(static_cast<double>(ToF(buf[i])) / static_cast<double>(d)));
   }
@@ -307,6 +320,10 @@ void Load::operator()(void* dst, const void* src, size_t bytes) const {
   } else if (dst != src && bytes > 0) {
     std::memmove(dst, src, bytes);
   }
+}
+
+void Load::finish(void* buf, size_t bytes) const {
+  if (divisor > 1 && bytes > 0) cpuDivide(buf, bytes / elementSize(dtype), dtype, divisor);
 }
 
 void Load::reduce(void* dst, const void* src, size_t bytes, ReduceFn fn) const {

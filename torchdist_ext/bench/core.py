@@ -584,8 +584,9 @@ def count_wrong(got: torch.Tensor, want: torch.Tensor, world: int = 2,
     Exact, except where a floating reduction may round: ``redop`` "sum" beyond the
     integers the dtype holds exactly (bfloat16 past 256, float16 past 2048), where each
     of the ``world - 1`` additions may round by half an ulp of the result, and "avg" and
-    "premul_sum", which scale each share, so each share and each addition may round:
-    ``(world + 2) / 2`` ulps, relative. Copies (``redop`` None), products, minima and
+    "premul_sum": "premul_sum" (and "avg" on float16) scales each share, so each share
+    and each addition may round, and "avg" elsewhere divides a sum that may have rounded:
+    ``(world + 2) / 2`` ulps, relative, covers either. Copies (``redop`` None), products, minima and
     maxima of the small integer inputs are exact. Equal infinities match; NaN is always
     wrong. A shape mismatch counts every element as wrong.
     """
