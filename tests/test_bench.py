@@ -184,9 +184,8 @@ def test_checker_is_exact_where_the_result_is(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("world", [10, 20, 40, 150])
 def test_checker_allows_what_scaling_rounds(world: int, dtype: torch.dtype) -> None:
-    """AVG as an algorithm computes it (each share scaled and rounded, then added rank by
-    rank in the dtype) is not counted wrong, and neither is PREMUL_SUM by 0.1; equal
-    infinities match."""
+    """Each share scaled and rounded, then added rank by rank in the dtype (how PREMUL_SUM
+    by 0.1 and float16 AVG are computed) is not counted wrong; equal infinities match."""
     count = 4096
     for redop, factor in (("avg", 1.0 / world), ("premul_sum", 0.1)):
         acc = None

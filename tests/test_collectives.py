@@ -85,21 +85,20 @@ def reference(inputs: list[torch.Tensor], op: str, n: int, dtype: torch.dtype,
 
 
 def close(got: torch.Tensor, want: torch.Tensor, avg_world: int = 0) -> bool:
-    """Exact, except an AVG over ``avg_world`` ranks in the narrow float dtypes: the
-    inputs are multiples of 0.25 small enough that every sum, product, min and max (and
-    every partial sum, in any order) is exact in every float dtype, and AVG divides the
-    exact sum once, so float32 and float64 averages are the correctly rounded mean, as
-    gloo's are. A bfloat16 quotient is rounded to float on its way, so it may be a unit
-    off; float16 AVG scales each share by 1/world first (its sum could overflow), which
-    rounds once per share and once per addition: at most world half-ulps of the (positive)
-    result, within (world + 2) / 2 ulps, the bench's allowance. Dividing by world ± 1
-    would be off by over 10% at 8 ranks."""
+    """Exact, except a float16 AVG over ``avg_world`` ranks: the inputs are multiples of
+    0.25 small enough that every sum, product, min and max (and every partial sum, in any
+    order) is exact in every float dtype, and AVG divides the exact sum once, so the
+    averages are the correctly rounded mean, as gloo's are (a bfloat16 quotient passes
+    through float on its way, which cannot change it: 24 >= 2 * 8 + 2 bits). float16
+    AVG scales each share by 1/world first (its sum could overflow), which rounds once
+    per share and once per addition: at most world half-ulps of the (positive) result,
+    within (world + 2) / 2 ulps, the bench's allowance. Dividing by world ± 1 would be
+    off by over 10% at 8 ranks."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    if got.dtype not in (torch.float16, torch.bfloat16) or avg_world == 0:
+    if got.dtype != torch.float16 or avg_world == 0:
         return torch.equal(got, want)
-    ulps = (avg_world + 2) / 2 if got.dtype == torch.float16 else 1
-    rtol = ulps * torch.finfo(got.dtype).eps
+    rtol = (avg_world + 2) / 2 * torch.finfo(got.dtype).eps
     return bool(((got.double() - want.double()).abs() <= rtol * want.double().abs()).all())
 
 
@@ -318,8 +317,10 @@ def _versus_gloo(rank: int, n: int) -> list[str]:
     gloo = dist.new_group(backend="gloo")
     for dtype in (torch.float32, torch.float64, torch.int8, torch.int32, torch.int64,
                   torch.uint8, torch.bool):
+        # AVG where gloo has it: floating dtypes.
+        avg = ("AVG",) if dtype.is_floating_point else ()
         for count in (1, 13, 4099):
-            for op in ("SUM", "PRODUCT", "MIN", "MAX") if dtype != torch.bool else ():
+            for op in ("SUM", "PRODUCT", "MIN", "MAX") + avg if dtype != torch.bool else ():
                 a = value(rank, count, dtype, op)
                 b = a.clone()
                 dist.all_reduce(a, op=redop(op))

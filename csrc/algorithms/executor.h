@@ -27,7 +27,7 @@ struct Buffers {
 };
 
 // Runs `plan` for this rank. `reduce` may be null for plans without reductions. Every
-// read of the Send region goes through `load`: a scaling load (PREMUL_SUM, floating AVG)
+// read of the Send region goes through `load`: a scaling load (PREMUL_SUM, float16 AVG)
 // scales this rank's input where a copy or reduction reads it anyway, and into scratch
 // only what is sent as it is.
 void runPlan(Channel& ch, const Plan& plan, const Buffers& buffers, size_t elemSize,

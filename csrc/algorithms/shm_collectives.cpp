@@ -139,8 +139,9 @@ constexpr size_t kReduceBlockBytes = 16 << 10;
 constexpr size_t kCmaStageBytes = 128 << 10;
 
 // dst = own (through `load`, which scales where the op does) reduced with each peer's
-// data and finished by `load` (AVG's division, each block once it is final), `bytes` of it, in the fixed order (r + 1) % n, (r + 2) % n, ..., so the result's
-// bits do not depend on timing. Peers are taken as they become ready (with more ranks
+// data, `bytes` of it, each block finished by `load` once final (AVG's division), in the
+// fixed order (r + 1) % n, (r + 2) % n, ..., so the result's bits do not depend on
+// timing. Peers are taken as they become ready (with more ranks
 // than cores, whoever runs makes progress): wait for the next one in order, then take
 // every following one that has posted `target` as well, and fold that run in a block at
 // a time. `publish`, when set, receives a copy of the result block by block during the

@@ -3,7 +3,7 @@
 // and read or reduce each other's slots directly, instead of exchanging messages.
 // Each function is a whole collective; all ranks of the window call the same one.
 // The reductions take this rank's input through a kernels::Load, which scales it on its
-// first copy when the op asks for it (PREMUL_SUM, floating AVG).
+// first copy when the op asks for it (PREMUL_SUM, float16 AVG).
 //
 // The window's slots are split in two halves used alternately, so ranks copy the next
 // chunk while slower ranks still read the previous one; a half is reused only once every

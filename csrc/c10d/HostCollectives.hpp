@@ -20,7 +20,8 @@ namespace host {
 using algorithms::Block;
 
 // The reductions take this rank's input through `load`, which scales it on the way for
-// PREMUL_SUM and floating AVG (inputs themselves are never modified unless in place).
+// PREMUL_SUM and float16 AVG (inputs themselves are never modified unless in place), and
+// finish the result through it (AVG's division), once.
 // `input` may be `output` (in place); otherwise the two must not overlap.
 void allreduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* output,
                size_t count, size_t elemSize, kernels::ReduceFn reduce,

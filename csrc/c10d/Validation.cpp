@@ -340,10 +340,10 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
         r.premul = true;
         r.premulFactor = 1.0 / groupSize;
       } else {
-        // Sum, then divide (integers truncate): rounded once at the end, so the mean of
-        // equal values is that value and an exact mean comes out exact, as gloo's does.
-        // Scaling each share by a rounded 1/size first (NCCL's way) is off by a unit in
-        // the last place for a third of the means of three ranks' integers.
+        // Sum, then divide (integers truncate): rounded once at the end, so where the sum
+        // is exact the result is the correctly rounded mean, as gloo's is. Scaling each
+        // share by a rounded 1/size first (NCCL's way) is a unit in the last place off
+        // for a third to a half of the means of three ranks' integers.
         r.average = true;
       }
       break;

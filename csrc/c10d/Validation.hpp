@@ -86,7 +86,7 @@ struct Reduction {
   // tensor, so it is made when the op runs.
   kernels::Load load(int groupSize) const;
   // The same for the CUDA multi-reduce: the reduction's kind and scaling (buffers and
-  // count left to the caller); AVG of integers divides by `groupSize`.
+  // count left to the caller); AVG divides by `groupSize` where `average`.
   kernels::MultiReduceArgs multiReduceArgs(int groupSize) const;
 };
 // AVG becomes a SUM divided afterwards (`average`), except on float16, whose sum may

@@ -25,7 +25,7 @@ void cpuScale(void* dst, const void* src, size_t count, DType dtype, double fact
 void cpuScaleWhole(void* dst, const void* src, size_t count, DType dtype, uint64_t k);
 
 // How a rank's own contribution enters a reduction: copied as it is, or multiplied by
-// `factor` on the way (PREMUL_SUM, floating AVG). Algorithms call it where they first
+// `factor` on the way (PREMUL_SUM, float16 AVG). Algorithms call it where they first
 // copy their input anyway, so the scaling costs no pass over memory of its own.
 struct Load {
   DType dtype = DType::Float32;

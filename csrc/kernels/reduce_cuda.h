@@ -19,7 +19,7 @@ namespace kernels {
 constexpr int kMaxMultiBuffers = 16;
 
 // out_j[i] = finish( reduce_k ( start(in_k[i]) ) ) for every output j, every i < count.
-//   start: x * premulFactor when `premul` (PREMUL_SUM), else x.
+//   start: x * premulFactor when `premul` (PREMUL_SUM, float16 AVG), else x.
 //   finish: / divisor when divisor > 1 (AVG; integers truncate toward zero).
 // Floating results are accumulated in float (half, bfloat16, float32) or double.
 // Outputs may alias inputs element for element (in place). Any alignment is accepted;
