@@ -69,7 +69,7 @@ GroupChannel::~GroupChannel() {
 
 bool GroupChannel::quiesce() {
   // Called on an op's error and again by the destructor: the waiting happens once.
-  if (quiesced_) return clean_;
+  if (quiesced_) return unended_.empty();
   quiesced_ = true;
   for (auto& p : posted_) {
     if (!p.request->done()) transport_.cancel(*p.request, "op abandoned after an error");
@@ -99,8 +99,7 @@ bool GroupChannel::quiesce() {
       unended_.push_back(p.request);
     }
   }
-  clean_ = unended_.empty();
-  if (!clean_) {
+  if (!unended_.empty()) {
     // A transfer may still touch these: they stay until the transport lets go of it.
     if (scratchUsed_) {
       const size_t bytes = scratch_.size();
@@ -114,7 +113,7 @@ bool GroupChannel::quiesce() {
       heldBytes_ = 0;
     }
   }
-  return clean_;
+  return unended_.empty();
 }
 
 void GroupChannel::holdUntilReleased(std::shared_ptr<const void> owner, size_t bytes) {

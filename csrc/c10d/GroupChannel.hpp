@@ -190,7 +190,6 @@ class GroupChannel final : public algorithms::Channel {
   size_t heldBytes_ = 0;
   std::vector<transport::RequestPtr> unended_;     // what quiesce() could not end
   bool quiesced_ = false;
-  bool clean_ = true;
   uint32_t stepsDone_ = 0;
   std::string algorithm_;
 };

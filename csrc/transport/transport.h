@@ -111,6 +111,13 @@ struct Request {
     }
     held.push_back(std::move(owner));
   }
+  // What the request holds, handed to the caller (who lets it go outside any lock); a
+  // hold attached from here on goes at once.
+  std::vector<std::shared_ptr<const void>> releaseHeld() {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+    return std::move(held);
+  }
 
   bool done() const {
     return state.load(std::memory_order_acquire) != State::Pending;

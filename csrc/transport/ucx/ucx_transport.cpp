@@ -373,10 +373,10 @@ UcxTransport::~UcxTransport() {
   std::lock_guard<std::mutex> inflightLock(inflightMu_);
   for (auto& [raw, r] : inflight_) {
     if (r->isSend || (r->endpoint >= 0 && endpointFailed(r->endpoint))) continue;
-    std::lock_guard<std::mutex> requestLock(r->mu);
+    auto held = r->releaseHeld();
     std::lock_guard<std::mutex> lock(keptMu);
-    for (auto& h : r->held) kept->push_back(std::move(h));
-    r->held.clear();
+    kept->insert(kept->end(), std::make_move_iterator(held.begin()),
+                 std::make_move_iterator(held.end()));
   }
 }
 
@@ -1001,10 +1001,8 @@ void UcxTransport::releaseSends(int endpoint) {
     for (auto& kv : inflight_) {
       Request& r = *kv.second;
       if (r.endpoint != endpoint || !r.isSend || !r.done()) continue;
-      std::lock_guard<std::mutex> requestLock(r.mu);
-      for (auto& h : r.held) held.push_back(std::move(h));
-      r.held.clear();
-      r.released = true;  // a hold its completion attaches later goes at once
+      // A hold its completion attaches later goes at once.
+      for (auto& h : r.releaseHeld()) held.push_back(std::move(h));
     }
   }
   // `held` goes here, outside the locks: the last reference frees tensors.
