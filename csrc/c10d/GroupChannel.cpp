@@ -44,10 +44,12 @@ void ScratchBuffer::trim() {
   }
 }
 
-std::shared_ptr<const void> ScratchBuffer::abandon() {
-  char* data = data_.release();
+ScratchBuffer::Abandoned ScratchBuffer::abandon() {
+  Abandoned given{std::shared_ptr<const void>(
+                      data_.release(), [](const void* p) { delete[] static_cast<const char*>(p); }),
+                  size_};
   size_ = 0;
-  return std::shared_ptr<const void>(data, [](const void* p) { delete[] static_cast<const char*>(p); });
+  return given;
 }
 
 GroupChannel::GroupChannel(transport::Transport& transport, const std::vector<int>& endpoints,
@@ -102,8 +104,8 @@ bool GroupChannel::quiesce() {
   if (!unended_.empty()) {
     // A transfer may still touch these: they stay until the transport lets go of it.
     if (scratchUsed_) {
-      const size_t bytes = scratch_.size();
-      holdUntilReleased(scratch_.abandon(), bytes);
+      auto given = scratch_.abandon();
+      holdUntilReleased(std::move(given.owner), given.bytes);
     }
     if (!held_.empty()) {
       holdUntilReleased(

@@ -50,13 +50,14 @@ class ScratchBuffer {
   char* get(size_t bytes);
   // Frees the buffer if it grew past kKeepBytes (the next op allocates again).
   void trim();
-  // A transfer that could not be stopped may still write the buffer: the caller holds
-  // what this returns until those transfers end (Request::holdUntilReleased), and the
-  // next op gets a new buffer.
-  std::shared_ptr<const void> abandon();
-  size_t size() const {
-    return size_;
-  }
+  // The buffer, given up: a transfer that could not be stopped may still write it.
+  struct Abandoned {
+    std::shared_ptr<const void> owner;
+    size_t bytes;
+  };
+  // The caller holds `owner` until those transfers end (Request::holdUntilReleased), and
+  // the next op gets a new buffer.
+  Abandoned abandon();
 
  private:
   std::unique_ptr<char[]> data_;

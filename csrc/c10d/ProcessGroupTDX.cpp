@@ -183,6 +183,12 @@ constexpr int kAutoPassThreads = 8;
 
 // How long a shutdown that waits for no peer gives its own goodbyes to go out.
 constexpr std::chrono::milliseconds kGoodbyeSendWait{1000};
+// How long such a shutdown (unless aborted) still listens for live peers' goodbyes. The
+// members of a broken group shut it down at about the same time, and one that stopped
+// its transport before a peer's goodbye came leaves that peer sending to shared memory
+// it has removed: UCX then logs "shmat failed" on the peer, or an unmatched message on
+// this rank. Short, as such a peer may be stuck in an op that waits for this rank.
+constexpr std::chrono::milliseconds kGoodbyeCourtesyWait{100};
 
 // A point-to-point message's header under fingerprint checks: the sender's dtype and
 // shape as text, NUL-padded.
@@ -834,7 +840,7 @@ void ProcessGroupTDX::listenForGoodbyes() {
         [state, fault, q](transport::Request& r) {
           if (!r.ok()) return;  // cancelled at shutdown
           const char* m = &state->message[q * Goodbyes::kBytes];
-          uint64_t words[2] = {0, 0};
+          uint64_t words[Goodbyes::kWords] = {};
           if (r.receivedBytes >= sizeof(words)) std::memcpy(words, m, sizeof(words));
           if (r.receivedBytes < sizeof(words) || words[0] != state->token) {
             state->stale[q].store(true);
@@ -842,6 +848,7 @@ void ProcessGroupTDX::listenForGoodbyes() {
           }
           const uint64_t last = words[1];
           state->reason[q].assign(m + sizeof(words), r.receivedBytes - sizeof(words));
+          state->waits[q].store(words[2] != 0);
           // Published before `running` is read, as runTask publishes `running` before it
           // reads this: one of the two sees the other (both sequentially consistent).
           state->lastSeq[q].store(last);
@@ -1210,9 +1217,9 @@ algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double byt
 void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
   // The store's own timeout (minutes by default) is not the group's: polled, a member
   // that never comes is named at the group timeout, and one that another group of this
-  // process already saw die is named at once. One check covers
-  // every rank's key, so the set-up costs the store a request per key and a few more,
-  // not two per key. A key that names no rank ("tdx/costmodel") is rank 0's.
+  // process already saw die is named at once. One check covers every rank's key, so the
+  // set-up costs the store a request per key and a few more, not two per key. A key that
+  // names no rank ("tdx/costmodel") is rank 0's.
   const bool perRank = key.back() == '/';
   std::vector<std::string> keys;
   for (int q = 0; q < (perRank ? size_ : 1); ++q) {
@@ -1834,8 +1841,10 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // none still reads from this rank. Bounded, so a peer that never shuts the group down
   // (or hangs) delays this rank by at most 10 s or the group timeout. A broken or
   // aborted group still says goodbye, so its healthy peers are not held up, but waits for
-  // nobody's.
+  // nobody's: a broken one listens for them a moment only (kGoodbyeCourtesyWait), an
+  // aborted one not at all.
   if (!transport_ || size_ <= 1) return;
+  const bool listens = awaitPeers || !aborted_.load();  // see kGoodbyeCourtesyWait
   auto deadline =
       Clock::now() + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
                                  : kGoodbyeSendWait);
@@ -1843,15 +1852,15 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // kept alive by the sends' completions.
   std::string why = brokenReason();
   if (why.empty() && fault_->happened.load()) why = fault_->read();
-  why = why.substr(0, Goodbyes::kBytes - 2 * sizeof(uint64_t));
-  auto message = std::make_shared<std::string>(2 * sizeof(uint64_t) + why.size(), '\0');
-  const uint64_t words[2] = {goodbyeToken(), seq_.load()};
+  const uint64_t words[Goodbyes::kWords] = {goodbyeToken(), seq_.load(), listens ? 1u : 0u};
+  why = why.substr(0, Goodbyes::kBytes - sizeof(words));
+  auto message = std::make_shared<std::string>(sizeof(words) + why.size(), '\0');
   std::memcpy(message->data(), words, sizeof(words));
   std::memcpy(message->data() + sizeof(words), why.data(), why.size());
   std::vector<transport::RequestPtr> sends;
   std::vector<transport::RequestPtr> goodbyes;  // the peers', posted at the group's start
   std::vector<transport::RequestPtr> late;      // posted again here (see Goodbyes::stale)
-  if (awaitPeers && goodbyes_) {
+  if (listens && goodbyes_) {
     for (int q = 0; q < size_ && goodbyes_->late.empty(); ++q) {
       if (goodbyes_->stale[q].load()) goodbyes_->late.assign(size_ * Goodbyes::kBytes, 0);
     }
@@ -1860,7 +1869,7 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // ends with this shutdown, so the peer's matching op cannot finish either, and that
   // peer may not shut down soon. (Any-source receives name no peer.)
   std::vector<bool> opPosted(size_, false);
-  if (awaitPeers) {
+  if (listens) {
     std::unordered_map<int, int> rankOf;
     for (int q = 0; q < size_; ++q) rankOf[endpoints_[q]] = q;
     std::lock_guard<std::mutex> lock(p2pMu_);
@@ -1873,7 +1882,12 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   }
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
-    if (awaitPeers && goodbyes_ && goodbyes_->receives[q] && !opPosted[q]) {
+    // A member gone without listening for goodbyes hears none (Goodbyes::waits).
+    if (goodbyes_ && goodbyes_->lastSeq[q].load() != Goodbyes::kStayed &&
+        !goodbyes_->waits[q].load()) {
+      continue;
+    }
+    if (listens && goodbyes_ && goodbyes_->receives[q] && !opPosted[q]) {
       if (goodbyes_->stale[q].load()) {
         late.push_back(transport_->irecv(
             endpoints_[q], tag::pointToPoint(groupId_, q, tag::kShutdownTag), tag::kFullMask,
@@ -1904,6 +1918,7 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
     }
   };
   for (auto& r : sends) waitFor(*r, false);
+  if (!awaitPeers) deadline = std::min(deadline, Clock::now() + kGoodbyeCourtesyWait);
   bool all = true;
   for (auto& r : goodbyes) {
     waitFor(*r, true);

@@ -386,19 +386,27 @@ class ProcessGroupTDX : public c10d::Backend {
   // group.
   // A goodbye is this group instance's token (a hash of its name and incarnation: a
   // goodbye left unreceived by an earlier group with the same id must not count), the
-  // count of collectives, then why the member gave the group up, if it had (a member
-  // that leaves because a rank died must not be taken for the cause).
+  // count of collectives, whether the member waits for the others' goodbyes, then why
+  // the member gave the group up, if it had (a member that leaves because a rank died
+  // must not be taken for the cause).
   struct Goodbyes {
-    static constexpr size_t kBytes = 1024;  // a goodbye at most: two words and the reason
+    static constexpr size_t kWords = 3;     // token, collectives issued, waits
+    static constexpr size_t kBytes = 1024;  // a goodbye at most: the words and the reason
     Goodbyes(int size, uint64_t token)
-        : token(token), lastSeq(size), stale(size), reason(size),
+        : token(token), lastSeq(size), waits(size), stale(size), reason(size),
           message(size * kBytes, 0) {
       for (auto& s : lastSeq) s.store(kStayed);
+      for (auto& s : waits) s.store(false);
       for (auto& s : stale) s.store(false);
     }
     static constexpr uint64_t kStayed = ~uint64_t{0};  // no goodbye yet
     const uint64_t token;
     std::vector<std::atomic<uint64_t>> lastSeq;  // by group rank
+    // By group rank, written before its lastSeq: the member, gone, listens for this
+    // rank's goodbye. One that does not (an aborted group) stops listening at once and
+    // may have stopped its transport: a goodbye sent to it then reaches shared memory
+    // it has removed (UCX logs "shmat failed") or sits unmatched in its worker.
+    std::vector<std::atomic<bool>> waits;
     // The least of lastSeq: what each op checks, one load instead of one per member.
     std::atomic<uint64_t> firstLeft{kStayed};
     // The receive took another group's goodbye: shutdown posts a plain one again.
