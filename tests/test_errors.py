@@ -614,6 +614,11 @@ def test_a_rank_that_destroys_the_group_early_is_named_at_once(shm: str,
         assert out[r]["seconds"] < 5, out[r]
 
 
+# UCX's warnings printed where the ranks' logs go (its defaults, pinned against the
+# environment's): a test that no such line appears must not pass because none could.
+UCX_WARNINGS_SHOWN = {"UCX_LOG_LEVEL": "warn", "UCX_LOG_FILE": ""}
+
+
 def _refuse_and_leave(rank: int, n: int, log_dir: str) -> str:
     """The root refuses its scatter list and leaves the group (run_ranks' teardown); the
     others fail their scatter and leave too. UCX logs to standard output, the backend to
@@ -637,13 +642,13 @@ def test_members_leaving_a_broken_group_leave_no_transport_noise(tmp_path, shm: 
     failed" on the sender, and one that came after its receive was cancelled an
     "unexpected tag-receive descriptor ... was not matched" on the receiver: raw UCX lines
     beside the backend's own clear errors. Now such a shutdown listens a moment for its
-    peers' goodbyes, a member gone without listening gets none, and late ones are dropped
-    quietly when the transport stops."""
+    peers' goodbyes, a member gone without listening (abort()) gets none, and late ones
+    are dropped quietly when the transport stops."""
     for attempt in range(2):  # the lines depended on timing: twice cuts the odds of a miss
         logs = tmp_path / f"{shm}-{attempt}"
         logs.mkdir()
         out = run_ranks(_refuse_and_leave, 4, timeout=30, args=(str(logs),),
-                        env={"TDX_SHM": shm})
+                        env={"TDX_SHM": shm, **UCX_WARNINGS_SHOWN})
         assert out[3].startswith("ValueError") and "scatter list" in out[3], out[3]
         for r in range(3):
             assert out[r].startswith("DistBackendError") and "rank 3" in out[r], (r, out[r])

@@ -183,11 +183,13 @@ constexpr int kAutoPassThreads = 8;
 
 // How long a shutdown that waits for no peer gives its own goodbyes to go out.
 constexpr std::chrono::milliseconds kGoodbyeSendWait{1000};
-// How long such a shutdown (unless aborted) still listens for live peers' goodbyes. The
-// members of a broken group shut it down at about the same time, and one that stopped
-// its transport before a peer's goodbye came leaves that peer sending to shared memory
-// it has removed: UCX then logs "shmat failed" on the peer, or an unmatched message on
-// this rank. Short, as such a peer may be stuck in an op that waits for this rank.
+// How long such a shutdown (unless abort() was called) still listens for live peers'
+// goodbyes. The members of a broken group shut it down at about the same time, and one
+// that stopped its transport before a peer's goodbye came leaves that peer sending to
+// shared memory it has removed (UCX logs "shmat failed" there); one that came after the
+// receive was cancelled waits unmatched in this rank's worker until the transport stops
+// (UcxTransport::discardLateControlMessages). Short, as such a peer may be stuck in an
+// op that waits for this rank.
 constexpr std::chrono::milliseconds kGoodbyeCourtesyWait{100};
 
 // A point-to-point message's header under fingerprint checks: the sender's dtype and
@@ -1841,10 +1843,10 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   // none still reads from this rank. Bounded, so a peer that never shuts the group down
   // (or hangs) delays this rank by at most 10 s or the group timeout. A broken or
   // aborted group still says goodbye, so its healthy peers are not held up, but waits for
-  // nobody's: a broken one listens for them a moment only (kGoodbyeCourtesyWait), an
-  // aborted one not at all.
+  // nobody's: a broken one listens for them a moment only (kGoodbyeCourtesyWait), one
+  // whose abort() was called not at all.
   if (!transport_ || size_ <= 1) return;
-  const bool listens = awaitPeers || !aborted_.load();  // see kGoodbyeCourtesyWait
+  const bool listens = awaitPeers || !abortCalled_.load();  // see kGoodbyeCourtesyWait
   auto deadline =
       Clock::now() + (awaitPeers ? std::min(timeout(), std::chrono::milliseconds(10000))
                                  : kGoodbyeSendWait);
@@ -1905,11 +1907,14 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   }
   // Waited for in slices: an abort() from another thread queues behind this shutdown,
   // and must not sit out a wait for peers' goodbyes. Once it comes, this shutdown waits
-  // as an aborted one does: for its own goodbyes' sends only, briefly.
+  // as an aborted one does: for its own goodbyes' sends only, briefly. (A group that
+  // waits for no peer may have been aborted by a peer's report already: only abort()
+  // cuts its short listen shorter.)
+  const std::atomic<bool>& cutShort = awaitPeers ? aborted_ : abortCalled_;
   bool abortSeen = false;
   auto waitFor = [&](transport::Request& r, bool peersGoodbye) {
     while (!r.done() && Clock::now() < deadline) {
-      if (!abortSeen && aborted_.load()) {
+      if (!abortSeen && cutShort.load()) {
         abortSeen = true;
         deadline = std::min(deadline, Clock::now() + kGoodbyeSendWait);
       }
@@ -1948,6 +1953,7 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
 void ProcessGroupTDX::abort() {
   // Ops in flight stop at their next check (100 ms at most), and shutdown waits for no
   // peer's goodbye.
+  abortCalled_ = true;
   aborted_ = true;
   shutdown();
 }

@@ -307,6 +307,8 @@ class ProcessGroupTDX : public c10d::Backend {
   // so that a completion outliving the group may still set it.
   std::shared_ptr<std::atomic<bool>> abortFlag_ = std::make_shared<std::atomic<bool>>(false);
   std::atomic<bool>& aborted_ = *abortFlag_;
+  // abort() was called: unlike a peer's report, shutdown then listens for no goodbye.
+  std::atomic<bool> abortCalled_{false};
 
   // A group is broken after an op failed, a member's connection was lost or device work
   // stalled: every later op, collective or point-to-point, is refused. Any thread may
@@ -402,10 +404,10 @@ class ProcessGroupTDX : public c10d::Backend {
     static constexpr uint64_t kStayed = ~uint64_t{0};  // no goodbye yet
     const uint64_t token;
     std::vector<std::atomic<uint64_t>> lastSeq;  // by group rank
-    // By group rank, written before its lastSeq: the member, gone, listens for this
-    // rank's goodbye. One that does not (an aborted group) stops listening at once and
-    // may have stopped its transport: a goodbye sent to it then reaches shared memory
-    // it has removed (UCX logs "shmat failed") or sits unmatched in its worker.
+    // By group rank, written before its lastSeq: the member listened for this rank's
+    // goodbye when it left (until all came, or briefly: kGoodbyeCourtesyWait). One that
+    // did not (abort() was called) may have stopped its transport already: a goodbye
+    // sent to it would reach shared memory it has removed (UCX logs "shmat failed").
     std::vector<std::atomic<bool>> waits;
     // The least of lastSeq: what each op checks, one load instead of one per member.
     std::atomic<uint64_t> firstLeft{kStayed};

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <shared_mutex>
+#include <optional>
 #include <sstream>
 #include <system_error>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "common/env.h"
 #include "common/logging.h"
 #include "transport/tag.h"
+#include "transport/ucx/ucx_stop_reports.h"
 
 namespace tdx {
 namespace transport {
@@ -367,8 +369,23 @@ UcxTransport::~UcxTransport() {
     TDX_LOG(Info, kPrefix) << late << " goodbye or notice message(s) came after their group "
                               "stopped listening; dropped";
   }
-  ucp_worker_destroy(worker_);
-  ucp_cleanup(context_);
+  {
+    // UCX's own reports of what the worker still holds, one line per object, are shown
+    // at TDX_DEBUG=DETAIL; otherwise they are counted into one line here.
+    std::optional<StopReportsCounter> counter;
+    if (!logEnabled(LogLevel::Detail)) counter.emplace();
+    ucp_worker_destroy(worker_);
+    ucp_cleanup(context_);
+    if (counter && counter->counts().total() > 0) {
+      const auto& c = counter->counts();
+      TDX_LOG(Info, kPrefix) << "stopped with " << c.objects << " UCX request(s) or buffer(s) "
+                             << "in use, " << c.regions << " registered region(s) in use and "
+                             << c.messages
+                             << " message(s) never received (transfers given up on after "
+                                "a failure, or sent and never received); TDX_DEBUG=DETAIL "
+                                "shows UCX's report of each";
+    }
+  }
   // What requests UCX had not let go of still hold goes with inflight_, except a
   // receive's from a peer that may be alive: its process may still write into the
   // buffer (a rendezvous by put through CMA needs only this process's pid), so that is
