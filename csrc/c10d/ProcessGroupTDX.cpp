@@ -850,7 +850,7 @@ void ProcessGroupTDX::listenForGoodbyes() {
           }
           const uint64_t last = words[1];
           state->reason[q].assign(m + sizeof(words), r.receivedBytes - sizeof(words));
-          state->waits[q].store(words[2] != 0);
+          state->listened[q].store(words[2] != 0);
           // Published before `running` is read, as runTask publishes `running` before it
           // reads this: one of the two sees the other (both sequentially consistent).
           state->lastSeq[q].store(last);
@@ -1884,9 +1884,9 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   }
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
-    // A member gone without listening for goodbyes hears none (Goodbyes::waits).
+    // A member gone without listening for goodbyes hears none (Goodbyes::listened).
     if (goodbyes_ && goodbyes_->lastSeq[q].load() != Goodbyes::kStayed &&
-        !goodbyes_->waits[q].load()) {
+        !goodbyes_->listened[q].load()) {
       continue;
     }
     if (listens && goodbyes_ && goodbyes_->receives[q] && !opPosted[q]) {

@@ -388,17 +388,17 @@ class ProcessGroupTDX : public c10d::Backend {
   // group.
   // A goodbye is this group instance's token (a hash of its name and incarnation: a
   // goodbye left unreceived by an earlier group with the same id must not count), the
-  // count of collectives, whether the member waits for the others' goodbyes, then why
+  // count of collectives, whether the member listens for the others' goodbyes, then why
   // the member gave the group up, if it had (a member that leaves because a rank died
   // must not be taken for the cause).
   struct Goodbyes {
-    static constexpr size_t kWords = 3;     // token, collectives issued, waits
+    static constexpr size_t kWords = 3;     // token, collectives issued, listens
     static constexpr size_t kBytes = 1024;  // a goodbye at most: the words and the reason
     Goodbyes(int size, uint64_t token)
-        : token(token), lastSeq(size), waits(size), stale(size), reason(size),
+        : token(token), lastSeq(size), listened(size), stale(size), reason(size),
           message(size * kBytes, 0) {
       for (auto& s : lastSeq) s.store(kStayed);
-      for (auto& s : waits) s.store(false);
+      for (auto& s : listened) s.store(false);
       for (auto& s : stale) s.store(false);
     }
     static constexpr uint64_t kStayed = ~uint64_t{0};  // no goodbye yet
@@ -408,7 +408,7 @@ class ProcessGroupTDX : public c10d::Backend {
     // goodbye when it left (until all came, or briefly: kGoodbyeCourtesyWait). One that
     // did not (abort() was called) may have stopped its transport already: a goodbye
     // sent to it would reach shared memory it has removed (UCX logs "shmat failed").
-    std::vector<std::atomic<bool>> waits;
+    std::vector<std::atomic<bool>> listened;
     // The least of lastSeq: what each op checks, one load instead of one per member.
     std::atomic<uint64_t> firstLeft{kStayed};
     // The receive took another group's goodbye: shutdown posts a plain one again.

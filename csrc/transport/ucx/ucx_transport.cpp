@@ -8,8 +8,8 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <shared_mutex>
 #include <optional>
+#include <shared_mutex>
 #include <sstream>
 #include <system_error>
 #include <utility>
