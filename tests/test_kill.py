@@ -252,11 +252,10 @@ def _survive_with_logs(rank: int, n: int, log_dir: str) -> dict:
 
 def test_transfers_left_to_a_dead_rank_are_summed_up_not_listed(tmp_path) -> None:
     """A survivor's sends to a dead rank stay unfinished in UCX, which printed a warning
-    for each such request and for its registered memory when the transport stopped
-    ("object ... was not returned to mpool", "ucp_rcache: destroying inuse region", one
-    line per object: tens of lines per survivor), after
-    the backend's error had named the rank. They are counted into one line instead (at
-    TDX_DEBUG=INFO; each is shown at DETAIL)."""
+    for each such request, buffer and registered region when the transport stopped
+    ("object ... was not returned to mpool", "ucp_rcache: destroying inuse region"; up
+    to tens of lines per survivor), after the backend's error had named the rank. They
+    are counted into one line instead (at TDX_DEBUG=INFO; each is shown at DETAIL)."""
     summaries = []
     for attempt in range(2):
         logs = tmp_path / str(attempt)
