@@ -68,8 +68,10 @@ std::vector<FlightEntry> FlightRecorder::snapshot() const {
 
 std::string FlightRecorder::format() const {
   std::ostringstream os;
-  os << std::left << std::setw(6) << "seq" << std::setw(22) << "op" << std::setw(10) << "path"
-     << std::setw(9) << "state" << std::setw(7) << "steps" << std::setw(12) << "queued(ms)"
+  // The path column fits the longest algorithm name ("dissemination") and a space; the
+  // queue time counts from the recorder's start, not a wait.
+  os << std::left << std::setw(6) << "seq" << std::setw(22) << "op" << std::setw(15) << "path"
+     << std::setw(9) << "state" << std::setw(7) << "steps" << std::setw(15) << "queued at(ms)"
      << std::setw(12) << "took(ms)" << "detail / error\n";
   for (const auto& e : snapshot()) {
     std::ostringstream took;
@@ -77,8 +79,8 @@ std::string FlightRecorder::format() const {
     else took << "-";
     std::ostringstream queued;
     queued << std::fixed << std::setprecision(1) << e.queuedAtMs;
-    os << std::setw(6) << e.seq << std::setw(22) << e.op << std::setw(10) << e.path
-       << std::setw(9) << e.state << std::setw(7) << e.stepsDone << std::setw(12)
+    os << std::setw(6) << e.seq << std::setw(22) << e.op << std::setw(15) << e.path
+       << std::setw(9) << e.state << std::setw(7) << e.stepsDone << std::setw(15)
        << queued.str() << std::setw(12) << took.str() << e.detail;
     if (!e.error.empty()) os << " | " << e.error;
     os << "\n";
