@@ -188,7 +188,7 @@ constexpr std::chrono::milliseconds kGoodbyeSendWait{1000};
 // that stopped its transport before a peer's goodbye came leaves that peer sending to
 // shared memory it has removed (UCX logs "shmat failed" there); one that came after the
 // receive was cancelled waits unmatched in this rank's worker until the transport stops
-// (UcxTransport::discardLateControlMessages). Short, as such a peer may be stuck in an
+// (and is counted there: StopReportsCounter). Short, as such a peer may be stuck in an
 // op that waits for this rank.
 constexpr std::chrono::milliseconds kGoodbyeCourtesyWait{100};
 

@@ -16,7 +16,6 @@
 
 #include "common/env.h"
 #include "common/logging.h"
-#include "transport/tag.h"
 #include "transport/ucx/ucx_stop_reports.h"
 
 namespace tdx {
@@ -365,10 +364,6 @@ UcxTransport::~UcxTransport() {
     forceClosing_.clear();
   }
   if (epollFd_ >= 0) ::close(epollFd_);
-  if (const size_t late = discardLateControlMessages()) {
-    TDX_LOG(Info, kPrefix) << late << " goodbye or notice message(s) came after their group "
-                              "stopped listening; dropped";
-  }
   {
     // UCX's own reports of what the worker still holds, one line per object, are shown
     // at TDX_DEBUG=DETAIL; otherwise they are counted into one line here.
@@ -908,39 +903,6 @@ void UcxTransport::runDeferred() {
       }
     }
   }
-}
-
-size_t UcxTransport::discardLateControlMessages() {
-  // The members of a group that broke shut it down without waiting for each other, so
-  // a goodbye can come after its receive was cancelled. Both control tags are point-to-
-  // point tags of any group and sender; a user's unreceived message is left to UCX to
-  // report.
-  const uint64_t mask = (uint64_t{1} << tag::kKindShift) | tag::kShutdownTag;
-  size_t taken = 0;
-  for (const uint64_t userTag : {tag::kShutdownTag, tag::kMismatchTag}) {
-    const uint64_t want = (uint64_t{1} << tag::kKindShift) | userTag;
-    for (;;) {
-      ucp_tag_recv_info_t info;
-      ucp_tag_message_h message = ucp_tag_probe_nb(worker_, want, mask, /*remove=*/1, &info);
-      if (message == nullptr) break;
-      ++taken;
-      auto sink = std::make_unique<char[]>(std::max<size_t>(info.length, 1));
-      ucp_request_param_t param{};
-      ucs_status_ptr_t req = ucp_tag_msg_recv_nbx(worker_, sink.get(), info.length, message,
-                                                  &param);
-      if (!UCS_PTR_IS_PTR(req)) continue;
-      // Small messages come whole (eager); a wait is only for a rendezvous threshold
-      // set below their size.
-      const auto limit = Clock::now() + std::chrono::milliseconds(100);
-      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < limit) {
-        ucp_worker_progress(worker_);
-      }
-      // Unfinished, UCX may still write it: the buffer is left to it.
-      if (ucp_request_check_status(req) == UCS_INPROGRESS) sink.release();
-      ucp_request_free(req);
-    }
-  }
-  return taken;
 }
 
 void UcxTransport::drain() {

@@ -130,10 +130,6 @@ class UcxTransport final : public Transport {
   void startWorker();
   void wake();
   void closeEndpoints();
-  // Takes the backend's own small messages (tag.h) that came after their group stopped
-  // listening, so they are not reported as UCX's unmatched "unexpected tag-receive
-  // descriptor" warnings; returns how many (the stopping worker's thread only).
-  size_t discardLateControlMessages();
   bool chooseTcp(bool tcpWanted) const;
   // Marks the endpoint lost and fails what waits on it (any thread but inside UCX locks).
   void failEndpoint(int endpoint, const std::string& why);
