@@ -390,3 +390,52 @@ def test_windows_catch_ranks_that_disagree_on_the_root_where_none_waits() -> Non
         texts = [r[name][0] for r in results]
         assert any("collective mismatch" in t and "root 0" in t and "root 1" in t
                    for t in texts), (name, texts)
+
+
+def _different_collectives(rank: int, n: int) -> dict:
+    """Without DETAIL, rank 0 calls one collective and rank 1 another as the same op of a
+    group: the pairs move the same bytes, so only the op kind in the tags tells them
+    apart. Each pair on a group of its own, which it ends."""
+    cases = {
+        "all_reduce/broadcast": lambda g: (
+            dist.all_reduce(torch.ones(10), group=g) if rank == 0
+            else dist.broadcast(torch.ones(10), src=0, group=g)),
+        "all_gather/all_to_all": lambda g: (
+            dist.all_gather_into_tensor(torch.empty(20), torch.ones(10), group=g) if rank == 0
+            else dist.all_to_all_single(torch.empty(20), torch.ones(20), group=g)),
+        "reduce_scatter/all_reduce": lambda g: (
+            dist.reduce_scatter_tensor(torch.empty(10), torch.ones(20), group=g) if rank == 0
+            else dist.all_reduce(torch.ones(20), group=g)),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        g = dist.new_group(backend="tdx")
+        start = time.monotonic()
+        try:
+            call(g)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
+    t = torch.ones(8)
+    dist.all_reduce(t)  # the default group is untouched
+    out["ok"] = t.tolist() == [float(n)] * 8
+    return out
+
+
+def test_different_collectives_fail_at_once_on_the_message_path_without_detail() -> None:
+    """The message path (TDX_SHM=0, as across hosts) without fingerprint checks: neither
+    rank may take the other's bytes as its own op's, and each learns of the mismatch in
+    well under the group timeout (60 s here), with both collectives named."""
+    results = run_ranks(_different_collectives, 2, timeout=60, env={"TDX_SHM": "0"})
+    for rank, r in enumerate(results):
+        assert r["ok"], r
+        for name in ("all_reduce/broadcast", "all_gather/all_to_all",
+                     "reduce_scatter/all_reduce"):
+            msg = r[name]
+            first, second = name.split("/")
+            assert msg.startswith("DistBackendError"), (rank, name, msg)
+            assert "collective mismatch" in msg, (rank, name, msg)
+            assert first in msg and second in msg, (rank, name, msg)
+            assert r[name + " seconds"] < 5.0, (rank, name, r[name + " seconds"])

@@ -62,6 +62,13 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
   out.copyOut();
 }
 
+// A coalesced op's limits: the group's timeout, and the collective its entries are.
+OpLimits coalescedAs(OpKind kind) {
+  OpLimits limits;
+  limits.kind = kind;
+  return limits;
+}
+
 } // namespace
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor>& tensors,
@@ -236,7 +243,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
                      runAllgatherInto(*this, ch, outs[i], ins[i]);
                      ch.releaseHeld();
                    }
-                 });
+                 },
+                 nullptr, true, coalescedAs(OpKind::AllGather));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
@@ -500,7 +508,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
                      runReduceScatterInto(*this, ch, outs[i], ins[i], reds[i]);
                      ch.releaseHeld();
                    }
-                 });
+                 },
+                 nullptr, true, coalescedAs(OpKind::ReduceScatter));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(

@@ -21,6 +21,32 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
   return lost.empty() ? "" : "; lost so far: " + lost;
 }
 
+const char* opKindName(OpKind kind) {
+  switch (kind) {
+    case OpKind::None:
+      return "the op's fingerprint check";
+    case OpKind::Broadcast:
+      return "broadcast";
+    case OpKind::AllReduce:
+      return "all_reduce";
+    case OpKind::Reduce:
+      return "reduce";
+    case OpKind::AllGather:
+      return "all_gather";
+    case OpKind::Gather:
+      return "gather";
+    case OpKind::Scatter:
+      return "scatter";
+    case OpKind::ReduceScatter:
+      return "reduce_scatter";
+    case OpKind::AllToAll:
+      return "all_to_all";
+    case OpKind::Barrier:
+      return "barrier";
+  }
+  return "an unknown collective";
+}
+
 std::string rankList(const std::vector<int>& ranks, const char* one, const char* many) {
   std::string s = ranks.size() == 1 ? one : many;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -126,19 +152,44 @@ void GroupChannel::holdUntilReleased(std::shared_ptr<const void> owner, size_t b
   for (const auto& r : unended_) r->holdUntilReleased(hold);
 }
 
+uint64_t GroupChannel::tagOf(int sender, uint32_t step) const {
+  static_assert(kLastOpKind <= tag::kMaxOp, "every kind fits the tag's op field");
+  return tag::collective(groupId_, static_cast<uint32_t>(sender), static_cast<uint32_t>(kind_),
+                         seq_, step);
+}
+
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
-  uint64_t t = tag::collective(groupId_, rank_, seq_, step);
+  uint64_t t = tagOf(rank_, step);
   auto r = transport_.isend(endpoints_.at(peer), t, data, bytes, transport::MemType::Host);
   posted_.push_back({r, peer, step});
   return r;
 }
 
 RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes) {
-  uint64_t t = tag::collective(groupId_, peer, seq_, step);
+  uint64_t t = tagOf(peer, step);
   auto r = transport_.irecv(endpoints_.at(peer), t, tag::kFullMask, data, bytes,
                             transport::MemType::Host);
   posted_.push_back({r, peer, step});
   return r;
+}
+
+void GroupChannel::checkForOtherOps() const {
+  if (kind_ == OpKind::None) return;
+  // Any sender and any step: the other collective's first message need not come from the
+  // rank, or carry the step, this rank waits on. One probe per other kind, and only
+  // after a wait of 100 ms, so the cost stays off the ops that run as they should.
+  const uint64_t mask = ~(tag::kRankFieldMask | tag::kStepFieldMask);
+  for (uint32_t k = 1; k <= kLastOpKind; ++k) {
+    if (k == static_cast<uint32_t>(kind_)) continue;
+    uint64_t found = 0;
+    if (!transport_.probe(tag::collective(groupId_, 0, k, seq_, 0), mask, found)) continue;
+    throw std::runtime_error(
+        std::string("collective mismatch: rank ") + std::to_string(tag::senderOf(found)) +
+        " called " + opKindName(static_cast<OpKind>(k)) + " as this op of the group (its "
+        "message arrived here) where this rank called " + opKindName(kind_) +
+        ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
+        "also compares dtypes, shapes, roots and reduce ops");
+  }
 }
 
 bool GroupChannel::settle(const RequestPtr& r, Clock::time_point until) {
@@ -172,6 +223,7 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
                                  std::to_string(p.step) + ")");
       }
     }
+    checkForOtherOps();
     if (Clock::now() >= deadline_) {
       if (watch.timedOut != nullptr) throw TimedOut(watch.timedOut);
       throw TimedOut(

@@ -64,6 +64,28 @@ class ScratchBuffer {
   size_t size_ = 0;
 };
 
+// The kind of collective an op is, carried in its messages' tags: ranks that called
+// different collectives as one op of the group cannot take each other's bytes, and a
+// rank whose wait drags on finds the other op's message and names it. Forms of one
+// collective share a kind (all_gather and all_gather_into_tensor, all_reduce and its
+// coalesced form), so ranks may mix them as before. None: the backend's own exchange
+// ahead of an op (the fingerprint check), which every kind runs alike.
+enum class OpKind : uint32_t {
+  None = 0,
+  Broadcast,
+  AllReduce,
+  Reduce,
+  AllGather,
+  Gather,
+  Scatter,
+  ReduceScatter,
+  AllToAll,
+  Barrier,
+};
+constexpr uint32_t kLastOpKind = static_cast<uint32_t>(OpKind::Barrier);
+// The collective's name as the user calls it ("all_reduce").
+const char* opKindName(OpKind kind);
+
 class GroupChannel final : public algorithms::Channel {
  public:
   // `scratch` is the group's; the channel borrows it for the op.
@@ -76,6 +98,10 @@ class GroupChannel final : public algorithms::Channel {
   // The op's sequence number in its group (the same on every rank for one collective).
   uint64_t seq() const {
     return seq_;
+  }
+  // The kind its transfers carry from now on (None until set: the fingerprint check).
+  void setKind(OpKind kind) {
+    kind_ = kind;
   }
   // What else the ranks must agree on for the op's next step (a reduction's dtype and
   // reduce op, set by each reducing step, entry by entry in a coalesced op), as text
@@ -176,11 +202,17 @@ class GroupChannel final : public algorithms::Channel {
     uint32_t step;
   };
 
+  uint64_t tagOf(int sender, uint32_t step) const;
+  // Throws naming the other collective when a message of this op's sequence number but
+  // another kind has arrived from any rank: that rank called a different collective.
+  void checkForOtherOps() const;
+
   transport::Transport& transport_;
   const std::vector<int>& endpoints_;
   int rank_;
   uint32_t groupId_;
   uint64_t seq_;
+  OpKind kind_ = OpKind::None;
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;

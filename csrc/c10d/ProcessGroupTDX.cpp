@@ -60,6 +60,37 @@ bool shapesMustMatch(c10d::OpType t) {
   }
 }
 
+// The wire kind of a collective's OpType; COALESCED covers several, so its callers say.
+OpKind opKindOf(c10d::OpType type) {
+  switch (type) {
+    case c10d::OpType::BROADCAST:
+      return OpKind::Broadcast;
+    case c10d::OpType::ALLREDUCE:
+    case c10d::OpType::ALLREDUCE_COALESCED:
+      return OpKind::AllReduce;
+    case c10d::OpType::REDUCE:
+      return OpKind::Reduce;
+    case c10d::OpType::ALLGATHER:
+    case c10d::OpType::_ALLGATHER_BASE:
+    case c10d::OpType::ALLGATHER_COALESCED:
+      return OpKind::AllGather;
+    case c10d::OpType::GATHER:
+      return OpKind::Gather;
+    case c10d::OpType::SCATTER:
+      return OpKind::Scatter;
+    case c10d::OpType::REDUCE_SCATTER:
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+      return OpKind::ReduceScatter;
+    case c10d::OpType::ALLTOALL:
+    case c10d::OpType::ALLTOALL_BASE:
+      return OpKind::AllToAll;
+    case c10d::OpType::BARRIER:
+      return OpKind::Barrier;
+    default:
+      return OpKind::None;
+  }
+}
+
 std::string fingerprintOf(c10d::OpType type, const std::string& what,
                           const std::vector<at::Tensor>& tensors, const std::string& extra) {
   std::ostringstream os;
@@ -641,6 +672,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.timeout = limit;
   task.fingerprinted = limits.fingerprinted;
   task.tellsPeers = limits.tellsPeers;
+  task.kind = limits.kind != OpKind::None ? limits.kind : opKindOf(type);
+  TORCH_INTERNAL_ASSERT(task.kind != OpKind::None, what, ": no wire kind for its op type");
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
@@ -1051,6 +1084,7 @@ void ProcessGroupTDX::runTask(Task& task) {
           checkFingerprint(ch, task.fingerprint);
           checkSteps = ch.stepsDone();
         }
+        ch.setKind(task.kind);
         if (task.deviceBody) {
           task.deviceBody(ch, ctx);
         } else {

@@ -42,6 +42,8 @@ struct OpLimits {
   // False: a failure of this op on this rank is not told to the peers (the monitored
   // barrier's other ranks leave that to rank 0, whose error names the missing ranks).
   bool tellsPeers = true;
+  // The collective the op is on the wire, where its OpType does not say (COALESCED).
+  OpKind kind = OpKind::None;
 };
 
 class ProcessGroupTDX : public c10d::Backend {
@@ -205,6 +207,7 @@ class ProcessGroupTDX : public c10d::Backend {
     // monitored barrier): a fingerprint exchange first would time out without naming them.
     bool fingerprinted = true;
     bool tellsPeers = true;  // see OpLimits
+    OpKind kind = OpKind::None;  // carried in the op's tags (see OpKind)
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.

@@ -1,17 +1,20 @@
 // The 64-bit tag layout. Every message carries its sender's group rank so that a
 // worker-wide receive can only match the intended peer, and collectives carry the
-// group's sequence number so a rank that skipped or reordered an op can never have
-// its bytes consumed by a different op (it times out instead).
+// group's sequence number and the op's kind, so a rank that skipped, reordered or
+// swapped an op can never have its bytes consumed by a different op (its receive finds
+// the other op's message by a probe and says so, or times out).
 //
 //   bit  63      kind: 0 collective, 1 point-to-point
 //   bits 43..62  group id (20 bits, a hash of the group name)
 //   bits 23..42  sender's rank in the group (20 bits)
-//   bits  0..22  collective: sequence number mod 2^15 (bits 8..22) and step mod 2^8
+//   bits  0..22  collective: op kind (bits 19..22; 0 for the backend's own exchanges
+//                before an op, such as the fingerprint check), sequence number mod 2^11
+//                (bits 8..18) and step mod 2^8
 //                point-to-point: the user's tag (0 .. 2^23-1)
 //
 // Messages with equal (sender, tag) match in posting order (UCX tag matching is
 // non-overtaking), so wrapping step or sequence numbers is safe while ops on one group
-// run in order.
+// run in order: a rank gets at most about one op ahead of a peer it needs, not 2^11.
 #pragma once
 
 #include <cstdint>
@@ -24,14 +27,17 @@ constexpr int kGroupShift = 43;
 constexpr int kGroupBits = 20;
 constexpr int kRankShift = 23;
 constexpr int kRankBits = 20;
+constexpr int kOpShift = 19;
+constexpr int kOpBits = 4;
 constexpr int kSeqShift = 8;
-constexpr int kSeqBits = 15;
+constexpr int kSeqBits = 11;
 constexpr int kStepBits = 8;
 constexpr int kUserBits = 23;
 
 static_assert(kGroupShift + kGroupBits == kKindShift, "group field must end below kind bit");
 static_assert(kRankShift + kRankBits == kGroupShift, "rank field must end below group");
-static_assert(kSeqShift + kSeqBits == kRankShift, "sequence field must end below rank");
+static_assert(kOpShift + kOpBits == kRankShift, "op field must end below rank");
+static_assert(kSeqShift + kSeqBits == kOpShift, "sequence field must end below op");
 static_assert(kStepBits == kSeqShift, "step field fills the low bits");
 static_assert(kUserBits == kRankShift, "user tag fills the low bits of a p2p tag");
 
@@ -46,15 +52,24 @@ constexpr uint64_t kMaxUserTag = kMismatchTag - 1;
 constexpr uint64_t kGroupMask = (uint64_t{1} << kGroupBits) - 1;
 
 constexpr uint64_t kRankFieldMask = ((uint64_t{1} << kRankBits) - 1) << kRankShift;
+constexpr uint64_t kOpFieldMask = ((uint64_t{1} << kOpBits) - 1) << kOpShift;
+constexpr uint64_t kStepFieldMask = (uint64_t{1} << kStepBits) - 1;
+constexpr uint32_t kMaxOp = (uint32_t{1} << kOpBits) - 1;
 constexpr uint64_t kFullMask = ~uint64_t{0};
 // Receives from any source ignore the sender field.
 constexpr uint64_t kAnySourceMask = ~kRankFieldMask;
 
-constexpr uint64_t collective(uint32_t group, uint32_t sender, uint64_t seq, uint32_t step) {
+// `op` (0 .. kMaxOp) is the caller's code for the kind of op; 0 for exchanges that any
+// op may run first.
+constexpr uint64_t collective(uint32_t group, uint32_t sender, uint32_t op, uint64_t seq,
+                              uint32_t step) {
   return (uint64_t{0} << kKindShift) | ((group & kGroupMask) << kGroupShift) |
-         (uint64_t{sender} << kRankShift) |
-         ((seq & ((uint64_t{1} << kSeqBits) - 1)) << kSeqShift) |
-         (step & ((uint64_t{1} << kStepBits) - 1));
+         (uint64_t{sender} << kRankShift) | (uint64_t{op & kMaxOp} << kOpShift) |
+         ((seq & ((uint64_t{1} << kSeqBits) - 1)) << kSeqShift) | (step & kStepFieldMask);
+}
+
+constexpr uint32_t opOf(uint64_t t) {
+  return static_cast<uint32_t>((t & kOpFieldMask) >> kOpShift);
 }
 
 constexpr uint64_t pointToPoint(uint32_t group, uint32_t sender, uint64_t userTag) {
@@ -66,7 +81,9 @@ constexpr uint32_t senderOf(uint64_t t) {
   return static_cast<uint32_t>((t >> kRankShift) & ((uint64_t{1} << kRankBits) - 1));
 }
 
-static_assert(senderOf(collective(5, 77, 3, 2)) == 77, "sender round trip");
+static_assert(senderOf(collective(5, 77, 9, 3, 2)) == 77, "sender round trip");
+static_assert(opOf(collective(5, 77, 9, 3, 2)) == 9, "op round trip");
+static_assert(collective(5, 77, 9, 3, 2) != collective(5, 77, 8, 3, 2), "ops tell apart");
 static_assert(senderOf(pointToPoint(5, 1234, kShutdownTag)) == 1234, "p2p sender round trip");
 static_assert(pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kShutdownTag) &&
                   pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kMismatchTag),

@@ -156,6 +156,10 @@ class Transport {
                            size_t bytes, MemType mem,
                            std::function<void(Request&)> onComplete = nullptr) = 0;
 
+  // Whether a message matching (tag, tagMask) has arrived and waits unreceived; its tag
+  // goes to `found`. The message stays where it is, for the receive that wants it.
+  virtual bool probe(uint64_t tag, uint64_t tagMask, uint64_t& found) = 0;
+
   // Blocks until the request completes or the deadline passes (returns false then; the
   // request is still pending and must be cancelled).
   virtual bool wait(Request& request, Clock::time_point deadline) = 0;

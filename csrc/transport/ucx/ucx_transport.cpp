@@ -810,6 +810,15 @@ RequestPtr UcxTransport::irecv(int endpoint, uint64_t tag, uint64_t tagMask, voi
   return r;
 }
 
+bool UcxTransport::probe(uint64_t tag, uint64_t tagMask, uint64_t& found) {
+  // remove=0: UCX only looks at its queue of unexpected messages, which the progress
+  // thread fills; the message is received later as usual (or reported at stop).
+  ucp_tag_recv_info_t info;
+  if (ucp_tag_probe_nb(worker_, tag, tagMask, /*remove=*/0, &info) == nullptr) return false;
+  found = info.sender_tag;
+  return true;
+}
+
 bool UcxTransport::wait(Request& r, Clock::time_point deadline) {
   auto spinEnd = Clock::now() + spin_;
   while (!r.done()) {

@@ -78,6 +78,7 @@ class UcxTransport final : public Transport {
                    std::function<void(Request&)> onComplete) override;
   RequestPtr irecv(int endpoint, uint64_t tag, uint64_t tagMask, void* data, size_t bytes,
                    MemType mem, std::function<void(Request&)> onComplete) override;
+  bool probe(uint64_t tag, uint64_t tagMask, uint64_t& found) override;
   bool wait(Request& request, Clock::time_point deadline) override;
   void progress() override {
     // Without a multi-threaded worker only the progress thread may call into UCX's
