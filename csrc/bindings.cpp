@@ -143,7 +143,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         }
         return out;
       })
-      .def("dump_flight_record", &tdx::ProcessGroupTDX::dumpFlightRecord, py::arg("reason"))
+      .def(
+          "dump_flight_record",
+          [](const tdx::ProcessGroupTDX& pg, const std::string& reason) {
+            pg.dumpFlightRecord(reason);
+          },
+          py::arg("reason"))
       .def("allreduce_into", &tdx::ProcessGroupTDX::allreduceInto, py::arg("output"),
            py::arg("input"), py::arg("opts"), py::call_guard<py::gil_scoped_release>());
   m.def("_create_backend", &createBackend, py::arg("store"), py::arg("rank"), py::arg("size"),

@@ -161,3 +161,48 @@ def test_a_timeout_names_the_ranks_that_reached_the_op_and_those_that_did_not(
             assert "not timed out on it within 1 s: rank 2 " in r["error"], (rank, r)
         else:
             assert "ranks that got this far: 0, 1; not: 2)" in r["error"], (rank, r)
+
+
+def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
+    """Twelve ops, then a thirteenth that fails (rank 1 calls broadcast where rank 0 calls
+    all_reduce); the backend's log (standard error) goes to a file."""
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    t = torch.ones(100)
+    for _ in range(12):
+        dist.all_reduce(t)
+    try:
+        if rank == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, src=0)
+    except Exception:  # noqa: BLE001 - the record is what this test reads
+        pass
+    return {"record": torchdist_ext.flight_recorder(),
+            "dump": open(os.path.join(dump_dir, f"tdx_flight_0_r{rank}.txt")).read()}
+
+
+def test_the_logged_table_is_brief_and_the_file_complete(tmp_path) -> None:
+    """Every rank of a failed group logs its flight record: the log gets the newest 8 ops,
+    without the group prefix or the error the line above gave; the file under
+    TDX_DUMP_DIR keeps every op. The failed op names the algorithm it was running, not a
+    placeholder."""
+    logs, dumps = tmp_path / "logs", tmp_path / "dumps"
+    logs.mkdir()
+    results = run_ranks(_logged_table, 2, timeout=60, args=(str(logs), str(dumps)),
+                        env={"TDX_SHM": "0", "TDX_DUMP_DIR": str(dumps)})
+    for rank, r in enumerate(results):
+        last = r["record"][-1]
+        assert last["state"] == "failed" and last["path"] not in ("host", "-", ""), last
+        assert len(r["record"]) == 13 and len(r["dump"].splitlines()) == 14, r["dump"]
+        text = (logs / f"rank{rank}.log").read_text()
+        lines = text.splitlines()
+        head = next(i for i, line in enumerate(lines) if "flight recorder after" in line)
+        assert "also in " in lines[head] and "flight_recorder()" in lines[head], lines[head]
+        assert lines[head + 1].startswith("seq"), lines[head:head + 3]
+        assert lines[head + 2] == "(5 earlier op(s) not shown)", lines[head:head + 3]
+        rows = lines[head + 3:head + 11]
+        assert [row.split()[0] for row in rows] == [str(s) for s in range(6, 14)], rows
+        assert rows[-1].endswith("| (the error above)"), rows[-1]
+        assert not any("[tdx r" in row for row in rows), rows

@@ -255,7 +255,8 @@ def test_transfers_left_to_a_dead_rank_are_summed_up_not_listed(tmp_path) -> Non
     for each such request, buffer and registered region when the transport stopped
     ("object ... was not returned to mpool", "ucp_rcache: destroying inuse region"; up
     to tens of lines per survivor), after the backend's error had named the rank. They
-    are counted into one line instead (at TDX_DEBUG=INFO; each is shown at DETAIL)."""
+    are counted into one line instead (at TDX_DEBUG=INFO; each is shown at DETAIL). The
+    line on the lost connection names the rank that printed it and the rank it lost."""
     summaries = []
     for attempt in range(2):
         logs = tmp_path / str(attempt)
@@ -271,5 +272,9 @@ def test_transfers_left_to_a_dead_rank_are_summed_up_not_listed(tmp_path) -> Non
                    or "unexpected tag-receive descriptor" in line]
             assert not raw, (attempt, rank, raw)
             summaries += [line for line in text.splitlines() if "stopped with" in line]
+            # The transport's lines name the ranks: the printing one and the lost one.
+            lost = [line for line in text.splitlines() if "rank 2 (endpoint" in line]
+            assert lost and all(f"[tdx r{rank} transport]" in line for line in lost), \
+                (attempt, rank, text[-2000:])
     # Not vacuous: some survivor stopped with a transfer to the dead rank unfinished.
     assert any("stopped with 0 UCX" not in s for s in summaries), summaries

@@ -245,10 +245,12 @@ def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
     """The last ops of ``group`` (default: the world) on this rank, oldest first.
 
     Each entry has the op's sequence number, name, description (dtype, shape, device),
-    path (the algorithm that ran, e.g. ``ring`` or ``shm``; ``staged <algorithm>`` for CUDA
-    tensors staged through host memory; ``cuda-peer``), state (``queued``, ``running``, ``done``,
+    path (the algorithm that ran, or was running when the op failed, e.g. ``ring`` or
+    ``shm``; ``staged <algorithm>`` for CUDA tensors staged through host memory;
+    ``cuda-peer``; ``-`` before the op chose one), state (``queued``, ``running``, ``done``,
     ``failed``), the transfers it completed, its error and its timing. A failed or
-    timed-out op also logs this table, and writes it under ``TDX_DUMP_DIR`` when set.
+    timed-out op also logs the newest 8 entries, and writes them all under
+    ``TDX_DUMP_DIR`` when set.
     """
     return list(_tdx_backend(group, "flight_recorder").flight_record())
 

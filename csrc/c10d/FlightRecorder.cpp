@@ -66,14 +66,20 @@ std::vector<FlightEntry> FlightRecorder::snapshot() const {
   return {entries_.begin(), entries_.end()};
 }
 
-std::string FlightRecorder::format() const {
+std::string FlightRecorder::format(const FlightFormat& how) const {
   std::ostringstream os;
+  const std::vector<FlightEntry> all = snapshot();
+  const size_t skip = all.size() > how.lastRows ? all.size() - how.lastRows : 0;
   // The path column fits the longest algorithm name ("dissemination") and a space; the
   // queue time counts from the recorder's start, not a wait.
   os << std::left << std::setw(6) << "seq" << std::setw(22) << "op" << std::setw(15) << "path"
      << std::setw(9) << "state" << std::setw(7) << "steps" << std::setw(15) << "queued at(ms)"
      << std::setw(12) << "took(ms)" << "detail / error\n";
-  for (const auto& e : snapshot()) {
+  if (skip > 0) os << "(" << skip << " earlier op(s) not shown)\n";
+  for (size_t i = skip; i < all.size(); ++i) {
+    const FlightEntry& e = all[i];
+    const bool prefixed = !how.prefix.empty() && e.detail.rfind(how.prefix, 0) == 0;
+    const std::string detail = prefixed ? e.detail.substr(how.prefix.size()) : e.detail;
     std::ostringstream took;
     if (e.durationMs >= 0) took << std::fixed << std::setprecision(3) << e.durationMs;
     else took << "-";
@@ -81,8 +87,11 @@ std::string FlightRecorder::format() const {
     queued << std::fixed << std::setprecision(1) << e.queuedAtMs;
     os << std::setw(6) << e.seq << std::setw(22) << e.op << std::setw(15) << e.path
        << std::setw(9) << e.state << std::setw(7) << e.stepsDone << std::setw(15)
-       << queued.str() << std::setw(12) << took.str() << e.detail;
-    if (!e.error.empty()) os << " | " << e.error;
+       << queued.str() << std::setw(12) << took.str() << detail;
+    if (!e.error.empty()) {
+      os << " | " << (!how.shownAbove.empty() && e.error == how.shownAbove ? "(the error above)"
+                                                                          : e.error);
+    }
     os << "\n";
   }
   return os.str();

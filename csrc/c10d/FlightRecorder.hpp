@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <mutex>
@@ -30,6 +31,14 @@ struct FlightEntry {
   double durationMs = -1;  // from start to end; -1 while unfinished
 };
 
+// What format() leaves out, for the table logged beside an error: the log line above it
+// already carries the group's prefix and the error, and a long table buries both.
+struct FlightFormat {
+  size_t lastRows = SIZE_MAX;  // the newest entries only; a line counts the others
+  std::string prefix;          // dropped from the start of each entry's detail
+  std::string shownAbove;      // an error equal to it reads "(the error above)"
+};
+
 class FlightRecorder {
  public:
   explicit FlightRecorder(size_t capacity);
@@ -41,7 +50,7 @@ class FlightRecorder {
 
   std::vector<FlightEntry> snapshot() const;
   // A table, one line per entry, oldest first.
-  std::string format() const;
+  std::string format(const FlightFormat& how = FlightFormat()) const;
   // Writes format() to `dir`/`fileName`; returns the path, or "" when it could not.
   std::string dump(const std::string& dir, const std::string& fileName) const;
 

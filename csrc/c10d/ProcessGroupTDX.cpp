@@ -543,9 +543,11 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
               std::vector<uint8_t>(addr.begin(), addr.end()));
   endpoints_.resize(size);
   setupWait("tdx/addr/", "publish its transport address");
+  transport_->setRank(globalRanks_[rank]);  // the transport's log lines name ranks
   for (int r = 0; r < size; ++r) {
     const auto peer = store_->get("tdx/addr/" + std::to_string(r));
     endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
+    transport_->setPeerRank(endpoints_[r], globalRanks_[r]);
     knownPeers().add(transport_, globalRanks_[r], endpoints_[r]);
   }
   sharedEndpoints_ = std::make_shared<const std::vector<int>>(endpoints_);
@@ -653,7 +655,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   }
   Task task;
   task.work = work;
-  task.flightId = flight_->record(seq, what, work->description(), "host");
+  task.flightId = flight_->record(seq, what, work->description(), "-");  // chosen when it runs
   task.seq = seq;
   task.keepAlive = std::move(inputs);
   task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
@@ -1092,6 +1094,7 @@ void ProcessGroupTDX::runTask(Task& task) {
         }
       } catch (...) {
         steps = ch.stepsDone();
+        path = ch.algorithm();  // where it failed; "-" in the record when none was chosen
         if (!ch.quiesce()) {
           // A transfer could not be cancelled: its buffers may still be written, so they
           // go back to the allocator only once the transport has let go of it. The
@@ -1108,7 +1111,7 @@ void ProcessGroupTDX::runTask(Task& task) {
         throw;
       }
       steps = ch.stepsDone();
-      if (!ch.algorithm().empty()) path = ch.algorithm();
+      path = ch.algorithm().empty() ? "host" : ch.algorithm();
       if (ctx.done) {
         // The op's device work is queued on the backend stream: the work completes on
         // the host now and its waiters order themselves after `done`.
@@ -1174,7 +1177,7 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
     return;
   }
   TDX_LOG(Error, prefix()) << op << " failed: " << why;
-  dumpFlightRecord(op + " failed");
+  dumpFlightRecord(op + " failed", why);
 }
 
 namespace {
@@ -1435,16 +1438,25 @@ std::vector<FlightEntry> ProcessGroupTDX::flightRecord() const {
   return flight_->snapshot();
 }
 
-void ProcessGroupTDX::dumpFlightRecord(const std::string& reason) const {
+void ProcessGroupTDX::dumpFlightRecord(const std::string& reason,
+                                       const std::string& shownAbove) const {
   // The last ops of this group, to the log and (TDX_DUMP_DIR) to a file: what a user
-  // compares across ranks to see which one stopped where.
+  // compares across ranks to see which one stopped where. Every rank of a failed group
+  // logs it, so the log gets the newest few ops, without the group's prefix or the
+  // error it has just printed; the file and flight_recorder() have all of them.
+  constexpr size_t kLoggedOps = 8;
   std::string file = flight_->dump(env::get("TDX_DUMP_DIR"),
                                   "tdx_flight_" + groupName_ + "_r" + std::to_string(rank_) +
                                       ".txt");
-  TDX_LOG(Error, prefix()) << "flight recorder after " << reason
-                           << (file.empty() ? std::string() : " (also in " + file + ")")
-                           << ":\n"
-                           << flight_->format();
+  FlightFormat brief;
+  brief.lastRows = kLoggedOps;
+  brief.prefix = prefix() + " ";
+  brief.shownAbove = shownAbove;
+  TDX_LOG(Error, prefix()) << "flight recorder after " << reason << " ("
+                           << (file.empty() ? std::string("set TDX_DUMP_DIR to keep it in a file")
+                                            : "also in " + file)
+                           << "; torchdist_ext.flight_recorder() returns it):\n"
+                           << flight_->format(brief);
 }
 
 void ProcessGroupTDX::registerWork(const c10::intrusive_ptr<WorkTDX>& work) {

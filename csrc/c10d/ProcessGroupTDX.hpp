@@ -145,8 +145,9 @@ class ProcessGroupTDX : public c10d::Backend {
 
   // The last ops of this group (TDX_FLIGHT_OPS of them), oldest first.
   std::vector<FlightEntry> flightRecord() const;
-  // Logs the flight record, and writes it under TDX_DUMP_DIR when that is set.
-  void dumpFlightRecord(const std::string& reason) const;
+  // Logs the newest entries of the flight record, and writes all of it under
+  // TDX_DUMP_DIR when that is set. `shownAbove`: the error the log line before it gave.
+  void dumpFlightRecord(const std::string& reason, const std::string& shownAbove = "") const;
 
   // Ops that ran through same-host peer memory (tests check the fast path is taken).
   uint64_t peerOpsRun() const {

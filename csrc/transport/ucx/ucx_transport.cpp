@@ -273,8 +273,8 @@ UcxTransport::UcxTransport(const Hints& hints)
     throw;
   }
   progressThread_ = std::thread([this] { progressLoop(); });
-  TDX_LOG(Info, kPrefix) << "UCX " << ucp_get_version_string() << " worker up, "
-                         << env::describe();
+  TDX_LOG(Info, logPrefix()) << "UCX " << ucp_get_version_string() << " worker up, "
+                             << env::describe();
 }
 
 void UcxTransport::startWorker() {
@@ -373,12 +373,11 @@ UcxTransport::~UcxTransport() {
     ucp_cleanup(context_);
     if (counter && counter->counts().total() > 0) {
       const auto& c = counter->counts();
-      TDX_LOG(Info, kPrefix) << "stopped with " << c.objects << " UCX request(s) or buffer(s) "
-                             << "in use, " << c.regions << " registered region(s) in use and "
-                             << c.messages
-                             << " message(s) never received (transfers given up on after "
-                                "a failure, or sent and never received); TDX_DEBUG=DETAIL "
-                                "shows UCX's report of each";
+      TDX_LOG(Info, logPrefix())
+          << "stopped with " << c.objects << " UCX request(s) or buffer(s) in use, "
+          << c.regions << " registered region(s) in use and " << c.messages
+          << " message(s) never received (transfers given up on after a failure, or sent "
+             "and never received); TDX_DEBUG=DETAIL shows UCX's report of each";
     }
   }
   // What requests UCX had not let go of still hold goes with inflight_, except a
@@ -491,10 +490,10 @@ int UcxTransport::connect(const std::string& address) {
     endpoints_[id].peerErrors = peerMode;
     endpointByAddress_[address] = id;
   }
-  TDX_LOG(Info, kPrefix) << "endpoint " << id << " to pid " << peer.pid
-                         << (peer.sameHostAs(self_) ? " on this host" : " on another host")
-                         << (watched ? ", process watched" : "")
-                         << (peerMode ? ", UCX peer errors" : "");
+  TDX_LOG(Info, logPrefix()) << "endpoint " << id << " to pid " << peer.pid
+                             << (peer.sameHostAs(self_) ? " on this host" : " on another host")
+                             << (watched ? ", process watched" : "")
+                             << (peerMode ? ", UCX peer errors" : "");
   return id;
 }
 
@@ -594,6 +593,16 @@ void UcxTransport::onRequestDone(Request* r, void* ucxRequest, ucs_status_t stat
   });
 }
 
+std::string UcxTransport::logPrefix() const {
+  const int64_t rank = rank_.load(std::memory_order_relaxed);
+  return rank < 0 ? std::string(kPrefix) : "[tdx r" + std::to_string(rank) + " transport]";
+}
+
+void UcxTransport::setPeerRank(int endpoint, int64_t rank) {
+  std::lock_guard<std::mutex> lock(endpointsMu_);
+  endpoints_.at(endpoint).rank = rank;
+}
+
 void UcxTransport::onEndpointError(int endpoint, ucs_status_t status) {
   failEndpoint(endpoint, ucs_status_string(status));
 }
@@ -610,7 +619,8 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     e.failure = failure;
     why = e.failure;
     forceClose = e.watched && !e.peerErrors;
-    peer = "endpoint " + std::to_string(endpoint) + " (pid " + std::to_string(e.pid) +
+    peer = (e.rank >= 0 ? "rank " + std::to_string(e.rank) + " (endpoint " : "endpoint (") +
+           std::to_string(endpoint) + ", pid " + std::to_string(e.pid) +
            (e.sameHost ? " on this host)" : " on another host)");
   }
   // A peer that shut down cleanly closes its side too; that is only worth a warning
@@ -623,9 +633,9 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     }
   }
   if (busy) {
-    TDX_LOG(Warn, kPrefix) << "lost connection to " << peer << ": " << why;
+    TDX_LOG(Warn, logPrefix()) << "lost connection to " << peer << ": " << why;
   } else {
-    TDX_LOG(Info, kPrefix) << peer << " closed by its peer: " << why;
+    TDX_LOG(Info, logPrefix()) << peer << " closed by its peer: " << why;
   }
   // Sends on the endpoint complete with an error by themselves (peer error mode), or
   // when a watched peer's endpoint is closed by force below; receives are posted on the
@@ -906,9 +916,9 @@ void UcxTransport::runDeferred() {
       try {
         action();
       } catch (const std::exception& e) {
-        TDX_LOG(Error, kPrefix) << "a deferred transport action failed: " << e.what();
+        TDX_LOG(Error, logPrefix()) << "a deferred transport action failed: " << e.what();
       } catch (...) {
-        TDX_LOG(Error, kPrefix) << "a deferred transport action failed";
+        TDX_LOG(Error, logPrefix()) << "a deferred transport action failed";
       }
     }
   }

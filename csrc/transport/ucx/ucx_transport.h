@@ -62,6 +62,13 @@ class UcxTransport final : public Transport {
   };
   std::vector<EndpointInfo> endpointInfo() const;
 
+  // The job's global ranks, for the log: this process's, and the peer's of `endpoint`
+  // (set by the groups as they connect; until then lines name endpoints and pids).
+  void setRank(int64_t rank) {
+    rank_.store(rank, std::memory_order_relaxed);
+  }
+  void setPeerRank(int endpoint, int64_t rank);
+
   // Whether UCX's TCP transport is loaded (a listening port on every interface it uses).
   bool tcpLoaded() const {
     return tcpLoaded_;
@@ -114,7 +121,11 @@ class UcxTransport final : public Transport {
     bool peerErrors = false;
     int64_t pid = 0;
     bool sameHost = false;
+    int64_t rank = -1;  // the peer's global rank, once a group has said (setPeerRank)
   };
+
+  // "[tdx transport]", with this process's global rank once a group has set it.
+  std::string logPrefix() const;
 
   RequestPtr track(int endpoint, bool isSend, std::function<void(Request&)> onComplete);
   void finishImmediately(const RequestPtr& r, ucs_status_t status, size_t length,
@@ -170,6 +181,7 @@ class UcxTransport final : public Transport {
 
   mutable std::mutex endpointsMu_;
   std::atomic<uint64_t> failedEndpoints_{0};
+  std::atomic<int64_t> rank_{-1};  // see setRank()
   PeerErrors peerErrors_;
   bool tcpLoaded_ = true;
   bool multiThreaded_ = true;  // the worker got UCS_THREAD_MODE_MULTI
