@@ -165,20 +165,24 @@ def test_a_timeout_names_the_ranks_that_reached_the_op_and_those_that_did_not(
 
 def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
     """Twelve ops, then a thirteenth that fails (rank 1 calls broadcast where rank 0 calls
-    all_reduce); the backend's log (standard error) goes to a file."""
+    all_reduce; rank 1 queues three more behind it); the backend's log (standard error)
+    goes to a file."""
     fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
     t = torch.ones(100)
     for _ in range(12):
         dist.all_reduce(t)
-    try:
-        if rank == 0:
-            dist.all_reduce(t)
-        else:
-            dist.broadcast(t, src=0)
-    except Exception:  # noqa: BLE001 - the record is what this test reads
-        pass
+    if rank == 0:
+        works = [dist.all_reduce(t, async_op=True)]
+    else:
+        works = [dist.broadcast(t, src=0, async_op=True)]
+        works += [dist.all_reduce(torch.ones(100), async_op=True) for _ in range(3)]
+    for work in works:
+        try:
+            work.wait()
+        except Exception:  # noqa: BLE001 - the record is what this test reads
+            pass
     return {"record": torchdist_ext.flight_recorder(),
             "dump": open(os.path.join(dump_dir, f"tdx_flight_0_r{rank}.txt")).read()}
 
@@ -186,16 +190,19 @@ def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
 def test_the_logged_table_is_brief_and_the_file_complete(tmp_path) -> None:
     """Every rank of a failed group logs its flight record: the log gets the newest 8 ops,
     without the group prefix or the error the line above gave; the file under
-    TDX_DUMP_DIR keeps every op. The failed op names the algorithm it was running, not a
+    TDX_DUMP_DIR keeps every op. The rows end at the failed op, with a line counting the
+    ops queued after it. The failed op names the algorithm it was running, not a
     placeholder."""
     logs, dumps = tmp_path / "logs", tmp_path / "dumps"
     logs.mkdir()
     results = run_ranks(_logged_table, 2, timeout=60, args=(str(logs), str(dumps)),
                         env={"TDX_SHM": "0", "TDX_DUMP_DIR": str(dumps)})
     for rank, r in enumerate(results):
-        last = r["record"][-1]
-        assert last["state"] == "failed" and last["path"] not in ("host", "-", ""), last
-        assert len(r["record"]) == 13 and len(r["dump"].splitlines()) == 14, r["dump"]
+        later = 3 if rank == 1 else 0
+        failed = r["record"][12]
+        assert failed["state"] == "failed" and failed["path"] not in ("host", "-", ""), failed
+        assert len(r["record"]) == 13 + later, r["record"]
+        assert len(r["dump"].splitlines()) == 14 + later, r["dump"]
         text = (logs / f"rank{rank}.log").read_text()
         lines = text.splitlines()
         head = next(i for i, line in enumerate(lines) if "flight recorder after" in line)
@@ -206,3 +213,5 @@ def test_the_logged_table_is_brief_and_the_file_complete(tmp_path) -> None:
         assert [row.split()[0] for row in rows] == [str(s) for s in range(6, 14)], rows
         assert rows[-1].endswith("| (the error above)"), rows[-1]
         assert not any("[tdx r" in row for row in rows), rows
+        if later:
+            assert lines[head + 11] == f"({later} later op(s) not shown)", lines[head + 11]

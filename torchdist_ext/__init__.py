@@ -247,7 +247,8 @@ def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
     Each entry has the op's sequence number, name, description (dtype, shape, device),
     path (the algorithm that ran, or was running when the op failed, e.g. ``ring`` or
     ``shm``; ``staged <algorithm>`` for CUDA tensors staged through host memory;
-    ``cuda-peer``; ``-`` before the op chose one), state (``queued``, ``running``, ``done``,
+    ``cuda-peer``; ``monitored`` for ``monitored_barrier``; ``host`` for a host op that
+    ran no named algorithm; ``-`` before the op chose one), state (``queued``, ``running``, ``done``,
     ``failed``), the transfers it completed, its error and its timing. A failed or
     timed-out op also logs the newest 8 entries, and writes them all under
     ``TDX_DUMP_DIR`` when set.

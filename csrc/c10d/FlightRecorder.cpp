@@ -69,14 +69,18 @@ std::vector<FlightEntry> FlightRecorder::snapshot() const {
 std::string FlightRecorder::format(const FlightFormat& how) const {
   std::ostringstream os;
   const std::vector<FlightEntry> all = snapshot();
-  const size_t skip = all.size() > how.lastRows ? all.size() - how.lastRows : 0;
+  size_t end = all.size();
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].id == how.lastId) end = i + 1;
+  }
+  const size_t skip = end > how.lastRows ? end - how.lastRows : 0;
   // The path column fits the longest algorithm name ("dissemination") and a space; the
   // queue time counts from the recorder's start, not a wait.
   os << std::left << std::setw(6) << "seq" << std::setw(22) << "op" << std::setw(15) << "path"
      << std::setw(9) << "state" << std::setw(7) << "steps" << std::setw(15) << "queued at(ms)"
      << std::setw(12) << "took(ms)" << "detail / error\n";
   if (skip > 0) os << "(" << skip << " earlier op(s) not shown)\n";
-  for (size_t i = skip; i < all.size(); ++i) {
+  for (size_t i = skip; i < end; ++i) {
     const FlightEntry& e = all[i];
     const bool prefixed = !how.prefix.empty() && e.detail.rfind(how.prefix, 0) == 0;
     const std::string detail = prefixed ? e.detail.substr(how.prefix.size()) : e.detail;
@@ -94,6 +98,7 @@ std::string FlightRecorder::format(const FlightFormat& how) const {
     }
     os << "\n";
   }
+  if (end < all.size()) os << "(" << all.size() - end << " later op(s) not shown)\n";
   return os.str();
 }
 

@@ -34,9 +34,11 @@ struct FlightEntry {
 // What format() leaves out, for the table logged beside an error: the log line above it
 // already carries the group's prefix and the error, and a long table buries both.
 struct FlightFormat {
-  size_t lastRows = SIZE_MAX;  // the newest entries only; a line counts the others
-  std::string prefix;          // dropped from the start of each entry's detail
-  std::string shownAbove;      // an error equal to it reads "(the error above)"
+  size_t lastRows = SIZE_MAX;     // at most this many entries, up to `lastId`
+  uint64_t lastId = UINT64_MAX;   // the newest entry shown (the failed op; ops queued
+                                  // after it are counted, not shown)
+  std::string prefix;             // dropped from the start of each entry's detail
+  std::string shownAbove;         // an error equal to it reads "(the error above)"
 };
 
 class FlightRecorder {

@@ -173,22 +173,41 @@ RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes
   return r;
 }
 
-void GroupChannel::checkForOtherOps() const {
-  if (kind_ == OpKind::None) return;
-  // Any sender and any step: the other collective's first message need not come from the
-  // rank, or carry the step, this rank waits on. One probe per other kind, and only
-  // after a wait of 100 ms, so the cost stays off the ops that run as they should.
-  const uint64_t mask = ~(tag::kRankFieldMask | tag::kStepFieldMask);
+const char* GroupChannel::otherOpFrom(int peer) const {
+  if (kind_ == OpKind::None) return nullptr;
+  // Any step: the other collective's first message need not carry the step this rank
+  // waits on. One probe per other kind, made only after a wait of 100 ms, so the cost
+  // stays off the ops that run as they should.
+  const uint64_t mask = ~tag::kStepFieldMask;
   for (uint32_t k = 1; k <= kLastOpKind; ++k) {
     if (k == static_cast<uint32_t>(kind_)) continue;
     uint64_t found = 0;
-    if (!transport_.probe(tag::collective(groupId_, 0, k, seq_, 0), mask, found)) continue;
-    throw std::runtime_error(
-        std::string("collective mismatch: rank ") + std::to_string(tag::senderOf(found)) +
-        " called " + opKindName(static_cast<OpKind>(k)) + " as this op of the group (its "
-        "message arrived here) where this rank called " + opKindName(kind_) +
-        ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
-        "also compares dtypes, shapes, roots and reduce ops");
+    if (transport_.probe(tag::collective(groupId_, static_cast<uint32_t>(peer), k, seq_, 0),
+                         mask, found)) {
+      return opKindName(static_cast<OpKind>(k));
+    }
+  }
+  return nullptr;
+}
+
+void GroupChannel::checkForOtherOps() const {
+  if (kind_ == OpKind::None) return;
+  std::vector<int> asked;
+  for (const auto& p : posted_) {
+    // A rank that still owes this op a message has not finished it as this op's kind:
+    // its message of the same sequence bits and another kind is a mismatch either way.
+    // (A rank that owes nothing may be 2^11 ops ahead, its sequence bits wrapped.)
+    if (p.request->isSend || p.request->done()) continue;
+    if (std::find(asked.begin(), asked.end(), p.peer) != asked.end()) continue;
+    asked.push_back(p.peer);
+    if (const char* other = otherOpFrom(p.peer)) {
+      throw std::runtime_error(
+          std::string("collective mismatch: rank ") + std::to_string(p.peer) + " called " +
+          other + " as this op of the group (its message arrived here) where this rank "
+          "called " + opKindName(kind_) + ". Every rank must call the same collectives in "
+          "the same order; TDX_DEBUG=DETAIL also compares dtypes, shapes, roots and reduce "
+          "ops");
+    }
   }
 }
 

@@ -142,6 +142,11 @@ class GroupChannel final : public algorithms::Channel {
   bool settle(const transport::RequestPtr& request, transport::Clock::time_point until);
   // Whether rank `peer`'s connection failed (the rank is gone).
   bool peerLost(int peer) const;
+  // The collective rank `peer` called as this op, when its message for this op's
+  // sequence number carries another kind than this op's (it waits unreceived); null when
+  // none has come. Only a peer that still owes this rank a message of the op may be
+  // asked: one that owes it nothing may be 2^11 ops ahead, its sequence bits wrapped.
+  const char* otherOpFrom(int peer) const;
 
   // True when every request of this op has finished (so its buffers may be reused).
   // Cancels what it can and waits (at most 1 s, 100 ms for a lost peer) for the
@@ -203,8 +208,9 @@ class GroupChannel final : public algorithms::Channel {
   };
 
   uint64_t tagOf(int sender, uint32_t step) const;
-  // Throws naming the other collective when a message of this op's sequence number but
-  // another kind has arrived from any rank: that rank called a different collective.
+  // Throws naming the other collective when a rank this op still waits to receive from
+  // sent a message of this op's sequence number but another kind: it called a
+  // different collective.
   void checkForOtherOps() const;
 
   transport::Transport& transport_;

@@ -221,6 +221,7 @@ void barrier(ProcessGroupTDX& pg, GroupChannel& ch) {
 }
 
 void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds timeout) {
+  ch.setAlgorithm("monitored");  // the flight record's path
   const int n = ch.size(), r = ch.rank();
   if (n == 1) return;
   // Messages of one byte: step 0 reports to rank 0, step 1 is rank 0's release. The
@@ -263,13 +264,18 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
           if (!reports[q]->ok()) {
             why[q] = "its report failed: " + reports[q]->error;
           } else if (reports[q]->receivedBytes != 1) {
-            // A 0-byte message of the same step: that rank called another op here.
+            // A 0-byte message of the same step: that rank called barrier here (other
+            // collectives carry another kind, found below).
             why[q] = "it called another op (its message had " +
                      std::to_string(reports[q]->receivedBytes) + " bytes, a report has 1)";
           }
         } else if (ch.peerLost(q)) {
           open[q] = false;
           why[q] = "lost (its connection failed)";
+        } else if (const char* other = ch.otherOpFrom(q)) {
+          // Its message of another collective, which the report cannot take, is here.
+          open[q] = false;
+          why[q] = std::string("it called ") + other + " here";
         } else if (first < 0) {
           first = q;
         }

@@ -635,6 +635,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
                     outputs.size() == 1 ? std::string("output") : "output " + std::to_string(i));
     }
   }
+  // Checked before the op takes a sequence number, which would then be this rank's alone.
+  const OpKind kind = limits.kind != OpKind::None ? limits.kind : opKindOf(type);
+  TORCH_INTERNAL_ASSERT(kind != OpKind::None, what, ": no wire kind for its op type");
   // Sequence numbers must reach the queue in order: ranks match ops by them, and two
   // threads issuing ops on one group could otherwise queue #2 ahead of #1 on one rank.
   std::lock_guard<std::mutex> ordered(enqueueMu_);
@@ -674,8 +677,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.timeout = limit;
   task.fingerprinted = limits.fingerprinted;
   task.tellsPeers = limits.tellsPeers;
-  task.kind = limits.kind != OpKind::None ? limits.kind : opKindOf(type);
-  TORCH_INTERNAL_ASSERT(task.kind != OpKind::None, what, ": no wire kind for its op type");
+  task.kind = kind;
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
@@ -1177,7 +1179,7 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
     return;
   }
   TDX_LOG(Error, prefix()) << op << " failed: " << why;
-  dumpFlightRecord(op + " failed", why);
+  dumpFlightRecord(op + " failed", why, task.flightId);
 }
 
 namespace {
@@ -1438,23 +1440,27 @@ std::vector<FlightEntry> ProcessGroupTDX::flightRecord() const {
   return flight_->snapshot();
 }
 
-void ProcessGroupTDX::dumpFlightRecord(const std::string& reason,
-                                       const std::string& shownAbove) const {
+void ProcessGroupTDX::dumpFlightRecord(const std::string& reason, const std::string& shownAbove,
+                                       uint64_t failedId) const {
   // The last ops of this group, to the log and (TDX_DUMP_DIR) to a file: what a user
   // compares across ranks to see which one stopped where. Every rank of a failed group
   // logs it, so the log gets the newest few ops, without the group's prefix or the
   // error it has just printed; the file and flight_recorder() have all of them.
   constexpr size_t kLoggedOps = 8;
-  std::string file = flight_->dump(env::get("TDX_DUMP_DIR"),
-                                  "tdx_flight_" + groupName_ + "_r" + std::to_string(rank_) +
-                                      ".txt");
+  const std::string dir = env::get("TDX_DUMP_DIR");
+  const std::string file =
+      flight_->dump(dir, "tdx_flight_" + groupName_ + "_r" + std::to_string(rank_) + ".txt");
   FlightFormat brief;
   brief.lastRows = kLoggedOps;
+  brief.lastId = failedId;
   brief.prefix = prefix() + " ";
   brief.shownAbove = shownAbove;
-  TDX_LOG(Error, prefix()) << "flight recorder after " << reason << " ("
-                           << (file.empty() ? std::string("set TDX_DUMP_DIR to keep it in a file")
-                                            : "also in " + file)
+  std::string where = "also in " + file;
+  if (file.empty()) {
+    where = dir.empty() ? "set TDX_DUMP_DIR to keep it in a file"
+                        : "could not write it under TDX_DUMP_DIR=" + dir;
+  }
+  TDX_LOG(Error, prefix()) << "flight recorder after " << reason << " (" << where
                            << "; torchdist_ext.flight_recorder() returns it):\n"
                            << flight_->format(brief);
 }

@@ -145,9 +145,11 @@ class ProcessGroupTDX : public c10d::Backend {
 
   // The last ops of this group (TDX_FLIGHT_OPS of them), oldest first.
   std::vector<FlightEntry> flightRecord() const;
-  // Logs the newest entries of the flight record, and writes all of it under
-  // TDX_DUMP_DIR when that is set. `shownAbove`: the error the log line before it gave.
-  void dumpFlightRecord(const std::string& reason, const std::string& shownAbove = "") const;
+  // Logs the newest entries of the flight record up to the failed op's (`failedId`;
+  // none: the newest), and writes all of it under TDX_DUMP_DIR when that is set.
+  // `shownAbove`: the error the log line before it gave.
+  void dumpFlightRecord(const std::string& reason, const std::string& shownAbove = "",
+                        uint64_t failedId = UINT64_MAX) const;
 
   // Ops that ran through same-host peer memory (tests check the fast path is taken).
   uint64_t peerOpsRun() const {

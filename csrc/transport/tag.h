@@ -1,8 +1,8 @@
 // The 64-bit tag layout. Every message carries its sender's group rank so that a
 // worker-wide receive can only match the intended peer, and collectives carry the
 // group's sequence number and the op's kind, so a rank that skipped, reordered or
-// swapped an op can never have its bytes consumed by a different op (its receive finds
-// the other op's message by a probe and says so, or times out).
+// swapped an op can never have its bytes consumed by a different op (a receive finds a
+// peer's message of another kind by a probe and says so, or times out).
 //
 //   bit  63      kind: 0 collective, 1 point-to-point
 //   bits 43..62  group id (20 bits, a hash of the group name)
@@ -14,7 +14,9 @@
 //
 // Messages with equal (sender, tag) match in posting order (UCX tag matching is
 // non-overtaking), so wrapping step or sequence numbers is safe while ops on one group
-// run in order: a rank gets at most about one op ahead of a peer it needs, not 2^11.
+// run in order. A rank whose role in an op only sends (a broadcast root) may run ahead
+// of its peers, even 2^11 ops: a probe for another op's message therefore asks only a
+// peer that still owes the waiting op a message.
 #pragma once
 
 #include <cstdint>

@@ -619,9 +619,11 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
     e.failure = failure;
     why = e.failure;
     forceClose = e.watched && !e.peerErrors;
-    peer = (e.rank >= 0 ? "rank " + std::to_string(e.rank) + " (endpoint " : "endpoint (") +
-           std::to_string(endpoint) + ", pid " + std::to_string(e.pid) +
-           (e.sameHost ? " on this host)" : " on another host)");
+    const std::string where = "pid " + std::to_string(e.pid) +
+                              (e.sameHost ? " on this host)" : " on another host)");
+    peer = e.rank >= 0 ? "rank " + std::to_string(e.rank) + " (endpoint " +
+                             std::to_string(endpoint) + ", " + where
+                       : "endpoint " + std::to_string(endpoint) + " (" + where;
   }
   // A peer that shut down cleanly closes its side too; that is only worth a warning
   // when something was still waiting on it.
