@@ -288,6 +288,27 @@ def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str, algo: str) -
     assert "rank 1 gave up" in r0["next"] and r0["next s"] < 3.0, r0
 
 
+def _each_on_a_group_of_its_own(n: int, cases: dict, first: bool) -> dict:
+    """Runs each case, ``case(first, group)``, on a new group that it then destroys: the
+    outcome under the case's name, its time under "<name> seconds"; then, under "ok",
+    whether an all_reduce on the default group (untouched) still sums right."""
+    out: dict = {}
+    for name, call in cases.items():
+        g = dist.new_group(backend="tdx")
+        start = time.monotonic()
+        try:
+            call(first, g)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
+    t = torch.ones(8)
+    dist.all_reduce(t)  # the default group is untouched
+    out["ok"] = t.tolist() == [float(n)] * 8
+    return out
+
+
 def _coalesced_pair(g, a: torch.Tensor, b: torch.Tensor) -> None:
     with dist._coalescing_manager(group=g, async_ops=True) as cm:
         dist.all_reduce(a, group=g)
@@ -300,36 +321,22 @@ def _same_bytes_other_reduction(rank: int, n: int) -> dict:
     different reduce ops, in the shared-memory windows: each case on a group of its own.
     Rank 0 calls the first form, the others the second."""
     cases = {
-        "dtype": lambda first: dist.all_reduce(
+        "dtype": lambda first, g: dist.all_reduce(
             torch.ones(64) if first else torch.ones(64, dtype=torch.int32), group=g),
-        "op": lambda first: dist.all_reduce(
+        "op": lambda first, g: dist.all_reduce(
             torch.ones(64), op=dist.ReduceOp.SUM if first else dist.ReduceOp.MAX, group=g),
         # float32 against float64 of the same byte count: the chunks a half holds differ
         # in bytes, so without the check rank 0 took part of the next op's data as its own.
-        "reduce_scatter": lambda first: dist.reduce_scatter_tensor(
+        "reduce_scatter": lambda first, g: dist.reduce_scatter_tensor(
             torch.empty(174762) if first else torch.empty(87381, dtype=torch.float64),
             torch.ones(174762 * n) if first else torch.ones(87381 * n, dtype=torch.float64),
             group=g),
         # Entry by entry: the first entries agree, the second does not.
-        "coalesced": lambda first: _coalesced_pair(
+        "coalesced": lambda first, g: _coalesced_pair(
             g, torch.ones(64, dtype=torch.int64),
             torch.ones(64) if first else torch.ones(64, dtype=torch.int32)),
     }
-    out: dict = {}
-    for name, call in cases.items():
-        g = dist.new_group(backend="tdx")
-        start = time.monotonic()
-        try:
-            call(rank == 0)
-            out[name] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
-        dist.destroy_process_group(g)
-    t = torch.ones(8)
-    dist.all_reduce(t)  # the default group is untouched
-    out["ok"] = t.tolist() == [float(n)] * 8
-    return out
+    return _each_on_a_group_of_its_own(n, cases, rank == 0)
 
 
 @pytest.mark.parametrize("allreduce", ["shm", "shm_direct"])
@@ -397,31 +404,17 @@ def _different_collectives(rank: int, n: int) -> dict:
     group: the pairs move the same bytes, so only the op kind in the tags tells them
     apart. Each pair on a group of its own, which it ends."""
     cases = {
-        "all_reduce/broadcast": lambda g: (
-            dist.all_reduce(torch.ones(10), group=g) if rank == 0
+        "all_reduce/broadcast": lambda first, g: (
+            dist.all_reduce(torch.ones(10), group=g) if first
             else dist.broadcast(torch.ones(10), src=0, group=g)),
-        "all_gather/all_to_all": lambda g: (
-            dist.all_gather_into_tensor(torch.empty(20), torch.ones(10), group=g) if rank == 0
+        "all_gather/all_to_all": lambda first, g: (
+            dist.all_gather_into_tensor(torch.empty(20), torch.ones(10), group=g) if first
             else dist.all_to_all_single(torch.empty(20), torch.ones(20), group=g)),
-        "reduce_scatter/all_reduce": lambda g: (
-            dist.reduce_scatter_tensor(torch.empty(10), torch.ones(20), group=g) if rank == 0
+        "reduce_scatter/all_reduce": lambda first, g: (
+            dist.reduce_scatter_tensor(torch.empty(10), torch.ones(20), group=g) if first
             else dist.all_reduce(torch.ones(20), group=g)),
     }
-    out: dict = {}
-    for name, call in cases.items():
-        g = dist.new_group(backend="tdx")
-        start = time.monotonic()
-        try:
-            call(g)
-            out[name] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
-        dist.destroy_process_group(g)
-    t = torch.ones(8)
-    dist.all_reduce(t)  # the default group is untouched
-    out["ok"] = t.tolist() == [float(n)] * 8
-    return out
+    return _each_on_a_group_of_its_own(n, cases, rank == 0)
 
 
 def test_different_collectives_fail_at_once_on_the_message_path_without_detail() -> None:
