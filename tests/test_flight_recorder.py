@@ -171,8 +171,11 @@ def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
     os.dup2(fd, 2)
     os.close(fd)
     t = torch.ones(100)
-    for _ in range(12):
-        dist.all_reduce(t)
+    for i in range(12):  # a name as long as the op column was, so it must not run on
+        if i % 2:
+            dist.all_gather_into_tensor(torch.empty(100 * n), t)
+        else:
+            dist.all_reduce(t)
     if rank == 0:
         works = [dist.all_reduce(t, async_op=True)]
     else:
@@ -211,6 +214,9 @@ def test_the_logged_table_is_brief_and_the_file_complete(tmp_path) -> None:
         assert lines[head + 2] == "(5 earlier op(s) not shown)", lines[head:head + 3]
         rows = lines[head + 3:head + 11]
         assert [row.split()[0] for row in rows] == [str(s) for s in range(6, 14)], rows
+        # Each op and path stands apart from the next column.
+        assert [row.split()[1:3] for row in rows] == \
+            [[e["op"], e["path"]] for e in r["record"][5:13]], rows
         assert rows[-1].endswith("| (the error above)"), rows[-1]
         assert not any("[tdx r" in row for row in rows), rows
         if later:

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -74,11 +75,18 @@ std::string FlightRecorder::format(const FlightFormat& how) const {
     if (all[i].id == how.lastId) end = i + 1;
   }
   const size_t skip = end > how.lastRows ? end - how.lastRows : 0;
-  // The path column fits the longest algorithm name ("dissemination") and a space; the
-  // queue time counts from the recorder's start, not a wait.
-  os << std::left << std::setw(6) << "seq" << std::setw(22) << "op" << std::setw(15) << "path"
-     << std::setw(9) << "state" << std::setw(7) << "steps" << std::setw(15) << "queued at(ms)"
-     << std::setw(12) << "took(ms)" << "detail / error\n";
+  // The op and path columns fit the longest name shown ("all_gather_into_tensor_coalesced",
+  // "staged dissemination") and a space; the queue time counts from the recorder's
+  // start, not a wait.
+  size_t opWidth = 22, pathWidth = 15;
+  for (size_t i = skip; i < end; ++i) {
+    opWidth = std::max(opWidth, all[i].op.size() + 1);
+    pathWidth = std::max(pathWidth, all[i].path.size() + 1);
+  }
+  const int opW = static_cast<int>(opWidth), pathW = static_cast<int>(pathWidth);
+  os << std::left << std::setw(6) << "seq" << std::setw(opW) << "op" << std::setw(pathW)
+     << "path" << std::setw(9) << "state" << std::setw(7) << "steps" << std::setw(15)
+     << "queued at(ms)" << std::setw(12) << "took(ms)" << "detail / error\n";
   if (skip > 0) os << "(" << skip << " earlier op(s) not shown)\n";
   for (size_t i = skip; i < end; ++i) {
     const FlightEntry& e = all[i];
@@ -89,7 +97,7 @@ std::string FlightRecorder::format(const FlightFormat& how) const {
     else took << "-";
     std::ostringstream queued;
     queued << std::fixed << std::setprecision(1) << e.queuedAtMs;
-    os << std::setw(6) << e.seq << std::setw(22) << e.op << std::setw(15) << e.path
+    os << std::setw(6) << e.seq << std::setw(opW) << e.op << std::setw(pathW) << e.path
        << std::setw(9) << e.state << std::setw(7) << e.stepsDone << std::setw(15)
        << queued.str() << std::setw(12) << took.str() << detail;
     if (!e.error.empty()) {
