@@ -248,10 +248,10 @@ def flight_recorder(group: Any = None) -> list[dict[str, Any]]:
     path (the algorithm that ran, or was running when the op failed, e.g. ``ring`` or
     ``shm``; ``staged <algorithm>`` for CUDA tensors staged through host memory;
     ``cuda-peer``; ``monitored`` for ``monitored_barrier``; ``host`` for a host op that
-    ran no named algorithm; ``-`` before the op chose one), state (``queued``, ``running``, ``done``,
-    ``failed``), the transfers it completed, its error and its timing. A failed or
-    timed-out op also logs the newest 8 entries, and writes them all under
-    ``TDX_DUMP_DIR`` when set.
+    ran no named algorithm; ``-`` before the op chose one), state (``queued``,
+    ``running``, ``done``, ``failed``), the transfers it completed, its error and its
+    timing. A failed or timed-out op also logs the 8 entries up to its own, and writes
+    them all under ``TDX_DUMP_DIR`` when set.
     """
     return list(_tdx_backend(group, "flight_recorder").flight_record())
 
