@@ -171,7 +171,7 @@ def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
     os.dup2(fd, 2)
     os.close(fd)
     t = torch.ones(100)
-    for i in range(12):  # a name as long as the op column was, so it must not run on
+    for i in range(12):  # all_gather_into_tensor filled the op column's old width
         if i % 2:
             dist.all_gather_into_tensor(torch.empty(100 * n), t)
         else:
@@ -191,11 +191,10 @@ def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
 
 
 def test_the_logged_table_is_brief_and_the_file_complete(tmp_path) -> None:
-    """Every rank of a failed group logs its flight record: the log gets the newest 8 ops,
-    without the group prefix or the error the line above gave; the file under
-    TDX_DUMP_DIR keeps every op. The rows end at the failed op, with a line counting the
-    ops queued after it. The failed op names the algorithm it was running, not a
-    placeholder."""
+    """Every rank of a failed group logs its flight record: the log gets the 8 ops up to
+    the failed one, with a line counting the ops queued after it, without the group
+    prefix or the error the line above gave; the file under TDX_DUMP_DIR keeps every op.
+    The failed op names the algorithm it was running, not a placeholder."""
     logs, dumps = tmp_path / "logs", tmp_path / "dumps"
     logs.mkdir()
     results = run_ranks(_logged_table, 2, timeout=60, args=(str(logs), str(dumps)),
