@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchdist_ext.testing import RankFailure, run_ranks
+from torchdist_ext.testing import RankFailure, log_to_file, run_ranks
 
 
 def _expect_error(fails: list[str], what: str, fn, *needles: str, ours: bool = True) -> None:
@@ -623,10 +623,7 @@ def _refuse_and_leave(rank: int, n: int, log_dir: str) -> str:
     """The root refuses its scatter list and leaves the group (run_ranks' teardown); the
     others fail their scatter and leave too. UCX logs to standard output, the backend to
     standard error: both go to a file."""
-    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    log_to_file(log_dir, rank)
     out = torch.zeros(3)
     try:
         dist.scatter(out, [torch.zeros(3)] if rank == n - 1 else None, src=n - 1)

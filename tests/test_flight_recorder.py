@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torchdist_ext
-from torchdist_ext.testing import run_ranks
+from torchdist_ext.testing import log_to_file, run_ranks
 
 
 def _record(rank: int, n: int) -> list:
@@ -167,9 +167,7 @@ def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
     """Twelve ops, then a thirteenth that fails (rank 1 calls broadcast where rank 0 calls
     all_reduce; rank 1 queues three more behind it); the backend's log (standard error)
     goes to a file."""
-    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
-    os.dup2(fd, 2)
-    os.close(fd)
+    log_to_file(log_dir, rank, fds=(2,))
     t = torch.ones(100)
     for i in range(12):  # all_gather_into_tensor filled the op column's old width
         if i % 2:

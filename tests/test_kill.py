@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchdist_ext.testing import run_ranks
+from torchdist_ext.testing import log_to_file, run_ranks
 
 TIMEOUT = 15.0
 # The requirement is the group timeout + 5 s; a dead rank on this host is noticed through
@@ -232,10 +232,7 @@ def _survive_with_logs(rank: int, n: int, log_dir: str) -> dict:
     """Rank n-1 dies while 4 MiB all_reduces (rendezvous sends) are in flight over UCX.
     UCX logs to standard output, the backend to standard error: both go to a file, read
     by the test after the ranks' transports have stopped."""
-    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    log_to_file(log_dir, rank)
     t = torch.ones(1 << 20)
     dist.all_reduce(t)
     if rank == n - 1:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "new_gloo_group", "RankFailure"]
+__all__ = ["run_ranks", "new_gloo_group", "RankFailure", "log_to_file"]
 
 
 class RankFailure(AssertionError):
@@ -71,6 +71,17 @@ def _child(
         results.put((rank, True, value))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         results.put((rank, False, traceback.format_exc()))
+
+
+def log_to_file(log_dir: str, rank: int, fds: Sequence[int] = (1, 2)) -> None:
+    """Sends this process's file descriptors ``fds`` to ``<log_dir>/rank<rank>.log``, for
+    a test that reads what a rank printed. UCX writes its log to standard output, the
+    backend to standard error, both below Python, so a redirect of ``sys.stdout`` would
+    miss them."""
+    fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+    for target in fds:
+        os.dup2(fd, target)
+    os.close(fd)
 
 
 def run_ranks(
