@@ -26,6 +26,19 @@ const char* collectiveName(Collective c) {
   return kCollectiveNames[static_cast<int>(c)];
 }
 
+const char* collectiveCallName(Collective c) {
+  switch (c) {
+    case Collective::Allreduce:
+      return "all_reduce";
+    case Collective::Allgather:
+      return "all_gather";
+    case Collective::Alltoall:
+      return "all_to_all";
+    default:
+      return collectiveName(c);
+  }
+}
+
 Collective collectiveFromName(const std::string& name) {
   for (int i = 0; i < kNumCollectives; ++i) {
     if (name == kCollectiveNames[i]) return static_cast<Collective>(i);

@@ -52,6 +52,8 @@ enum class Link : uint8_t { Net, Local, Shm, Cma };
 constexpr int kNumLinks = 4;
 
 const char* collectiveName(Collective c);
+// The name torch.distributed calls it by (all_reduce, all_gather, all_to_all), for errors.
+const char* collectiveCallName(Collective c);
 // Throws std::invalid_argument listing the valid names.
 Collective collectiveFromName(const std::string& name);
 const char* linkName(Link l);

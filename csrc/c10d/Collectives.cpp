@@ -63,9 +63,9 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
 }
 
 // A coalesced op's limits: the group's timeout, and the collective its entries are.
-OpLimits coalescedAs(OpKind kind) {
+OpLimits coalescedAs(algorithms::Collective c) {
   OpLimits limits;
-  limits.kind = kind;
+  limits.collective = c;
   return limits;
 }
 
@@ -244,7 +244,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_into_tensor_coalesced(
                      ch.releaseHeld();
                    }
                  },
-                 nullptr, true, coalescedAs(OpKind::AllGather));
+                 nullptr, true, coalescedAs(algorithms::Collective::Allgather));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather_coalesced(
@@ -509,7 +509,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter_tensor_coalesced(
                      ch.releaseHeld();
                    }
                  },
-                 nullptr, true, coalescedAs(OpKind::ReduceScatter));
+                 nullptr, true, coalescedAs(algorithms::Collective::ReduceScatter));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::alltoall_base(

@@ -21,32 +21,6 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
   return lost.empty() ? "" : "; lost so far: " + lost;
 }
 
-const char* opKindName(OpKind kind) {
-  switch (kind) {
-    case OpKind::None:
-      return "the op's fingerprint check";
-    case OpKind::Broadcast:
-      return "broadcast";
-    case OpKind::AllReduce:
-      return "all_reduce";
-    case OpKind::Reduce:
-      return "reduce";
-    case OpKind::AllGather:
-      return "all_gather";
-    case OpKind::Gather:
-      return "gather";
-    case OpKind::Scatter:
-      return "scatter";
-    case OpKind::ReduceScatter:
-      return "reduce_scatter";
-    case OpKind::AllToAll:
-      return "all_to_all";
-    case OpKind::Barrier:
-      return "barrier";
-  }
-  return "an unknown collective";
-}
-
 std::string rankList(const std::vector<int>& ranks, const char* one, const char* many) {
   std::string s = ranks.size() == 1 ? one : many;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -153,9 +127,9 @@ void GroupChannel::holdUntilReleased(std::shared_ptr<const void> owner, size_t b
 }
 
 uint64_t GroupChannel::tagOf(int sender, uint32_t step) const {
-  static_assert(kLastOpKind <= tag::kMaxOp, "every kind fits the tag's op field");
-  return tag::collective(groupId_, static_cast<uint32_t>(sender), static_cast<uint32_t>(kind_),
-                         seq_, step);
+  static_assert(algorithms::kNumCollectives <= tag::kMaxOp, "every kind fits the op field");
+  return tag::collective(groupId_, static_cast<uint32_t>(sender),
+                         collective_ ? opField(*collective_) : 0, seq_, step);
 }
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
@@ -174,24 +148,26 @@ RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes
 }
 
 const char* GroupChannel::otherOpFrom(int peer) const {
-  if (kind_ == OpKind::None) return nullptr;
+  if (!collective_) return nullptr;
   // Any step: the other collective's first message need not carry the step this rank
   // waits on. One probe per other kind, made only after a wait of 100 ms, so the cost
   // stays off the ops that run as they should.
   const uint64_t mask = ~tag::kStepFieldMask;
-  for (uint32_t k = 1; k <= kLastOpKind; ++k) {
-    if (k == static_cast<uint32_t>(kind_)) continue;
+  for (int i = 0; i < algorithms::kNumCollectives; ++i) {
+    const auto c = static_cast<algorithms::Collective>(i);
+    if (c == *collective_) continue;
+    const uint64_t want =
+        tag::collective(groupId_, static_cast<uint32_t>(peer), opField(c), seq_, 0);
     uint64_t found = 0;
-    if (transport_.probe(tag::collective(groupId_, static_cast<uint32_t>(peer), k, seq_, 0),
-                         mask, found)) {
-      return opKindName(static_cast<OpKind>(k));
+    if (transport_.probe(want, mask, found)) {
+      return algorithms::collectiveCallName(c);
     }
   }
   return nullptr;
 }
 
 void GroupChannel::checkForOtherOps() const {
-  if (kind_ == OpKind::None) return;
+  if (!collective_) return;
   std::vector<int> asked;
   for (const auto& p : posted_) {
     // A rank that still owes this op a message has not finished it as this op's kind:
@@ -204,9 +180,9 @@ void GroupChannel::checkForOtherOps() const {
       throw std::runtime_error(
           std::string("collective mismatch: rank ") + std::to_string(p.peer) + " called " +
           other + " as this op of the group (its message arrived here) where this rank "
-          "called " + opKindName(kind_) + ". Every rank must call the same collectives in "
-          "the same order; TDX_DEBUG=DETAIL also compares dtypes, shapes, roots and reduce "
-          "ops");
+          "called " + algorithms::collectiveCallName(*collective_) +
+          ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
+          "also compares dtypes, shapes, roots and reduce ops");
     }
   }
 }

@@ -5,11 +5,13 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "algorithms/channel.h"
+#include "algorithms/registry.h"
 #include "transport/transport.h"
 
 namespace tdx {
@@ -64,28 +66,6 @@ class ScratchBuffer {
   size_t size_ = 0;
 };
 
-// The kind of collective an op is, carried in its messages' tags: ranks that called
-// different collectives as one op of the group cannot take each other's bytes, and a
-// rank whose wait drags on finds the other op's message and names it. Forms of one
-// collective share a kind (all_gather and all_gather_into_tensor, all_reduce and its
-// coalesced form), so ranks may mix them as before. None: the backend's own exchange
-// ahead of an op (the fingerprint check), which every kind runs alike.
-enum class OpKind : uint32_t {
-  None = 0,
-  Broadcast,
-  AllReduce,
-  Reduce,
-  AllGather,
-  Gather,
-  Scatter,
-  ReduceScatter,
-  AllToAll,
-  Barrier,
-};
-constexpr uint32_t kLastOpKind = static_cast<uint32_t>(OpKind::Barrier);
-// The collective's name as the user calls it ("all_reduce").
-const char* opKindName(OpKind kind);
-
 class GroupChannel final : public algorithms::Channel {
  public:
   // `scratch` is the group's; the channel borrows it for the op.
@@ -99,9 +79,11 @@ class GroupChannel final : public algorithms::Channel {
   uint64_t seq() const {
     return seq_;
   }
-  // The kind its transfers carry from now on (None until set: the fingerprint check).
-  void setKind(OpKind kind) {
-    kind_ = kind;
+  // The collective its transfers name in their tags from now on, so ranks that called
+  // different collectives as one op of the group cannot take each other's bytes. Until
+  // it is set (the fingerprint check, which every collective runs alike) they name none.
+  void setCollective(algorithms::Collective c) {
+    collective_ = c;
   }
   // What else the ranks must agree on for the op's next step (a reduction's dtype and
   // reduce op, set by each reducing step, entry by entry in a coalesced op), as text
@@ -207,6 +189,10 @@ class GroupChannel final : public algorithms::Channel {
     uint32_t step;
   };
 
+  // The tag's op field: the collective's index plus one (0: none set).
+  static uint32_t opField(algorithms::Collective c) {
+    return static_cast<uint32_t>(c) + 1;
+  }
   uint64_t tagOf(int sender, uint32_t step) const;
   // Throws naming the other collective when a rank this op still waits to receive from
   // sent a message of this op's sequence number but another kind: it called a
@@ -218,7 +204,7 @@ class GroupChannel final : public algorithms::Channel {
   int rank_;
   uint32_t groupId_;
   uint64_t seq_;
-  OpKind kind_ = OpKind::None;
+  std::optional<algorithms::Collective> collective_;  // see setCollective()
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;

@@ -60,34 +60,35 @@ bool shapesMustMatch(c10d::OpType t) {
   }
 }
 
-// The wire kind of a collective's OpType; COALESCED covers several, so its callers say.
-OpKind opKindOf(c10d::OpType type) {
+// The collective an OpType is on the wire; COALESCED covers several, so its callers say.
+std::optional<algorithms::Collective> collectiveOf(c10d::OpType type) {
+  using algorithms::Collective;
   switch (type) {
     case c10d::OpType::BROADCAST:
-      return OpKind::Broadcast;
+      return Collective::Broadcast;
     case c10d::OpType::ALLREDUCE:
     case c10d::OpType::ALLREDUCE_COALESCED:
-      return OpKind::AllReduce;
+      return Collective::Allreduce;
     case c10d::OpType::REDUCE:
-      return OpKind::Reduce;
+      return Collective::Reduce;
     case c10d::OpType::ALLGATHER:
     case c10d::OpType::_ALLGATHER_BASE:
     case c10d::OpType::ALLGATHER_COALESCED:
-      return OpKind::AllGather;
+      return Collective::Allgather;
     case c10d::OpType::GATHER:
-      return OpKind::Gather;
+      return Collective::Gather;
     case c10d::OpType::SCATTER:
-      return OpKind::Scatter;
+      return Collective::Scatter;
     case c10d::OpType::REDUCE_SCATTER:
     case c10d::OpType::_REDUCE_SCATTER_BASE:
-      return OpKind::ReduceScatter;
+      return Collective::ReduceScatter;
     case c10d::OpType::ALLTOALL:
     case c10d::OpType::ALLTOALL_BASE:
-      return OpKind::AllToAll;
+      return Collective::Alltoall;
     case c10d::OpType::BARRIER:
-      return OpKind::Barrier;
+      return Collective::Barrier;
     default:
-      return OpKind::None;
+      return std::nullopt;
   }
 }
 
@@ -636,8 +637,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
     }
   }
   // Checked before the op takes a sequence number, which would then be this rank's alone.
-  const OpKind kind = limits.kind != OpKind::None ? limits.kind : opKindOf(type);
-  TORCH_INTERNAL_ASSERT(kind != OpKind::None, what, ": no wire kind for its op type");
+  const auto collective = limits.collective ? limits.collective : collectiveOf(type);
+  TORCH_INTERNAL_ASSERT(collective.has_value(), what, ": no collective for its op type");
   // Sequence numbers must reach the queue in order: ranks match ops by them, and two
   // threads issuing ops on one group could otherwise queue #2 ahead of #1 on one rank.
   std::lock_guard<std::mutex> ordered(enqueueMu_);
@@ -677,7 +678,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.timeout = limit;
   task.fingerprinted = limits.fingerprinted;
   task.tellsPeers = limits.tellsPeers;
-  task.kind = kind;
+  task.collective = *collective;
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
@@ -1088,7 +1089,7 @@ void ProcessGroupTDX::runTask(Task& task) {
           checkFingerprint(ch, task.fingerprint);
           checkSteps = ch.stepsDone();
         }
-        ch.setKind(task.kind);
+        ch.setCollective(task.collective);
         if (task.deviceBody) {
           task.deviceBody(ch, ctx);
         } else {

@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -43,7 +44,7 @@ struct OpLimits {
   // barrier's other ranks leave that to rank 0, whose error names the missing ranks).
   bool tellsPeers = true;
   // The collective the op is on the wire, where its OpType does not say (COALESCED).
-  OpKind kind = OpKind::None;
+  std::optional<algorithms::Collective> collective;
 };
 
 class ProcessGroupTDX : public c10d::Backend {
@@ -210,7 +211,7 @@ class ProcessGroupTDX : public c10d::Backend {
     // monitored barrier): a fingerprint exchange first would time out without naming them.
     bool fingerprinted = true;
     bool tellsPeers = true;  // see OpLimits
-    OpKind kind = OpKind::None;  // carried in the op's tags (see OpKind)
+    algorithms::Collective collective{};  // named in the op's tags (setCollective)
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
