@@ -187,6 +187,12 @@ def test_point_to_point_failures_reach_the_other_ranks_without_detail() -> None:
     for name in ("longer", "shorter", "timeout", "any longer, sent first",
                  "any longer, posted first"):
         assert results[1][name].startswith("DistBackendError"), (name, results[1])
+        if name == "longer":
+            assert "this rank's receive holds 10 elements (40 bytes)" in results[1][name], \
+                results[1]
+        if name == "shorter":
+            assert "received 10 elements where 20 were expected (40 bytes where 80" in \
+                results[1][name], results[1]
         any_source = name.startswith("any")
         if any_source:  # the receive names no rank: its error names the sender
             assert "the message came from rank 0" in results[1][name], (name, results[1])
@@ -260,6 +266,9 @@ def _one_sided_mismatches(rank: int, n: int) -> dict:
     g2 = dist.new_group(backend="tdx")
     attempt("broadcast", lambda: dist.broadcast(torch.zeros(4 if rank == 0 else 5), 0, group=g2))
     attempt("next", lambda: dist.all_reduce(torch.ones(1), group=g2))
+    # The other way round, 5 elements into 4: the message is longer than rank 1's buffer.
+    g3 = dist.new_group(backend="tdx")
+    attempt("longer", lambda: dist.broadcast(torch.zeros(5 if rank == 0 else 4), 0, group=g3))
     if rank == 1:
         time.sleep(6)  # alive: the peer cannot learn of the failure from an exit
     dist.barrier()
@@ -278,11 +287,14 @@ def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str, algo: str) -
         assert "split sizes do not match" in r1["all_to_all"], r1
         assert "rank 1 gave up" in r0["all_to_all"] and "split sizes" in r0["all_to_all"], r0
         assert "collective mismatch" in r1["broadcast"], r1
+        assert "collective mismatch" in r1["longer"], r1
     else:
         # Rank 0's own receives fit: it may finish before the notice, and never waits.
-        assert "sent 8 bytes where 12 were expected" in r1["all_to_all"], r1
+        # Sizes are told in elements as the caller counts them, and in bytes.
+        assert "sent 2 elements where 3 were expected (8 bytes where 12" in r1["all_to_all"], r1
         assert r0["all_to_all"] == "no error" or "rank 1 gave up" in r0["all_to_all"], r0
-        assert "sent 16 bytes where 20 were expected" in r1["broadcast"], r1
+        assert "sent 4 elements where 5 were expected (16 bytes where 20" in r1["broadcast"], r1
+        assert "sent more than the 4 elements (16 bytes) this rank expected" in r1["longer"], r1
     assert r0["all_to_all s"] < 3.0, r0
     assert r0["broadcast"] == "no error", r0
     assert "rank 1 gave up" in r0["next"] and r0["next s"] < 3.0, r0

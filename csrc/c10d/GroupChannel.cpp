@@ -21,6 +21,19 @@ std::string lostRanksNote(const transport::Transport& transport, const std::vect
   return lost.empty() ? "" : "; lost so far: " + lost;
 }
 
+std::string sizeMismatch(size_t got, size_t want, size_t elementBytes) {
+  const std::string bytes =
+      std::to_string(got) + " bytes where " + std::to_string(want) + " were expected";
+  if (elementBytes == 0 || want % elementBytes != 0) return bytes;
+  const std::string wanted = std::to_string(want / elementBytes);
+  if (got % elementBytes != 0) {
+    return bytes + " (" + wanted + " elements of " + std::to_string(elementBytes) +
+           " bytes; what came is no whole number of them)";
+  }
+  return std::to_string(got / elementBytes) + " elements where " + wanted + " were expected (" +
+         bytes + ")";
+}
+
 std::string rankList(const std::vector<int>& ranks, const char* one, const char* many) {
   std::string s = ranks.size() == 1 ? one : many;
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
@@ -228,6 +241,17 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
           "call the same collectives in the same order");
     }
   }
+  if (!r->ok() && r->truncated) {
+    // UCX does not say how long the message was, only that it did not fit.
+    const std::string want = std::to_string(r->postedBytes) + " bytes";
+    throw std::runtime_error(
+        "rank " + std::to_string(p.peer) + " sent more than the " +
+        (elementBytes_ != 0 && r->postedBytes % elementBytes_ == 0
+             ? std::to_string(r->postedBytes / elementBytes_) + " elements (" + want + ")"
+             : want) +
+        " this rank expected (step " + std::to_string(p.step) +
+        "): the ranks passed tensors of different sizes or dtypes to this op");
+  }
   if (!r->ok()) {
     throw std::runtime_error(std::string(r->isSend ? "send to" : "receive from") + " rank " +
                              std::to_string(p.peer) + " failed (step " +
@@ -236,11 +260,11 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
   }
   if (!r->isSend && r->receivedBytes != r->postedBytes) {
     // Only this rank can see it: the op's failure is told to the peers (runTask).
-    throw std::runtime_error(
-        "rank " + std::to_string(p.peer) + " sent " + std::to_string(r->receivedBytes) +
-        " bytes where " + std::to_string(r->postedBytes) +
-        " were expected (step " + std::to_string(p.step) +
-        "): the ranks passed tensors of different sizes or dtypes to this op");
+    throw std::runtime_error("rank " + std::to_string(p.peer) + " sent " +
+                             sizeMismatch(r->receivedBytes, r->postedBytes, elementBytes_) +
+                             " (step " + std::to_string(p.step) +
+                             "): the ranks passed tensors of different sizes or dtypes to "
+                             "this op");
   }
   ++stepsDone_;
   // Finished requests leave the list so it only holds what is still in flight.

@@ -27,6 +27,11 @@ struct TimedOut : std::runtime_error {
 std::string rankList(const std::vector<int>& ranks, const char* one = "rank ",
                      const char* many = "ranks ");
 
+// "3 elements where 2 were expected (12 bytes where 8 were expected)" for a message of
+// `got` bytes where `want` were posted, in elements of `elementBytes` where both are
+// whole numbers of them (0: bytes only). "sent " or "received " goes before it.
+std::string sizeMismatch(size_t got, size_t want, size_t elementBytes);
+
 // "; lost so far: rank 1, rank 2" for the ranks of a group (endpoints indexed by group
 // rank) whose connections failed, or "" when none did. When several ranks went down (a
 // dead rank, then survivors that gave up and exited), the transfer that failed first need
@@ -84,6 +89,13 @@ class GroupChannel final : public algorithms::Channel {
   // it is set (the fingerprint check, which every collective runs alike) they name none.
   void setCollective(algorithms::Collective c) {
     collective_ = c;
+  }
+  // The size of the op's elements when its tensors all share one dtype (0 otherwise, and
+  // for ops without tensors), so that a message of the wrong size is told in elements,
+  // as the caller counts them, and not only in bytes. Set after the fingerprint check,
+  // whose messages are text.
+  void setElementBytes(size_t bytes) {
+    elementBytes_ = bytes;
   }
   // What else the ranks must agree on for the op's next step (a reduction's dtype and
   // reduce op, set by each reducing step, entry by entry in a coalesced op), as text
@@ -205,6 +217,7 @@ class GroupChannel final : public algorithms::Channel {
   uint32_t groupId_;
   uint64_t seq_;
   std::optional<algorithms::Collective> collective_;  // see setCollective()
+  size_t elementBytes_ = 0;  // see setElementBytes()
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;

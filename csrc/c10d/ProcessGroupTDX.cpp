@@ -191,6 +191,18 @@ size_t storageBytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+// The element size the tensors of an op share (GroupChannel::setElementBytes), or 0 when
+// they have different dtypes or there are none.
+size_t commonElementBytes(const std::vector<at::Tensor>& tensors) {
+  std::optional<at::ScalarType> dtype;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    if (dtype && *dtype != t.scalar_type()) return 0;
+    dtype = t.scalar_type();
+  }
+  return dtype ? c10::elementSize(*dtype) : 0;
+}
+
 // A group's timeout bounds every op: zero or less would fail any op that waits at all,
 // at random, depending on which rank came first.
 void checkTimeout(const std::string& prefix, std::chrono::milliseconds timeout) {
@@ -679,6 +691,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.fingerprinted = limits.fingerprinted;
   task.tellsPeers = limits.tellsPeers;
   task.collective = *collective;
+  task.elementBytes = commonElementBytes(task.keepAlive);
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
@@ -1090,6 +1103,7 @@ void ProcessGroupTDX::runTask(Task& task) {
           checkSteps = ch.stepsDone();
         }
         ch.setCollective(task.collective);
+        ch.setElementBytes(task.elementBytes);
         if (task.deviceBody) {
           task.deviceBody(ch, ctx);
         } else {
@@ -1583,6 +1597,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       if (!isSend && peer < 0 && r.truncated && (r.senderTag >> tag::kKindShift) != 0) {
         failure += " (the message came from rank " + std::to_string(source) + ")";
       }
+      if (!isSend && r.truncated && !framed) {
+        failure += "; this rank's receive holds " + std::to_string(t.numel()) + " elements (" +
+                   std::to_string(r.postedBytes) + " bytes)";
+      }
     } else if (!isSend && framed && r.receivedBytes >= kP2pHeaderBytes &&
                p2pHeaderText(wire) != mine) {
       const std::string theirs = p2pHeaderText(wire);
@@ -1600,9 +1618,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
       if (transport && !fault->closed.load()) sendNotice(*transport, *endpoints, self, group, *text);
     } else if (!isSend && r.receivedBytes != r.postedBytes) {
       sizesDiffer = true;
-      failure = "received " + std::to_string(r.receivedBytes) + " bytes where " +
-                std::to_string(r.postedBytes) +
-                " were expected: sender and receiver tensors differ in size" +
+      failure = "received " +
+                sizeMismatch(r.receivedBytes, r.postedBytes, framed ? 0 : t.element_size()) +
+                ": sender and receiver tensors differ in size" +
                 (framed ? " (or TDX_DEBUG=DETAIL is not set on every rank)" : "");
     } else {
       if (!isSend && peer < 0) work->setSourceRank(source);

@@ -212,6 +212,7 @@ class ProcessGroupTDX : public c10d::Backend {
     bool fingerprinted = true;
     bool tellsPeers = true;  // see OpLimits
     algorithms::Collective collective{};  // named in the op's tags (setCollective)
+    size_t elementBytes = 0;  // see GroupChannel::setElementBytes
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
