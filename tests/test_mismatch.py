@@ -444,3 +444,53 @@ def test_different_collectives_fail_at_once_on_the_message_path_without_detail()
             assert "collective mismatch" in msg, (rank, name, msg)
             assert first in msg and second in msg, (rank, name, msg)
             assert r[name + " seconds"] < 5.0, (rank, name, r[name + " seconds"])
+
+
+def _pinned_apart(rank: int, n: int) -> dict:
+    """Without DETAIL, on one host: rank 0 pins a message algorithm where the others run
+    the shared-memory one auto picks. Each case on a group of its own, whose window a
+    barrier made first; the pin goes back to auto after each."""
+    import datetime
+
+    cases = {
+        "allreduce": ("ring", lambda g: dist.all_reduce(torch.ones(1000), group=g)),
+        "broadcast": ("tree", lambda g: dist.broadcast(torch.ones(1000), 0, group=g)),
+        "allgather": ("ring", lambda g: dist.all_gather_into_tensor(
+            torch.empty(1000 * n), torch.ones(1000), group=g)),
+    }
+    out: dict = {}
+    for name, (algo, call) in cases.items():
+        g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+        dist.barrier(group=g)
+        if rank == 0:
+            torchdist_ext.set_algorithm(name, algo)
+        start = time.monotonic()
+        try:
+            call(g)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        torchdist_ext.set_algorithm(name, "auto")
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host() -> None:
+    """One rank on messages, the others in the window: each waited out the group timeout
+    for the other, and the window ranks' error said rank 0 had not reached the op. Now
+    a stalled wait reads the algorithm each rank announced in the window for the op."""
+    results = run_ranks(_pinned_apart, 3, timeout=60)
+    for name, algo in (("allreduce", "ring"), ("broadcast", "tree"), ("allgather", "ring")):
+        for rank, r in enumerate(results):
+            msg = r[name]
+            # Rank 0's broadcast only sends, and may finish before anyone notices.
+            if rank == 0 and name == "broadcast" and msg == "no error":
+                continue
+            assert msg.startswith("DistBackendError"), (rank, name, msg)
+            assert "collective mismatch" in msg, (rank, name, msg)
+            # Whichever rank noticed first names the other's algorithm and its own.
+            assert f"'{algo}' (on messages)" in msg, (rank, name, msg)
+            assert "(in the shared-memory window)" in msg, (rank, name, msg)
+            assert "pin the same one on every rank" in msg, (rank, name, msg)
+            assert r[name + " seconds"] < 5.0, (rank, name, r[name + " seconds"])

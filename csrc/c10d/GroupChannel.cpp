@@ -232,6 +232,7 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
       }
     }
     checkForOtherOps();
+    if (peerCheck_) peerCheck_();
     if (Clock::now() >= deadline_) {
       if (watch.timedOut != nullptr) throw TimedOut(watch.timedOut);
       throw TimedOut(

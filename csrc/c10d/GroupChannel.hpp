@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -106,6 +107,16 @@ class GroupChannel final : public algorithms::Channel {
   }
   void setOpDetail(const char* detail) {
     opDetail_ = detail;
+  }
+  // Run at each of a stalled wait's checks (every 100 ms) when set: throws to end the
+  // op, as when a peer announced another way of running it (ProcessGroupTDX::select).
+  void setPeerCheck(std::function<void()> check) {
+    peerCheck_ = std::move(check);
+  }
+  // 0, 1, ... for each algorithm the op chooses in turn (a coalesced op chooses one per
+  // entry): with the sequence number, which part of the op a rank has reached.
+  uint32_t nextChoice() {
+    return choices_++;
   }
   int rank() const override {
     return rank_;
@@ -218,6 +229,8 @@ class GroupChannel final : public algorithms::Channel {
   uint64_t seq_;
   std::optional<algorithms::Collective> collective_;  // see setCollective()
   size_t elementBytes_ = 0;  // see setElementBytes()
+  std::function<void()> peerCheck_;  // see setPeerCheck()
+  uint32_t choices_ = 0;             // see nextChoice()
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;

@@ -1239,12 +1239,60 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   }
   sel.algorithm = choice.algorithm;
   ch.setAlgorithm(choice.algorithm->name);
+  if (windowState_ == 1 && window_) {
+    // On one host every rank says how it runs this part of the op, and a stalled wait
+    // compares. Ranks that pinned different algorithms (without TDX_DEBUG=DETAIL, which
+    // compares the pins first) would otherwise each wait out the timeout for the other:
+    // one in the window and one on messages, or on two plans that never pair up.
+    const uint64_t part = (ch.seq() << 8) | (ch.nextChoice() & 0xff);
+    const auto way = static_cast<uint16_t>(choice.algorithm - reg.all().data() + 1);
+    window_->announce(part, way);
+    std::function<void()> check = [this, part, way] { checkPeerWays(part, way); };
+    sel.wait.check = check;
+    ch.setPeerCheck(std::move(check));
+  }
   TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
                           << " B: " << choice.algorithm->name << " (predicted "
                           << choice.predicted * 1e6 << " us"
                           << (choice.pinned ? ", pinned" : "")
                           << (choice.measured ? ", measured rule" : "") << ")";
   return sel;
+}
+
+namespace {
+
+const char* wayWords(algorithms::Link link) {
+  switch (link) {
+    case algorithms::Link::Shm:
+      return "in the shared-memory window";
+    case algorithms::Link::Cma:
+      return "reading peers' memory in place";
+    default:
+      return "on messages";
+  }
+}
+
+} // namespace
+
+void ProcessGroupTDX::checkPeerWays(uint64_t part, uint16_t way) const {
+  const auto& all = algorithms::Registry::get().all();
+  for (int r = 0; r < size_; ++r) {
+    const uint16_t theirs = r == rank_ ? 0 : window_->wayOf(r, part);
+    if (theirs == 0 || theirs == way) continue;
+    const algorithms::Algorithm& mine = all.at(way - 1);
+    const algorithms::Algorithm& other = all.at(theirs - 1);
+    const bool sameCall = mine.collective == other.collective;
+    throw std::runtime_error(
+        "collective mismatch: rank " + std::to_string(r) + " runs this op as " +
+        algorithms::collectiveCallName(other.collective) + " with '" + other.name + "' (" +
+        wayWords(other.link) + ") where this rank runs " +
+        algorithms::collectiveCallName(mine.collective) + " with '" + mine.name + "' (" +
+        wayWords(mine.link) + "). " +
+        (sameCall ? "The ranks chose different algorithms: pin the same one on every rank "
+                    "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL "
+                    "compares the pins before each op"
+                  : "Every rank must call the same collectives in the same order"));
+  }
 }
 
 algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double bytes) const {

@@ -175,6 +175,9 @@ class ProcessGroupTDX : public c10d::Backend {
     transport::WaitContext wait;
   };
   Selected select(algorithms::Collective c, double bytes, GroupChannel& ch, const char* what);
+  // Throws naming the first peer that announced another algorithm (`way`, an index into
+  // the registry plus one) for part `part` of an op (see select()).
+  void checkPeerWays(uint64_t part, uint16_t way) const;
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;

@@ -177,6 +177,22 @@ std::atomic<uint64_t>& HostWindow::counter(int r) const {
   return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + pidsEnd + r * kLine);
 }
 
+std::atomic<uint64_t>& HostWindow::announcement(int r) const {
+  static_assert(2 * sizeof(std::atomic<uint64_t>) <= kLine, "both fit the counter's line");
+  return *(&counter(r) + 1);
+}
+
+void HostWindow::announce(uint64_t op, uint16_t way) {
+  constexpr uint64_t kOpMask = (uint64_t{1} << kAnnouncedOpBits) - 1;
+  announcement(rank_).store(((op & kOpMask) << 16) | way, std::memory_order_release);
+}
+
+uint16_t HostWindow::wayOf(int r, uint64_t op) const {
+  constexpr uint64_t kOpMask = (uint64_t{1} << kAnnouncedOpBits) - 1;
+  const uint64_t word = announcement(r).load(std::memory_order_acquire);
+  return (word >> 16) == (op & kOpMask) ? static_cast<uint16_t>(word & 0xffff) : 0;
+}
+
 int32_t HostWindow::pid(int r) const {
   return reinterpret_cast<const int32_t*>(base_ + sizeof(Header))[r];
 }
@@ -371,6 +387,7 @@ void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
       // Exits first: a rank that gave up because another exited is only the messenger.
       for (int r : who) checkAlive(r, wc);
       for (int r : who) checkFailed(r, wc);
+      if (wc.check) wc.check();
       if (wc.aborted && wc.aborted->load()) {
         throw std::runtime_error(std::string("the process group was aborted during ") + wc.what);
       }

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -34,6 +35,9 @@ struct WaitContext {
   std::chrono::steady_clock::time_point deadline;
   const std::atomic<bool>* aborted = nullptr;
   const char* what = "shared-memory op";  // for errors
+  // Run at each of a stalled wait's checks (every 20 ms) when set: throws to end the
+  // wait, as when a peer announced another way of running this op (announce()).
+  std::function<void()> check;
 };
 
 class HostWindow {
@@ -113,6 +117,16 @@ class HostWindow {
   void setOpDetail(const char* text);
   OpInfo opInfo(int r, int h) const;
 
+  // What this rank runs now, for peers to read: ranks that run one op different ways
+  // (one in this window, another on messages, as when they pinned different algorithms)
+  // would otherwise each wait out the timeout for the other. `op` names the op (the
+  // caller's number, of which the low kAnnouncedOpBits count) and `way` how this rank
+  // runs it (nonzero, the caller's number too). One store to this rank's counter line.
+  static constexpr int kAnnouncedOpBits = 48;
+  void announce(uint64_t op, uint16_t way);
+  // Rank r's way of running `op`, or 0 when its latest announcement is of another op.
+  uint16_t wayOf(int r, uint64_t op) const;
+
   // Cross-memory attach (process_vm_readv): whether this rank can read every peer's
   // memory. probeCrossMemory() publishes a probe word (before the group's attach
   // agreement) and, once all have attached, tries each peer's; the group then decides
@@ -149,6 +163,8 @@ class HostWindow {
   HostWindow() = default;
   struct Header;
   std::atomic<uint64_t>& counter(int r) const;
+  // On the counter's line: written once per op by its rank, read only by stalled waits.
+  std::atomic<uint64_t>& announcement(int r) const;
   // Bumps the futex word and wakes ranks sleeping on it (post(), publishFailure()).
   void wakeSleepers();
   OpInfo* opInfoSlot(int r, int h) const;
