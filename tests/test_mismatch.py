@@ -446,10 +446,11 @@ def test_different_collectives_fail_at_once_on_the_message_path_without_detail()
             assert r[name + " seconds"] < 5.0, (rank, name, r[name + " seconds"])
 
 
-def _pinned_apart(rank: int, n: int) -> dict:
+def _pinned_apart(rank: int, n: int, window_first: bool) -> dict:
     """Without DETAIL, on one host: rank 0 pins a message algorithm where the others run
     the shared-memory one auto picks. Each case on a group of its own, whose window a
-    barrier made first; the pin goes back to auto after each."""
+    barrier made first (`window_first`) or the case's op makes; the pin goes back to
+    auto after each."""
     import datetime
 
     cases = {
@@ -458,10 +459,13 @@ def _pinned_apart(rank: int, n: int) -> dict:
         "allgather": ("ring", lambda g: dist.all_gather_into_tensor(
             torch.empty(1000 * n), torch.ones(1000), group=g)),
     }
+    if not window_first:
+        del cases["broadcast"]  # see the test
     out: dict = {}
     for name, (algo, call) in cases.items():
         g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
-        dist.barrier(group=g)
+        if window_first:
+            dist.barrier(group=g)
         if rank == 0:
             torchdist_ext.set_algorithm(name, algo)
         start = time.monotonic()
@@ -476,12 +480,18 @@ def _pinned_apart(rank: int, n: int) -> dict:
     return out
 
 
-def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host() -> None:
+@pytest.mark.parametrize("window_first", [True, False], ids=["window-made", "first-op"])
+def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host(window_first: bool) -> None:
     """One rank on messages, the others in the window: each waited out the group timeout
-    for the other, and the window ranks' error said rank 0 had not reached the op. Now
-    a stalled wait reads the algorithm each rank announced in the window for the op."""
-    results = run_ranks(_pinned_apart, 3, timeout=60)
+    for the other, and the window ranks' error said rank 0 had not reached the op. Now a
+    stalled wait reads the algorithm each rank announced for the op: in the window, or,
+    while the window is being made, in the store."""
+    results = run_ranks(_pinned_apart, 3, timeout=60, args=(window_first,))
     for name, algo in (("allreduce", "ring"), ("broadcast", "tree"), ("allgather", "ring")):
+        if name == "broadcast" and not window_first:
+            # Rank 0's broadcast only sends, so it never stalls to announce its way, and
+            # the others' window is not made: they still wait out the timeout (60 s).
+            continue
         for rank, r in enumerate(results):
             msg = r[name]
             # Rank 0's broadcast only sends, and may finish before anyone notices.

@@ -232,7 +232,7 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
       }
     }
     checkForOtherOps();
-    if (peerCheck_) peerCheck_();
+    if (peerCheck_) peerCheck_(p.peer);
     if (Clock::now() >= deadline_) {
       if (watch.timedOut != nullptr) throw TimedOut(watch.timedOut);
       throw TimedOut(
@@ -251,7 +251,8 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
              ? std::to_string(r->postedBytes / elementBytes_) + " elements (" + want + ")"
              : want) +
         " this rank expected (step " + std::to_string(p.step) +
-        "): the ranks passed tensors of different sizes or dtypes to this op");
+        "): the ranks passed tensors of different sizes or dtypes to this op, or pinned "
+        "different algorithms for it");
   }
   if (!r->ok()) {
     throw std::runtime_error(std::string(r->isSend ? "send to" : "receive from") + " rank " +
@@ -265,7 +266,7 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
                              sizeMismatch(r->receivedBytes, r->postedBytes, elementBytes_) +
                              " (step " + std::to_string(p.step) +
                              "): the ranks passed tensors of different sizes or dtypes to "
-                             "this op");
+                             "this op, or pinned different algorithms for it");
   }
   ++stepsDone_;
   // Finished requests leave the list so it only holds what is still in flight.

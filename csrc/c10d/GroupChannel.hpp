@@ -108,9 +108,10 @@ class GroupChannel final : public algorithms::Channel {
   void setOpDetail(const char* detail) {
     opDetail_ = detail;
   }
-  // Run at each of a stalled wait's checks (every 100 ms) when set: throws to end the
-  // op, as when a peer announced another way of running it (ProcessGroupTDX::select).
-  void setPeerCheck(std::function<void()> check) {
+  // Run at each of a stalled wait's checks (every 100 ms) when set, with the rank the
+  // wait is on: throws to end the op, as when that rank announced another way of
+  // running it (ProcessGroupTDX::select).
+  void setPeerCheck(std::function<void(int rank)> check) {
     peerCheck_ = std::move(check);
   }
   // 0, 1, ... for each algorithm the op chooses in turn (a coalesced op chooses one per
@@ -229,7 +230,7 @@ class GroupChannel final : public algorithms::Channel {
   uint64_t seq_;
   std::optional<algorithms::Collective> collective_;  // see setCollective()
   size_t elementBytes_ = 0;  // see setElementBytes()
-  std::function<void()> peerCheck_;  // see setPeerCheck()
+  std::function<void(int)> peerCheck_;  // see setPeerCheck()
   uint32_t choices_ = 0;             // see nextChoice()
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;

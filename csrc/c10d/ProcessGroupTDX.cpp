@@ -1216,7 +1216,15 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   Selected sel;
   sel.wait = transport::WaitContext{ch.deadline(), &ch.abortedFlag(), what};
   algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_, taskPins_);
+  // Which part of the op this is: a coalesced op chooses once per entry.
+  const uint64_t part = (ch.seq() << 8) | (ch.nextChoice() & 0xff);
+  const auto wayOf = [&reg](const algorithms::Algorithm* a) {
+    return static_cast<uint16_t>(a - reg.all().data() + 1);
+  };
   if (choice.algorithm->link != algorithms::Link::Net) {
+    // A rank that never comes to set the window up may run the op on messages.
+    sel.wait.check = [this, part, way = wayOf(choice.algorithm), announced = false](
+                         int peer) mutable { checkPeerWayInStore(peer, part, way, announced); };
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
       // Without the window the group runs as one whose windows are off: the rules
@@ -1239,17 +1247,23 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   }
   sel.algorithm = choice.algorithm;
   ch.setAlgorithm(choice.algorithm->name);
+  // Every rank says how it runs this part of the op, and a stalled wait compares. Ranks
+  // that pinned different algorithms (without TDX_DEBUG=DETAIL, which compares the pins
+  // first) would otherwise each wait out the timeout for the other: one in the window
+  // and one on messages, or on two plans that never pair up.
+  const uint16_t way = wayOf(choice.algorithm);
   if (windowState_ == 1 && window_) {
-    // On one host every rank says how it runs this part of the op, and a stalled wait
-    // compares. Ranks that pinned different algorithms (without TDX_DEBUG=DETAIL, which
-    // compares the pins first) would otherwise each wait out the timeout for the other:
-    // one in the window and one on messages, or on two plans that never pair up.
-    const uint64_t part = (ch.seq() << 8) | (ch.nextChoice() & 0xff);
-    const auto way = static_cast<uint16_t>(choice.algorithm - reg.all().data() + 1);
-    window_->announce(part, way);
-    std::function<void()> check = [this, part, way] { checkPeerWays(part, way); };
+    window_->announce(part, way);  // one store to shared memory: every op may say it
+    std::function<void(int)> check = [this, part, way](int peer) {
+      checkPeerWay(peer, part, way);
+    };
     sel.wait.check = check;
     ch.setPeerCheck(std::move(check));
+  } else {
+    // Without a window, through the store, and only once a wait has stalled.
+    ch.setPeerCheck([this, part, way, announced = false](int peer) mutable {
+      checkPeerWayInStore(peer, part, way, announced);
+    });
   }
   TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
                           << " B: " << choice.algorithm->name << " (predicted "
@@ -1272,27 +1286,55 @@ const char* wayWords(algorithms::Link link) {
   }
 }
 
+// The error for rank `peer`, which runs part of an op as algorithm `theirs` where this
+// rank runs `mine` (ways: registry indices plus one).
+std::string wayMismatch(int peer, uint16_t theirs, uint16_t mine) {
+  const auto& all = algorithms::Registry::get().all();
+  const algorithms::Algorithm& a = all.at(mine - 1);
+  const algorithms::Algorithm& b = all.at(theirs - 1);
+  return "collective mismatch: rank " + std::to_string(peer) + " runs this op as " +
+         algorithms::collectiveCallName(b.collective) + " with '" + b.name + "' (" +
+         wayWords(b.link) + ") where this rank runs " +
+         algorithms::collectiveCallName(a.collective) + " with '" + a.name + "' (" +
+         wayWords(a.link) + "). " +
+         (a.collective == b.collective
+              ? "The ranks chose different algorithms: pin the same one on every rank "
+                "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL "
+                "compares the pins before each op"
+              : "Every rank must call the same collectives in the same order");
+}
+
 } // namespace
 
-void ProcessGroupTDX::checkPeerWays(uint64_t part, uint16_t way) const {
-  const auto& all = algorithms::Registry::get().all();
-  for (int r = 0; r < size_; ++r) {
-    const uint16_t theirs = r == rank_ ? 0 : window_->wayOf(r, part);
-    if (theirs == 0 || theirs == way) continue;
-    const algorithms::Algorithm& mine = all.at(way - 1);
-    const algorithms::Algorithm& other = all.at(theirs - 1);
-    const bool sameCall = mine.collective == other.collective;
-    throw std::runtime_error(
-        "collective mismatch: rank " + std::to_string(r) + " runs this op as " +
-        algorithms::collectiveCallName(other.collective) + " with '" + other.name + "' (" +
-        wayWords(other.link) + ") where this rank runs " +
-        algorithms::collectiveCallName(mine.collective) + " with '" + mine.name + "' (" +
-        wayWords(mine.link) + "). " +
-        (sameCall ? "The ranks chose different algorithms: pin the same one on every rank "
-                    "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL "
-                    "compares the pins before each op"
-                  : "Every rank must call the same collectives in the same order"));
+void ProcessGroupTDX::checkPeerWay(int peer, uint64_t part, uint16_t way) const {
+  const uint16_t theirs = window_->wayOf(peer, part);
+  if (theirs != 0 && theirs != way) throw std::runtime_error(wayMismatch(peer, theirs, way));
+}
+
+void ProcessGroupTDX::checkPeerWayInStore(int peer, uint64_t part, uint16_t way,
+                                          bool& announced) {
+  // A key per rank, overwritten: the store holds one per member whatever the number of
+  // ops. Only the rank waited for is read, so ranks stalled on one late rank cost the
+  // store a read each per check, not one per member.
+  const auto key = [](int r) { return "tdx/way/" + std::to_string(r); };
+  uint16_t theirs = 0;
+  try {
+    if (!announced) {
+      store_->set(key(rank_), bytesOf(std::to_string(part) + " " + std::to_string(way)));
+      announced = true;
+    }
+    if (!store_->check({key(peer)})) return;
+    const auto v = store_->get(key(peer));
+    const std::string text(v.begin(), v.end());
+    const auto space = text.find(' ');
+    if (space != std::string::npos && std::stoull(text.substr(0, space)) == part) {
+      theirs = static_cast<uint16_t>(std::stoul(text.substr(space + 1)));
+    }
+  } catch (const std::exception&) {
+    // A store that fails here leaves the wait to end as it would have (its deadline).
+    return;
   }
+  if (theirs != 0 && theirs != way) throw std::runtime_error(wayMismatch(peer, theirs, way));
 }
 
 algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double bytes) const {
@@ -1372,6 +1414,7 @@ std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int
       throw std::runtime_error("a rank of the group was lost while setting up shared memory" +
                                lost);
     }
+    if (wc.check) wc.check(owner);
     if (Clock::now() >= wc.deadline && !store_->check({key})) {
       // A timeout of the op: runTask adds which ranks reached it (timeoutNote).
       throw TimedOut("timed out setting up shared memory for " + std::string(wc.what) +

@@ -175,9 +175,13 @@ class ProcessGroupTDX : public c10d::Backend {
     transport::WaitContext wait;
   };
   Selected select(algorithms::Collective c, double bytes, GroupChannel& ch, const char* what);
-  // Throws naming the first peer that announced another algorithm (`way`, an index into
-  // the registry plus one) for part `part` of an op (see select()).
-  void checkPeerWays(uint64_t part, uint16_t way) const;
+  // Ranks that run one part of an op (its sequence number and which of its choices, see
+  // select()) different ways: `way` is the algorithm's index in the registry plus one.
+  // Each throws when rank `peer` announced another way for `part`: in the window when
+  // the group has one, else through the store, where this rank first announces its own
+  // (once per part: `announced`). Called only by waits that have stalled.
+  void checkPeerWay(int peer, uint64_t part, uint16_t way) const;
+  void checkPeerWayInStore(int peer, uint64_t part, uint16_t way, bool& announced);
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;

@@ -387,7 +387,9 @@ void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
       // Exits first: a rank that gave up because another exited is only the messenger.
       for (int r : who) checkAlive(r, wc);
       for (int r : who) checkFailed(r, wc);
-      if (wc.check) wc.check();
+      if (wc.check) {
+        for (int r : who) wc.check(r);
+      }
       if (wc.aborted && wc.aborted->load()) {
         throw std::runtime_error(std::string("the process group was aborted during ") + wc.what);
       }

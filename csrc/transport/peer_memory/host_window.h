@@ -35,9 +35,10 @@ struct WaitContext {
   std::chrono::steady_clock::time_point deadline;
   const std::atomic<bool>* aborted = nullptr;
   const char* what = "shared-memory op";  // for errors
-  // Run at each of a stalled wait's checks (every 20 ms) when set: throws to end the
-  // wait, as when a peer announced another way of running this op (announce()).
-  std::function<void()> check;
+  // Run at each of a stalled wait's checks (every 20 ms) when set, for each rank waited
+  // for: throws to end the wait, as when that rank announced another way of running
+  // this op (announce()).
+  std::function<void(int rank)> check;
 };
 
 class HostWindow {
