@@ -821,3 +821,54 @@ def test_a_timeout_that_is_not_positive_is_refused() -> None:
         assert len(errors) == 3, errors
         for e in errors:
             assert "the timeout must be positive" in e and "pg=" in e, errors
+
+
+def _p2p_through_futures(rank: int, n: int) -> dict:
+    """Rank 0 waits only through futures: on a receive and a rendezvous-sized send that
+    rank 1 never matches, on a callback chained to such a receive, and on a receive
+    posted 2 s before it asks for the future, which rank 1 matches 3.5 s after the post.
+    Each case on a group of its own with a 3 s timeout; rank 1 stays alive throughout."""
+    out: dict = {}
+    timeout = datetime.timedelta(seconds=3)
+    groups = [dist.new_group(backend="tdx", timeout=timeout) for _ in range(4)]
+    if rank == 1:
+        time.sleep(3.5)
+        dist.send(torch.full((2,), 7.0), 0, group=groups[3])
+        time.sleep(6)  # alive: rank 0 must not learn of anything from an exit
+        dist.barrier()
+        return out
+
+    def attempt(name: str, call) -> None:
+        start = time.monotonic()
+        try:
+            out[name] = call()
+        except Exception as e:  # noqa: BLE001 - the caller checks the type
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+
+    start = time.monotonic()
+    late = dist.irecv(torch.zeros(2), 1, group=groups[3])
+    recv = dist.irecv(torch.zeros(2), 1, group=groups[0])
+    attempt("irecv", lambda: recv.get_future().wait())
+    send = dist.isend(torch.zeros(1 << 20), 1, group=groups[1])
+    attempt("isend", lambda: send.get_future().wait())
+    chained = dist.irecv(torch.zeros(2), 1, group=groups[2])
+    attempt("then", lambda: chained.get_future().then(lambda f: f.value()).wait())
+    # The clock starts at get_future(), as at wait(): not at the post, 2 s before here.
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - start)))
+    attempt("late", lambda: late.get_future().wait()[0].tolist())
+    dist.barrier()
+    return out
+
+
+def test_point_to_point_waited_through_its_future_ends_at_the_timeout() -> None:
+    """A point-to-point op has no deadline until someone waits; one waited for through
+    its future (as comm hooks and pipeline schedules do) used to wait for as long as its
+    peer lived. Now get_future() starts the group timeout as wait() does."""
+    r = run_ranks(_p2p_through_futures, 2, timeout=60)[0]
+    for name in ("irecv", "isend", "then"):
+        # torch wraps an error a callback met in a RuntimeError that quotes it.
+        assert "DistBackendError" in str(r[name]), (name, r)
+        assert "timed out" in r[name] and "rank 1" in r[name], (name, r)
+        assert 2.5 < r[name + " seconds"] < 5.0, (name, r)
+    assert r["late"] == [7.0, 7.0], r

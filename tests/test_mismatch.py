@@ -504,3 +504,42 @@ def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host(window_fir
             assert "(in the shared-memory window)" in msg, (rank, name, msg)
             assert "pin the same one on every rank" in msg, (rank, name, msg)
             assert r[name + " seconds"] < 5.0, (rank, name, r[name + " seconds"])
+
+
+def _members_disagree(rank: int, n: int, other: list) -> dict:
+    """Ranks 0 and 1 create a group of [0, 1]; rank 2 creates one of `other` as the same
+    (first) new group, so torch gives both the same name. Then each sums 10**rank over
+    its group three times, if it has one."""
+    import datetime
+
+    members = [0, 1] if rank < 2 else other
+    out: dict = {"sums": [], "error": ""}
+    try:
+        g = dist.new_group(members, backend="tdx", timeout=datetime.timedelta(seconds=5))
+        for _ in range(3):
+            t = torch.full((4,), float(10 ** rank))
+            dist.all_reduce(t, group=g)
+            out["sums"].append(t.tolist())
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        out["error"] = f"{type(e).__name__}: {e}"
+    dist.barrier()  # the default group is untouched
+    return out
+
+
+@pytest.mark.parametrize("other", [[0, 2], [0, 1, 2]], ids=["same-size", "larger"])
+def test_ranks_that_create_a_group_with_other_members_fail_instead_of_mixing(other) -> None:
+    """torch names groups by the order of their creation, so ranks that pass new_group
+    different lists share a name and store prefix; they used to run as one group, and
+    rank 0 returned sums that included rank 2. Now the group records say which members
+    each rank named: the odd rank always fails at creation, and the others either fail
+    too or sum over [0, 1] alone."""
+    results = run_ranks(_members_disagree, 3, timeout=60, args=(other,))
+    odd = results[2]
+    assert odd["error"].startswith("DistBackendError"), odd
+    assert "new_group the same ranks" in odd["error"], odd
+    assert odd["sums"] == [], odd
+    for rank in (0, 1):
+        r = results[rank]
+        # Every sum a rank got is [0, 1]'s; a rank that failed said why.
+        assert all(s == [11.0] * 4 for s in r["sums"]), (rank, r)
+        assert r["error"] == "" or r["error"].startswith("DistBackendError"), (rank, r)

@@ -203,6 +203,19 @@ size_t commonElementBytes(const std::vector<at::Tensor>& tensors) {
   return dtype ? c10::elementSize(*dtype) : 0;
 }
 
+// "0, 2, 5": a group's global ranks, the first 16 of them.
+std::string memberList(const std::vector<int64_t>& globalRanks) {
+  constexpr size_t kListed = 16;
+  std::string list;
+  for (size_t r = 0; r < std::min(globalRanks.size(), kListed); ++r) {
+    list += (r ? ", " : "") + std::to_string(globalRanks[r]);
+  }
+  if (globalRanks.size() > kListed) {
+    list += ", ... (torch.distributed.get_global_rank maps the rest)";
+  }
+  return list;
+}
+
 // A group's timeout bounds every op: zero or less would fail any op that waits at all,
 // at random, depending on which rank came first.
 void checkTimeout(const std::string& prefix, std::chrono::milliseconds timeout) {
@@ -384,15 +397,9 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   bool globalNumbers = true;
   for (int r = 0; globalNumbers && r < size; ++r) globalNumbers = globalRanks_[r] == r;
   if (!globalNumbers) {
-    constexpr int kListed = 16;
-    std::string list;
-    for (int r = 0; r < std::min(size, kListed); ++r) {
-      list += (r ? ", " : "") + std::to_string(globalRanks_[r]);
-    }
-    if (size > kListed) list += ", ... (torch.distributed.get_global_rank maps the rest)";
     rankNote_ = std::make_shared<const std::string>(
         " [ranks named here are this group's; its ranks 0.." + std::to_string(size - 1) +
-        " are global ranks " + list + "]");
+        " are global ranks " + memberList(globalRanks_) + "]");
   }
 
   // One round of store reads settles four things. Each rank publishes whether it allows
@@ -434,6 +441,22 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   constexpr size_t kMaskDigits = 16;
   char maskText[kMaskDigits + 1];
   std::snprintf(maskText, sizeof(maskText), "%016llx", static_cast<unsigned long long>(idsFree));
+  // Which members this rank created the group with (a hash of their global ranks) and
+  // which of them it is. torch names a group by the order of creation, not by its
+  // members: ranks that passed new_group different lists would share a name, a store
+  // prefix and group ranks, and exchange each other's data as one group's.
+  constexpr size_t kMembersDigits = 24;
+  uint64_t membersHash = 1469598103934665603ull;  // FNV-1a
+  for (const int64_t g : globalRanks_) {
+    for (int b = 0; b < 8; ++b) {
+      membersHash = (membersHash ^ ((static_cast<uint64_t>(g) >> (8 * b)) & 0xff)) *
+                    1099511628211ull;
+    }
+  }
+  char membersText[kMembersDigits + 1];
+  std::snprintf(membersText, sizeof(membersText), "%016llx%08llx",
+                static_cast<unsigned long long>(membersHash),
+                static_cast<unsigned long long>(globalRanks_[rank]));
   const std::string key = transport::hostKey();
   uint64_t idsFreeEverywhere = idsFree;
   int localRanks = 0;
@@ -447,17 +470,18 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     incarnation_ = store_->add("tdx/incarnation/" + std::to_string(rank), 1);
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
-                        "|" + tuningText + "@" + cpuText() + "|" + key));
+                        membersText + "|" + tuningText + "@" + cpuText() + "|" + key));
     std::string disagreement;
     setupWait("tdx/host/", "join the group");
     for (int r = 0; r < size; ++r) {
       const auto theirs = store_->get("tdx/host/" + std::to_string(r));
       const std::string text(theirs.begin(), theirs.end());
-      // flag, mask, "|", tuning, "@", CPUs, "|", host key: the separators tell a record
-      // of another version apart (which, in turn, refuses this one at the "@"; records
-      // with the CPUs' earlier format had a "#" there), whose key
+      // flag, mask, members, "|", tuning, "@", CPUs, "|", host key: the separators tell
+      // a record of another version apart (which, in turn, refuses this one at the "@";
+      // records with the CPUs' earlier format had a "#" there), whose key
       // would otherwise be read as tuning or CPUs.
-      const size_t tuningAt = 1 + kMaskDigits + 1;
+      const size_t membersAt = 1 + kMaskDigits;
+      const size_t tuningAt = membersAt + kMembersDigits + 1;
       const size_t cpusAt = tuningAt + tuningText.size() + 1;
       const size_t cpusEnd = text.size() < cpusAt ? std::string::npos : text.find('|', cpusAt);
       const size_t keyAt = cpusEnd == std::string::npos ? text.size() + 1 : cpusEnd + 1;
@@ -467,6 +491,27 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                         prefix() + " rank " + std::to_string(r) +
                             " published no group record under tdx/host/: every rank of a tdx "
                             "group must run the same torchdist_ext version");
+      }
+      if (text.compare(membersAt, 16, membersText, 16) != 0 ||
+          std::strtoull(text.substr(membersAt + 16, 8).c_str(), nullptr, 16) !=
+              static_cast<uint64_t>(globalRanks_[r])) {
+        // Either rank r named other members, or a rank of another group made under the
+        // same name wrote r's record (it is its rank r too). Every such rank fails here,
+        // or ranks whose lists agree form their group alone: none takes another's data.
+        const auto writer = static_cast<int64_t>(
+            std::strtoull(text.substr(membersAt + 16, 8).c_str(), nullptr, 16));
+        const std::string who = "rank " + std::to_string(r) + " of this group (global rank " +
+                                std::to_string(globalRanks_[r]) + ")";
+        C10_THROW_ERROR(
+            DistBackendError,
+            prefix() + " " +
+                (writer == globalRanks_[r]
+                     ? who + " created it with other members than this rank did"
+                     : who + " is global rank " + std::to_string(writer) +
+                           " in the group of the same name it created") +
+                " (this rank's: global ranks " + memberList(globalRanks_) +
+                "): every rank of a group must pass new_group the same ranks in the same "
+                "order, and create its groups in the same order as the others");
       }
       idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
       for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]); ++k) {

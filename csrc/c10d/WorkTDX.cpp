@@ -1,6 +1,7 @@
 #include "c10d/WorkTDX.hpp"
 
 #include "c10d/Completion.hpp"
+#include "c10d/FutureDeadlines.hpp"
 #include "common/env.h"
 
 #include <c10/core/StreamGuard.h>
@@ -40,7 +41,9 @@ WorkTDX::WorkTDX(c10d::OpType opType, std::string description, uint64_t seq,
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), devicesOf(outputs_))) {}
 
-WorkTDX::~WorkTDX() = default;
+WorkTDX::~WorkTDX() {
+  if (deadlineArmed_.load()) futureDeadlines::disarm(this);
+}
 
 bool WorkTDX::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -169,9 +172,38 @@ std::vector<at::Tensor> WorkTDX::result() {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkTDX::getFuture() {
+  bool timesItself = false;
+  auto backstop = std::chrono::steady_clock::time_point::max();
+  {
+    std::lock_guard<std::mutex> g(timeoutMu_);
+    timesItself = static_cast<bool>(onTimeout_);
+    backstop = backstop_;
+  }
+  if (timesItself && !future_->completed() && !deadlineArmed_.exchange(true)) {
+    // As wait() would: the group timeout from now, or the block's collectives' backstop
+    // when that is later.
+    auto at = std::chrono::steady_clock::now() + std::min(timeout_, kLongestTimeout);
+    if (backstop != std::chrono::steady_clock::time_point::max()) at = std::max(at, backstop);
+    futureDeadlines::arm(at, c10::intrusive_ptr<WorkTDX>::reclaim_copy(this));
+  }
   std::lock_guard<std::mutex> lock(futureMu_);
   futureShared_ = true;
   return future_;
+}
+
+void WorkTDX::expire() {
+  std::function<void()> onTimeout;
+  {
+    std::lock_guard<std::mutex> g(timeoutMu_);
+    onTimeout = onTimeout_;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_) return;
+  }
+  // Cancels the parts (or abandons a send UCX cannot cancel) and breaks the group: they
+  // complete with the timeout as their error, and so does the future.
+  if (onTimeout) onTimeout();
 }
 
 int WorkTDX::sourceRank() const {
@@ -289,6 +321,7 @@ void WorkTDX::complete(std::exception_ptr error) {
 }
 
 c10::intrusive_ptr<WorkTDX> WorkTDX::completeNow(std::exception_ptr error) {
+  if (deadlineArmed_.load()) futureDeadlines::disarm(this);
   if (error) {
     if (!future_->completed()) future_->setErrorIfNeeded(error);
   } else if (!future_->completed()) {

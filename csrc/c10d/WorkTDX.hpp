@@ -77,6 +77,10 @@ class WorkTDX : public c10d::Work {
     return description_;
   }
 
+  // The deadline get_future() armed for an op that times itself (point-to-point) has
+  // passed: ends the op as a wait() that timed out would (futureDeadlines).
+  void expire();
+
  private:
   void complete(std::exception_ptr error);     // hands completeNow() to a completion thread
   // Returns the coalesced parent, which the caller tells (finishPart) once it holds no
@@ -104,6 +108,7 @@ class WorkTDX : public c10d::Work {
   bool futureShared_ = false;
   std::function<void()> onTimeout_;
   std::function<void()> progress_;  // guarded by timeoutMu_
+  std::atomic<bool> deadlineArmed_{false};  // futureDeadlines holds this work
   // The coalesced work this one belongs to (attachChild), told directly when this one
   // completes: no listener on this work's future, so no completion thread in between.
   // Guarded by mutex_, with Work's completed_ and exception_.
