@@ -216,8 +216,9 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
   // Wake up now and then to notice an abort of the group.
   while (!transport_.wait(*r, std::min(deadline_, Clock::now() + std::chrono::milliseconds(100)))) {
     if (aborted_.load()) {
-      throw std::runtime_error("the process group was aborted while waiting for rank " +
-                               std::to_string(p.peer));
+      throw std::runtime_error(
+          "the process group was shut down (destroyed or aborted) while waiting for rank " +
+          std::to_string(p.peer));
     }
     // A rank of the group that died makes this op impossible even when the transfer we
     // wait on is with a live rank (which may itself be stuck on the dead one): name the

@@ -284,7 +284,8 @@ void monitoredBarrier(GroupChannel& ch, bool waitAll, std::chrono::milliseconds 
     }
     if (first < 0 || (failed && !waitAll)) break;
     if (ch.abortedFlag().load()) {
-      throw std::runtime_error("the process group was aborted during monitored_barrier");
+      throw std::runtime_error(
+          "the process group was shut down (destroyed or aborted) during monitored_barrier");
     }
     if (transport::Clock::now() >= ch.deadline()) {
       for (int q = 1; q < n; ++q) {

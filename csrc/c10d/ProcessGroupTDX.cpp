@@ -1267,7 +1267,8 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
     return static_cast<uint16_t>(a - reg.all().data() + 1);
   };
   if (choice.algorithm->link != algorithms::Link::Net) {
-    // A rank that never comes to set the window up may run the op on messages.
+    // A rank that never comes to set the window up may run the op on messages. (Only
+    // read if this call sets it up.)
     sel.wait.check = [this, part, way = wayOf(choice.algorithm), announced = false](
                          int peer) mutable { checkPeerWayInStore(peer, part, way, announced); };
     sel.window = hostWindow(sel.wait);
@@ -1304,8 +1305,12 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
     };
     sel.wait.check = check;
     ch.setPeerCheck(std::move(check));
-  } else {
-    // Without a window, through the store, and only once a wait has stalled.
+  } else if (windowState_ == 0) {
+    // Without a window, through the store, and only once a wait has stalled. Choices
+    // made while the group has not tried its window come from the same inputs on every
+    // rank but the pins, so ranks whose choices differ pinned differently. One made
+    // after the window could not be made is a fallback, which a peer's announcement of
+    // the window algorithm it was setting up must not be compared with.
     ch.setPeerCheck([this, part, way, announced = false](int peer) mutable {
       checkPeerWayInStore(peer, part, way, announced);
     });
@@ -1452,7 +1457,9 @@ std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int
   // the op's deadline) is reported instead of blocking for the store's own timeout.
   pollStore(*store_, {key}, std::chrono::milliseconds(100), [&] {
     if (wc.aborted && wc.aborted->load()) {
-      throw std::runtime_error("the process group was aborted while setting up shared memory");
+      throw std::runtime_error(
+          "the process group was shut down (destroyed or aborted) while setting up shared "
+          "memory");
     }
     const std::string lost = lostRanksNote(*transport_, endpoints_, rank_);
     if (!lost.empty()) {

@@ -154,11 +154,17 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
       cv_.wait_for(lock, std::chrono::seconds(1), [&] { return completed_; });
     }
     if (!completed_) {
+      // A collective goes on under its own limit (the group timeout from its start),
+      // which names the ranks that did not reach it if it runs out.
       C10_THROW_ERROR(DistBackendError,
                       description_ + " did not complete within " +
                           std::to_string(limit.count()) +
                           " ms. A peer may not have posted the matching op; check that "
-                          "every rank calls the same ops in the same order.");
+                          "every rank calls the same ops in the same order." +
+                          (onTimeout ? std::string()
+                                     : " The op goes on under the group timeout: wait() "
+                                       "again for its result, or for an error that names "
+                                       "the ranks that did not reach it."));
     }
   }
   if (exception_) std::rethrow_exception(exception_);

@@ -391,7 +391,9 @@ void HostWindow::waitFor(int only, uint64_t target, const WaitContext& wc) {
         for (int r : who) wc.check(r);
       }
       if (wc.aborted && wc.aborted->load()) {
-        throw std::runtime_error(std::string("the process group was aborted during ") + wc.what);
+        throw std::runtime_error(
+            std::string("the process group was shut down (destroyed or aborted) during ") +
+            wc.what);
       }
       if (now >= wc.deadline) {
         if (!behind(nullptr)) return;  // came just now
