@@ -503,7 +503,10 @@ def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host(window_fir
             assert f"'{algo}' (on messages)" in msg, (rank, name, msg)
             assert "(in the shared-memory window)" in msg, (rank, name, msg)
             assert "pin the same one on every rank" in msg, (rank, name, msg)
-            assert r[name + " seconds"] < 5.0, (rank, name, r[name + " seconds"])
+            # Through the store a rank says what it runs after a 1 s grace, and a check
+            # reads the peer's answer a second later: about 2 s.
+            limit = 5.0 if window_first else 10.0
+            assert r[name + " seconds"] < limit, (rank, name, r[name + " seconds"])
 
 
 def _members_disagree(rank: int, n: int, other: list) -> dict:

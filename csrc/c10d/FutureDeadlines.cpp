@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -37,10 +38,13 @@ class Deadlines {
   }
 
   void disarm(const WorkTDX* work) {
+    std::optional<c10::weak_intrusive_ptr<WorkTDX>> held;  // dropped after the lock: see run()
     std::lock_guard<std::mutex> lock(mu_);
     auto it = armed_.find(work);
     if (it == armed_.end()) return;
-    due_.erase(std::make_pair(it->second, work));
+    auto due = due_.find(std::make_pair(it->second, work));
+    held.emplace(std::move(due->second));
+    due_.erase(due);
     armed_.erase(it);
   }
 
@@ -64,10 +68,12 @@ class Deadlines {
         due_.erase(due_.begin());
       }
       lock.unlock();
-      // Outside the lock: expiring cancels transfers, whose completions disarm.
+      // Outside the lock: expiring cancels transfers, whose completions disarm, and the
+      // last reference to a work (weak ones included) destroys it.
       for (auto& weak : expired) {
         if (auto work = weak.lock()) work->expire();
       }
+      expired.clear();
       lock.lock();
     }
   }

@@ -18,9 +18,10 @@ class WorkTDX;
 
 namespace futureDeadlines {
 
-// Calls work->expire() at `at` unless disarm(work) ran first. The work is held weakly.
+// Calls work->expire() at `at` unless disarm(work) ran first. The work is held weakly,
+// which in c10 keeps the object (not its completion) until the deadline or disarm().
 void arm(std::chrono::steady_clock::time_point at, const c10::intrusive_ptr<WorkTDX>& work);
-// Forgets `work`'s deadline (it completed). Cheap when none was armed.
+// Forgets `work`'s deadline (it completed).
 void disarm(const WorkTDX* work);
 
 } // namespace futureDeadlines

@@ -510,8 +510,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                      : who + " is global rank " + std::to_string(writer) +
                            " in the group of the same name it created") +
                 " (this rank's: global ranks " + memberList(globalRanks_) +
-                "): every rank of a group must pass new_group the same ranks in the same "
-                "order, and create its groups in the same order as the others");
+                "): every rank of a group must pass new_group the same ranks, and create "
+                "its groups in the same order as the others. (A job that destroys its "
+                "groups and makes new ones on the same store must destroy them on every "
+                "rank first: a record of the earlier group of this name reads the same)");
       }
       idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
       for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]); ++k) {
@@ -1244,6 +1246,10 @@ void ProcessGroupTDX::handleFailure(Task& task, const std::string& what,
 
 namespace {
 
+// How long an op's choice goes unannounced in the store: stalls shorter than this are
+// how a job waits for a slow rank, and cost the store nothing.
+constexpr auto kStoreCheckGrace = std::chrono::seconds(1);
+
 algorithms::PinRefused windowPinRefused(algorithms::Collective c, const char* algorithm) {
   return algorithms::PinRefused(std::string(algorithms::collectiveName(c)) + " is pinned to '" +
                                 algorithm +
@@ -1266,11 +1272,12 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   const auto wayOf = [&reg](const algorithms::Algorithm* a) {
     return static_cast<uint16_t>(a - reg.all().data() + 1);
   };
+  // The lambdas below hold `this` alone, so building them allocates nothing.
+  choice_ = WayChoice{part, wayOf(choice.algorithm), false, Clock::now() + kStoreCheckGrace};
   if (choice.algorithm->link != algorithms::Link::Net) {
     // A rank that never comes to set the window up may run the op on messages. (Only
     // read if this call sets it up.)
-    sel.wait.check = [this, part, way = wayOf(choice.algorithm), announced = false](
-                         int peer) mutable { checkPeerWayInStore(peer, part, way, announced); };
+    if (windowState_ == 0) sel.wait.check = [this](int peer) { checkPeerWayInStore(peer); };
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
       // Without the window the group runs as one whose windows are off: the rules
@@ -1297,23 +1304,18 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   // that pinned different algorithms (without TDX_DEBUG=DETAIL, which compares the pins
   // first) would otherwise each wait out the timeout for the other: one in the window
   // and one on messages, or on two plans that never pair up.
-  const uint16_t way = wayOf(choice.algorithm);
+  choice_.way = wayOf(choice.algorithm);
   if (windowState_ == 1 && window_) {
-    window_->announce(part, way);  // one store to shared memory: every op may say it
-    std::function<void(int)> check = [this, part, way](int peer) {
-      checkPeerWay(peer, part, way);
-    };
-    sel.wait.check = check;
-    ch.setPeerCheck(std::move(check));
+    window_->announce(part, choice_.way);  // one store to shared memory: every op may say it
+    sel.wait.check = [this](int peer) { checkPeerWay(peer); };
+    ch.setPeerCheck([this](int peer) { checkPeerWay(peer); });
   } else if (windowState_ == 0) {
     // Without a window, through the store, and only once a wait has stalled. Choices
     // made while the group has not tried its window come from the same inputs on every
     // rank but the pins, so ranks whose choices differ pinned differently. One made
     // after the window could not be made is a fallback, which a peer's announcement of
     // the window algorithm it was setting up must not be compared with.
-    ch.setPeerCheck([this, part, way, announced = false](int peer) mutable {
-      checkPeerWayInStore(peer, part, way, announced);
-    });
+    ch.setPeerCheck([this](int peer) { checkPeerWayInStore(peer); });
   }
   TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
                           << " B: " << choice.algorithm->name << " (predicted "
@@ -1336,55 +1338,93 @@ const char* wayWords(algorithms::Link link) {
   }
 }
 
-// The error for rank `peer`, which runs part of an op as algorithm `theirs` where this
-// rank runs `mine` (ways: registry indices plus one).
-std::string wayMismatch(int peer, uint16_t theirs, uint16_t mine) {
+// Throws when rank `peer` announced `theirs` (0: nothing for this part) where this rank
+// runs `mine` (ways: registry indices plus one).
+void throwIfOtherWay(int peer, uint16_t theirs, uint16_t mine) {
+  if (theirs == 0 || theirs == mine) return;
   const auto& all = algorithms::Registry::get().all();
-  const algorithms::Algorithm& a = all.at(mine - 1);
-  const algorithms::Algorithm& b = all.at(theirs - 1);
-  return "collective mismatch: rank " + std::to_string(peer) + " runs this op as " +
-         algorithms::collectiveCallName(b.collective) + " with '" + b.name + "' (" +
-         wayWords(b.link) + ") where this rank runs " +
-         algorithms::collectiveCallName(a.collective) + " with '" + a.name + "' (" +
-         wayWords(a.link) + "). " +
-         (a.collective == b.collective
-              ? "The ranks chose different algorithms: pin the same one on every rank "
-                "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL "
-                "compares the pins before each op"
-              : "Every rank must call the same collectives in the same order");
+  if (theirs > all.size() || mine > all.size()) {
+    throw std::runtime_error("collective mismatch: rank " + std::to_string(peer) +
+                             " runs this op with an algorithm this build does not know; "
+                             "every rank must run the same torchdist_ext version");
+  }
+  const algorithms::Algorithm& a = all[mine - 1];
+  const algorithms::Algorithm& b = all[theirs - 1];
+  throw std::runtime_error(
+      "collective mismatch: rank " + std::to_string(peer) + " runs this op as " +
+      algorithms::collectiveCallName(b.collective) + " with '" + b.name + "' (" +
+      wayWords(b.link) + ") where this rank runs " +
+      algorithms::collectiveCallName(a.collective) + " with '" + a.name + "' (" +
+      wayWords(a.link) + "). " +
+      (a.collective == b.collective
+           ? "The ranks chose different algorithms: pin the same one on every rank "
+             "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL compares "
+             "the pins before each op"
+           : "Every rank must call the same collectives in the same order"));
 }
 
 } // namespace
 
-void ProcessGroupTDX::checkPeerWay(int peer, uint64_t part, uint16_t way) const {
-  const uint16_t theirs = window_->wayOf(peer, part);
-  if (theirs != 0 && theirs != way) throw std::runtime_error(wayMismatch(peer, theirs, way));
+void ProcessGroupTDX::checkPeerWay(int peer) const {
+  throwIfOtherWay(peer, window_->wayOf(peer, choice_.part), choice_.way);
 }
 
-void ProcessGroupTDX::checkPeerWayInStore(int peer, uint64_t part, uint16_t way,
-                                          bool& announced) {
-  // A key per rank, overwritten: the store holds one per member whatever the number of
-  // ops. Only the rank waited for is read, so ranks stalled on one late rank cost the
-  // store a read each per check, not one per member.
-  const auto key = [](int r) { return "tdx/way/" + std::to_string(r); };
-  uint16_t theirs = 0;
-  try {
-    if (!announced) {
-      store_->set(key(rank_), bytesOf(std::to_string(part) + " " + std::to_string(way)));
-      announced = true;
+void ProcessGroupTDX::checkPeerWayInStore(int peer) {
+  // A key per rank and incarnation of the group, overwritten: the store holds one per
+  // member whatever the number of ops, and a group made again under the same name (on
+  // a store that outlived the first) never reads the first one's. Only the rank waited
+  // for is read, once a second after a grace, so ranks stalled on one late rank cost
+  // the store little. (Stalls are how a job waits for a slow rank: most end within it.)
+  const auto now = Clock::now();
+  if (now < choice_.storeCheckAt) return;
+  choice_.storeCheckAt = now + std::chrono::seconds(1);
+  {
+    // What an earlier read found (it records only another way than this rank's), or a
+    // read still in flight: nothing to start.
+    std::unique_lock<std::mutex> lock(wayRead_->mu);
+    if (wayRead_->part == choice_.part && wayRead_->way != 0) {
+      const int about = wayRead_->peer;
+      const uint16_t theirs = wayRead_->way;
+      lock.unlock();
+      throwIfOtherWay(about, theirs, choice_.way);
     }
-    if (!store_->check({key(peer)})) return;
-    const auto v = store_->get(key(peer));
-    const std::string text(v.begin(), v.end());
-    const auto space = text.find(' ');
-    if (space != std::string::npos && std::stoull(text.substr(0, space)) == part) {
-      theirs = static_cast<uint16_t>(std::stoul(text.substr(space + 1)));
-    }
-  } catch (const std::exception&) {
-    // A store that fails here leaves the wait to end as it would have (its deadline).
-    return;
+    if (wayRead_->busy) return;
+    wayRead_->busy = true;
   }
-  if (theirs != 0 && theirs != way) throw std::runtime_error(wayMismatch(peer, theirs, way));
+  const std::string base = "tdx/way/" + std::to_string(incarnation_) + "/";
+  std::string mine;
+  if (!choice_.announced) {
+    mine = std::to_string(choice_.part) + " " + std::to_string(choice_.way);
+    choice_.announced = true;
+  }
+  // On a thread of its own, as timeoutNote's: a store call has no deadline (a server
+  // that stops answering, or another thread's wait on the same client, can hold it),
+  // and this thread must go on watching its op. The next check reads what it found.
+  std::thread([read = wayRead_, store = store_, base, mine, rank = rank_, peer,
+               part = choice_.part, way = choice_.way] {
+    uint16_t found = 0;
+    try {
+      if (!mine.empty()) store->set(base + std::to_string(rank), bytesOf(mine));
+      const std::string key = base + std::to_string(peer);
+      if (store->check({key})) {
+        const auto v = store->get(key);
+        const std::string text(v.begin(), v.end());
+        const auto space = text.find(' ');
+        if (space != std::string::npos && std::stoull(text.substr(0, space)) == part) {
+          found = static_cast<uint16_t>(std::stoul(text.substr(space + 1)));
+        }
+      }
+    } catch (const std::exception&) {
+      // A store that fails leaves the wait to end as it would have (its deadline).
+    }
+    std::lock_guard<std::mutex> lock(read->mu);
+    read->busy = false;
+    if (found != 0 && found != way) {
+      read->part = part;
+      read->peer = peer;
+      read->way = found;
+    }
+  }).detach();
 }
 
 algorithms::Choice ProcessGroupTDX::predict(algorithms::Collective c, double bytes) const {

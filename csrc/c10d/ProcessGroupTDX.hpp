@@ -176,12 +176,12 @@ class ProcessGroupTDX : public c10d::Backend {
   };
   Selected select(algorithms::Collective c, double bytes, GroupChannel& ch, const char* what);
   // Ranks that run one part of an op (its sequence number and which of its choices, see
-  // select()) different ways: `way` is the algorithm's index in the registry plus one.
-  // Each throws when rank `peer` announced another way for `part`: in the window when
-  // the group has one, else through the store, where this rank first announces its own
-  // (once per part: `announced`). Called only by waits that have stalled.
-  void checkPeerWay(int peer, uint64_t part, uint16_t way) const;
-  void checkPeerWayInStore(int peer, uint64_t part, uint16_t way, bool& announced);
+  // select()) different ways. Each throws when rank `peer` announced another way for the
+  // running op's part than this rank's (choice_): in the window when the group has one,
+  // else through the store, where this rank first announces its own. Called only by
+  // waits that have stalled.
+  void checkPeerWay(int peer) const;
+  void checkPeerWayInStore(int peer);
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;
@@ -263,6 +263,24 @@ class ProcessGroupTDX : public c10d::Backend {
   std::atomic<int64_t> timeoutMs_;  // options_->timeout, for threads other than the caller's
   std::string groupName_;
   int64_t incarnation_ = 0;  // see the constructor: keys of this incarnation only
+  // The running op's latest choice (select()), for the checks above; the worker's only.
+  struct WayChoice {
+    uint64_t part = 0;
+    uint16_t way = 0;  // the algorithm's index in the registry plus one
+    bool announced = false;  // in the store
+    std::chrono::steady_clock::time_point storeCheckAt;  // the next store check
+  };
+  WayChoice choice_;
+  // What the latest store read for checkPeerWayInStore found, written by the thread that
+  // made it (store calls have no deadline, so the waiting thread never makes them).
+  struct WayRead {
+    std::mutex mu;
+    bool busy = false;  // a read is in flight
+    uint64_t part = 0;
+    int peer = -1;
+    uint16_t way = 0;  // what `peer` announced for `part` (0: nothing)
+  };
+  std::shared_ptr<WayRead> wayRead_ = std::make_shared<WayRead>();
   std::vector<int64_t> globalRanks_;
   // For a group whose ranks are not the global ones: which global rank each is, added to
   // its errors (which name ranks of the group); "" otherwise. Shared, so a point-to-point

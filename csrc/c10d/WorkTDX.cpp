@@ -41,9 +41,7 @@ WorkTDX::WorkTDX(c10d::OpType opType, std::string description, uint64_t seq,
       future_(c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()), devicesOf(outputs_))) {}
 
-WorkTDX::~WorkTDX() {
-  if (deadlineArmed_.load()) futureDeadlines::disarm(this);
-}
+WorkTDX::~WorkTDX() = default;
 
 bool WorkTDX::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -191,6 +189,9 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkTDX::getFuture() {
     auto at = std::chrono::steady_clock::now() + std::min(timeout_, kLongestTimeout);
     if (backstop != std::chrono::steady_clock::time_point::max()) at = std::max(at, backstop);
     futureDeadlines::arm(at, c10::intrusive_ptr<WorkTDX>::reclaim_copy(this));
+    // Completed meanwhile: completeNow() may have looked for a deadline before this one
+    // was armed (it completes the future first, then disarms).
+    if (future_->completed()) futureDeadlines::disarm(this);
   }
   std::lock_guard<std::mutex> lock(futureMu_);
   futureShared_ = true;
@@ -327,7 +328,6 @@ void WorkTDX::complete(std::exception_ptr error) {
 }
 
 c10::intrusive_ptr<WorkTDX> WorkTDX::completeNow(std::exception_ptr error) {
-  if (deadlineArmed_.load()) futureDeadlines::disarm(this);
   if (error) {
     if (!future_->completed()) future_->setErrorIfNeeded(error);
   } else if (!future_->completed()) {
@@ -336,6 +336,8 @@ c10::intrusive_ptr<WorkTDX> WorkTDX::completeNow(std::exception_ptr error) {
     c10::OptionalStreamGuard guard(deviceStream_);
     future_->markCompleted(c10::IValue(outputs_));
   }
+  // After the future: getFuture() arms, then looks at the future again (see there).
+  if (deadlineArmed_.load()) futureDeadlines::disarm(this);
   finish(error);
   // A parent attached after finish() saw completed_ and counted this one itself.
   c10::intrusive_ptr<WorkTDX> parent;
