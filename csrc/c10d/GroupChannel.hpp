@@ -229,9 +229,9 @@ class GroupChannel final : public algorithms::Channel {
   uint32_t groupId_;
   uint64_t seq_;
   std::optional<algorithms::Collective> collective_;  // see setCollective()
-  size_t elementBytes_ = 0;  // see setElementBytes()
+  size_t elementBytes_ = 0;             // see setElementBytes()
   std::function<void(int)> peerCheck_;  // see setPeerCheck()
-  uint32_t choices_ = 0;             // see nextChoice()
+  uint32_t choices_ = 0;                // see nextChoice()
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;
