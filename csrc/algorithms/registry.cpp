@@ -19,6 +19,11 @@ namespace {
 const char* const kCollectiveNames[kNumCollectives] = {
     "allreduce", "broadcast", "reduce",  "allgather", "reduce_scatter",
     "alltoall",  "barrier",   "gather",  "scatter"};
+// As torch.distributed spells them: three with an underscore (dist.all_reduce). Users
+// write those names into TDX_ALGO and set_algorithm, so both spellings are accepted.
+const char* const kCollectiveCallNames[kNumCollectives] = {
+    "all_reduce", "broadcast", "reduce",  "all_gather", "reduce_scatter",
+    "all_to_all", "barrier",   "gather",  "scatter"};
 
 } // namespace
 
@@ -27,27 +32,15 @@ const char* collectiveName(Collective c) {
 }
 
 const char* collectiveCallName(Collective c) {
-  switch (c) {
-    case Collective::Allreduce:
-      return "all_reduce";
-    case Collective::Allgather:
-      return "all_gather";
-    case Collective::Alltoall:
-      return "all_to_all";
-    default:
-      return collectiveName(c);
-  }
+  return kCollectiveCallNames[static_cast<int>(c)];
 }
 
 Collective collectiveFromName(const std::string& name) {
   for (int i = 0; i < kNumCollectives; ++i) {
-    if (name == kCollectiveNames[i]) return static_cast<Collective>(i);
+    if (name == kCollectiveNames[i] || name == kCollectiveCallNames[i]) {
+      return static_cast<Collective>(i);
+    }
   }
-  // torch.distributed spells three of them with an underscore (dist.all_reduce); users
-  // write those names into TDX_ALGO and set_algorithm, so both spellings are accepted.
-  if (name == "all_reduce") return Collective::Allreduce;
-  if (name == "all_gather") return Collective::Allgather;
-  if (name == "all_to_all") return Collective::Alltoall;
   std::string all;
   for (int i = 0; i < kNumCollectives; ++i) all += (i ? ", " : "") + std::string(kCollectiveNames[i]);
   throw std::invalid_argument("unknown collective '" + name + "'; use one of " + all);

@@ -182,15 +182,18 @@ std::atomic<uint64_t>& HostWindow::announcement(int r) const {
   return *(&counter(r) + 1);
 }
 
+namespace {
+// An announcement word: the op's low kAnnouncedOpBits bits above the way's 16.
+constexpr uint64_t kAnnouncedOpMask = (uint64_t{1} << HostWindow::kAnnouncedOpBits) - 1;
+} // namespace
+
 void HostWindow::announce(uint64_t op, uint16_t way) {
-  constexpr uint64_t kOpMask = (uint64_t{1} << kAnnouncedOpBits) - 1;
-  announcement(rank_).store(((op & kOpMask) << 16) | way, std::memory_order_release);
+  announcement(rank_).store(((op & kAnnouncedOpMask) << 16) | way, std::memory_order_release);
 }
 
 uint16_t HostWindow::wayOf(int r, uint64_t op) const {
-  constexpr uint64_t kOpMask = (uint64_t{1} << kAnnouncedOpBits) - 1;
   const uint64_t word = announcement(r).load(std::memory_order_acquire);
-  return (word >> 16) == (op & kOpMask) ? static_cast<uint16_t>(word & 0xffff) : 0;
+  return (word >> 16) == (op & kAnnouncedOpMask) ? static_cast<uint16_t>(word & 0xffff) : 0;
 }
 
 int32_t HostWindow::pid(int r) const {
