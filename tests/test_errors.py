@@ -339,6 +339,54 @@ def test_explicit_wait_timeout_is_honoured() -> None:
     assert 0.4 < r["seconds"] < 2.0, r
 
 
+def _wait_timeouts_while_a_rank_is_late(rank: int, n: int) -> dict:
+    import time
+    from datetime import timedelta
+
+    g = dist.new_group(backend="tdx", timeout=timedelta(seconds=30))
+    dist.barrier(group=g)  # the window, where there is one, is made
+    out: dict = {}
+    first, second = torch.ones(5), torch.ones(7)
+    if rank == n - 1:
+        time.sleep(3)
+    w1 = dist.all_reduce(first, group=g, async_op=True)
+    w2 = dist.all_reduce(second, group=g, async_op=True)
+    if rank < n - 1:
+        for name, work, seconds in (("queued", w2, 1.0), ("running", w1, 0.5)):
+            try:
+                work.wait(timeout=timedelta(seconds=seconds))
+                out[name] = "no error"
+            except Exception as e:  # noqa: BLE001 - the caller checks
+                out[name] = f"{type(e).__name__}: {e}"
+    w1.wait()
+    w2.wait()
+    out["sums"] = first.tolist() + second.tolist()
+    return out
+
+
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["window", "messages"])
+def test_a_wait_timeout_on_a_collective_says_where_the_op_stands(shm: str) -> None:
+    """wait(timeout) on a collective that runs out says what the rank was waiting for:
+    the late rank (or, on messages, a neighbour that waits for it), or the op queued
+    ahead whose turn it is. Then the ops finish when the late rank comes."""
+    results = run_ranks(_wait_timeouts_while_a_rank_is_late, 3, timeout=60,
+                        env={"TDX_SHM": shm})
+    where = "in the shared-memory window" if shm == "1" else "on messages"
+    late = "2" if shm == "1" else "[12]"
+    for rank, r in enumerate(results):
+        assert r["sums"] == [3.0] * 12, (rank, r)
+        if rank == 2:
+            continue
+        queued, running = r["queued"], r["running"]
+        assert queued.startswith("DistBackendError") and "did not complete" in queued, r
+        assert re.search(r"It has not started on this rank: op #\d+, queued ahead of it, "
+                         rf"still runs, waiting for rank {late} {where}\.", queued), r
+        assert running.startswith("DistBackendError") and "did not complete" in running, r
+        assert re.search(rf"By then this rank was waiting for rank {late} {where}\.",
+                         running), r
+        assert "The op goes on under the group timeout" in running, r
+
+
 def test_coalesced_block_waits_for_its_ops_not_one_timeout() -> None:
     """A coalesced block of collectives, each within the group timeout of its own start,
     is not failed because the block as a whole took longer than one timeout."""

@@ -459,8 +459,6 @@ def _pinned_apart(rank: int, n: int, window_first: bool) -> dict:
         "allgather": ("ring", lambda g: dist.all_gather_into_tensor(
             torch.empty(1000 * n), torch.ones(1000), group=g)),
     }
-    if not window_first:
-        del cases["broadcast"]  # see the test
     out: dict = {}
     for name, (algo, call) in cases.items():
         g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
@@ -485,13 +483,10 @@ def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host(window_fir
     """One rank on messages, the others in the window: each waited out the group timeout
     for the other, and the window ranks' error said rank 0 had not reached the op. Now a
     stalled wait reads the algorithm each rank announced for the op: in the window, or,
-    while the window is being made, in the store."""
+    while the window is being made, in the store; and a rank that sets the window up
+    notices a message for the op from a rank that went to messages instead."""
     results = run_ranks(_pinned_apart, 3, timeout=60, args=(window_first,))
     for name, algo in (("allreduce", "ring"), ("broadcast", "tree"), ("allgather", "ring")):
-        if name == "broadcast" and not window_first:
-            # Rank 0's broadcast only sends, so it never stalls to announce its way, and
-            # the others' window is not made: they still wait out the timeout (60 s).
-            continue
         for rank, r in enumerate(results):
             msg = r[name]
             # Rank 0's broadcast only sends, and may finish before anyone notices.
@@ -499,14 +494,75 @@ def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host(window_fir
                 continue
             assert msg.startswith("DistBackendError"), (rank, name, msg)
             assert "collective mismatch" in msg, (rank, name, msg)
-            # Whichever rank noticed first names the other's algorithm and its own.
-            assert f"'{algo}' (on messages)" in msg, (rank, name, msg)
+            call = {"allreduce": "all_reduce", "allgather": "all_gather"}.get(name, name)
+            if not window_first:
+                # Rank 0's message for the op, waiting at a rank that sets the window up,
+                # tells first (rank 0's broadcast never stalls, so it never says its
+                # way in the store); or the store does, naming the algorithm.
+                assert (f"rank 0 runs this op ({call}) on messages" in msg
+                        or f"'{algo}' (on messages)" in msg), (rank, name, msg)
+            else:
+                # Whichever rank noticed first names the other's algorithm and its own.
+                assert f"'{algo}' (on messages)" in msg, (rank, name, msg)
             assert "(in the shared-memory window)" in msg, (rank, name, msg)
             assert "pin the same one on every rank" in msg, (rank, name, msg)
             # Through the store a rank says what it runs after a 1 s grace, and a check
             # reads the peer's answer a second later: about 2 s.
             limit = 5.0 if window_first else 10.0
             assert r[name + " seconds"] < limit, (rank, name, r[name + " seconds"])
+
+
+def _one_refuses(rank: int, n: int, window_first: bool) -> dict:
+    """Rank 0 pins all_gather to 'rd', which 3 ranks cannot run; the others run auto.
+    Then every rank runs a broadcast on a new group, which must still work."""
+    import datetime
+
+    out: dict = {}
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+    if window_first:
+        dist.barrier(group=g)
+    if rank == 0:
+        torchdist_ext.set_algorithm("allgather", "rd")
+    start = time.monotonic()
+    try:
+        dist.all_gather_into_tensor(torch.empty(1000 * n), torch.ones(1000), group=g)
+        out["error"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    torchdist_ext.set_algorithm("allgather", "auto")
+    dist.destroy_process_group(g)
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+    t = torch.full((3,), float(rank))
+    dist.broadcast(t, 2, group=g)
+    out["after"] = t.tolist()
+    return out
+
+
+@pytest.mark.parametrize(
+    "window_first, shm",
+    [(True, "1"), (False, "1"), (False, "0")],
+    ids=["window-made", "first-op", "no-window"],
+)
+def test_a_rank_that_refuses_its_pin_ends_the_op_on_the_others(window_first, shm) -> None:
+    """The refusing rank raised at once and its peers, whose pins let them run the op,
+    waited out the group timeout for it; the window ranks' error said it had not reached
+    the op. Now the refusal is announced as a way of running the op: in the window at
+    once, through the store after the 1 s grace."""
+    results = run_ranks(_one_refuses, 3, timeout=60, args=(window_first,),
+                        env={"TDX_SHM": shm})
+    assert "pinned to 'rd', which needs a power-of-two world size" in results[0]["error"]
+    way = "(in the shared-memory window)" if shm == "1" else "(on messages)"
+    for rank in (1, 2):
+        msg = results[rank]["error"]
+        assert msg.startswith("DistBackendError"), (rank, msg)
+        assert "collective mismatch: rank 0 refused this op" in msg, (rank, msg)
+        assert way in msg, (rank, msg)
+        assert "Pin the same algorithm on every rank" in msg, (rank, msg)
+        # The store's grace and read: about 2 s; the window: at its first check.
+        assert results[rank]["seconds"] < 10.0, (rank, results[rank]["seconds"])
+    for r in results:
+        assert r["after"] == [2.0, 2.0, 2.0], r
 
 
 def _members_disagree(rank: int, n: int, other: list) -> dict:

@@ -160,23 +160,29 @@ RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes
   return r;
 }
 
+bool GroupChannel::messageWaits(int peer, uint32_t field) const {
+  // Any step: another algorithm's or collective's first message need not carry the step
+  // this rank waits on.
+  const uint64_t want = tag::collective(groupId_, static_cast<uint32_t>(peer), field, seq_, 0);
+  uint64_t found = 0;
+  return transport_.probe(want, ~tag::kStepFieldMask, found);
+}
+
 const char* GroupChannel::otherOpFrom(int peer) const {
   if (!collective_) return nullptr;
-  // Any step: the other collective's first message need not carry the step this rank
-  // waits on. One probe per other kind, made only after a wait of 100 ms, so the cost
-  // stays off the ops that run as they should.
-  const uint64_t mask = ~tag::kStepFieldMask;
+  // One probe per other kind, made only after a stalled wait, so the cost stays off the
+  // ops that run as they should.
   for (int i = 0; i < algorithms::kNumCollectives; ++i) {
     const auto c = static_cast<algorithms::Collective>(i);
-    if (c == *collective_) continue;
-    const uint64_t want =
-        tag::collective(groupId_, static_cast<uint32_t>(peer), opField(c), seq_, 0);
-    uint64_t found = 0;
-    if (transport_.probe(want, mask, found)) {
+    if (c != *collective_ && messageWaits(peer, opField(c))) {
       return algorithms::collectiveCallName(c);
     }
   }
   return nullptr;
+}
+
+bool GroupChannel::sentThisOp(int peer) const {
+  return collective_ && messageWaits(peer, opField(*collective_));
 }
 
 void GroupChannel::checkForOtherOps() const {
@@ -189,14 +195,18 @@ void GroupChannel::checkForOtherOps() const {
     if (p.request->isSend || p.request->done()) continue;
     if (std::find(asked.begin(), asked.end(), p.peer) != asked.end()) continue;
     asked.push_back(p.peer);
-    if (const char* other = otherOpFrom(p.peer)) {
-      throw std::runtime_error(
-          std::string("collective mismatch: rank ") + std::to_string(p.peer) + " called " +
-          other + " as this op of the group (its message arrived here) where this rank "
-          "called " + algorithms::collectiveCallName(*collective_) +
-          ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
-          "also compares dtypes, shapes, roots and reduce ops");
-    }
+    throwIfOtherOpFrom(p.peer);
+  }
+}
+
+void GroupChannel::throwIfOtherOpFrom(int peer) const {
+  if (const char* other = otherOpFrom(peer)) {
+    throw std::runtime_error(
+        std::string("collective mismatch: rank ") + std::to_string(peer) + " called " + other +
+        " as this op of the group (its message arrived here) where this rank called " +
+        algorithms::collectiveCallName(*collective_) +
+        ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
+        "also compares dtypes, shapes, roots and reduce ops");
   }
 }
 
@@ -232,6 +242,7 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
                                  std::to_string(p.step) + ")");
       }
     }
+    if (running_) running_->stalledOn(p.peer, RunningOp::kMessages);
     checkForOtherOps();
     if (peerCheck_) peerCheck_(p.peer);
     if (Clock::now() >= deadline_) {

@@ -13,6 +13,7 @@
 
 #include "algorithms/channel.h"
 #include "algorithms/registry.h"
+#include "c10d/RunningOp.hpp"
 #include "transport/transport.h"
 
 namespace tdx {
@@ -114,6 +115,10 @@ class GroupChannel final : public algorithms::Channel {
   void setPeerCheck(std::function<void(int rank)> check) {
     peerCheck_ = std::move(check);
   }
+  // Where each stalled wait is recorded (every 100 ms), for a caller's wait(timeout).
+  void setRunningOp(RunningOp* running) {
+    running_ = running;
+  }
   // 0, 1, ... for each algorithm the op chooses in turn (a coalesced op chooses one per
   // entry): with the sequence number, which part of the op a rank has reached.
   uint32_t nextChoice() {
@@ -153,6 +158,13 @@ class GroupChannel final : public algorithms::Channel {
   // none has come. Only a peer that still owes this rank a message of the op may be
   // asked: one that owes it nothing may be 2^11 ops ahead, its sequence bits wrapped.
   const char* otherOpFrom(int peer) const;
+  // Throws "collective mismatch" naming both collectives when otherOpFrom(peer) finds one.
+  void throwIfOtherOpFrom(int peer) const;
+  // Whether rank `peer` sent this rank a message of this op (its kind and sequence
+  // number) that waits unreceived. For a rank that runs the op without messages (in the
+  // shared-memory window) while `peer` has not reached it there: such a message says
+  // `peer` runs it on messages. Same caveat as otherOpFrom().
+  bool sentThisOp(int peer) const;
 
   // True when every request of this op has finished (so its buffers may be reused).
   // Cancels what it can and waits (at most 1 s, 100 ms for a lost peer) for the
@@ -218,6 +230,9 @@ class GroupChannel final : public algorithms::Channel {
     return static_cast<uint32_t>(c) + 1;
   }
   uint64_t tagOf(int sender, uint32_t step) const;
+  // Whether a message from `peer` of this op's sequence number and op field `field`
+  // (any step) waits unreceived.
+  bool messageWaits(int peer, uint32_t field) const;
   // Throws naming the other collective when a rank this op still waits to receive from
   // sent a message of this op's sequence number but another kind: it called a
   // different collective.
@@ -231,6 +246,7 @@ class GroupChannel final : public algorithms::Channel {
   std::optional<algorithms::Collective> collective_;  // see setCollective()
   size_t elementBytes_ = 0;             // see setElementBytes()
   std::function<void(int)> peerCheck_;  // see setPeerCheck()
+  RunningOp* running_ = nullptr;        // see setRunningOp()
   uint32_t choices_ = 0;                // see nextChoice()
   const char* opDetail_ = "";
   transport::Clock::time_point deadline_;

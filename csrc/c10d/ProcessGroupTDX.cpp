@@ -401,6 +401,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
         " [ranks named here are this group's; its ranks 0.." + std::to_string(size - 1) +
         " are global ranks " + memberList(globalRanks_) + "]");
   }
+  runningOp_->rankNote = rankNote_;
 
   // One round of store reads settles four things. Each rank publishes whether it allows
   // windows (TDX_SHM), which of its group-id candidates it has free (16 hex digits), its
@@ -706,6 +707,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
       limits.timeout.count() > 0 ? std::min(limits.timeout, kLongestTimeout) : timeout();
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
                                            outputs, limit, what.c_str(), inputs);
+  work->setRunningOp(runningOp_);
   // Each op ahead of this one (and this one) ends within the group timeout of its start,
   // so a wait without a timeout of its own is still bounded: by that sum, plus a margin.
   const int ahead = queued_.load() + (running_.load() ? 1 : 0);
@@ -1142,6 +1144,8 @@ void ProcessGroupTDX::runTask(Task& task) {
                       Clock::now() + task.timeout, aborted_, scratch_);
       taskPins_ = task.pins.get();
       if (goodbyes_) goodbyes_->running.store(task.seq);
+      runningOp_->start(task.seq);
+      ch.setRunningOp(runningOp_.get());
       try {
         const std::string left = leftBefore(task.seq);
         if (!left.empty()) throw std::runtime_error(left);
@@ -1221,6 +1225,7 @@ void ProcessGroupTDX::runTask(Task& task) {
   }
   taskPins_ = nullptr;  // the task's snapshot dies with it
   if (goodbyes_) goodbyes_->running.store(0);
+  runningOp_->start(0);
   // Not running from here on: the caller may destroy the group as soon as it hears.
   running_.store(false);
   task.work->finishPart(error);
@@ -1266,18 +1271,32 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   auto& reg = algorithms::Registry::get();
   Selected sel;
   sel.wait = transport::WaitContext{ch.deadline(), &ch.abortedFlag(), what};
-  algorithms::Choice choice = reg.choose(c, bytes, size_, placement_, costModel_, taskPins_);
   // Which part of the op this is: a coalesced op chooses once per entry.
   const uint64_t part = (ch.seq() << 8) | (ch.nextChoice() & 0xff);
+  algorithms::Choice choice;
+  try {
+    choice = reg.choose(c, bytes, size_, placement_, costModel_, taskPins_);
+  } catch (const algorithms::PinRefused&) {
+    announceRefusal(part);
+    throw;
+  }
   const auto wayOf = [&reg](const algorithms::Algorithm* a) {
     return static_cast<uint16_t>(a - reg.all().data() + 1);
   };
-  // The lambdas below hold `this` alone, so building them allocates nothing.
+  // The lambdas below hold `this` and at most the channel: two pointers, which
+  // std::function keeps without allocating.
   choice_ = WayChoice{part, wayOf(choice.algorithm), false, Clock::now() + kStoreCheckGrace};
   if (choice.algorithm->link != algorithms::Link::Net) {
     // A rank that never comes to set the window up may run the op on messages. (Only
     // read if this call sets it up.)
-    if (windowState_ == 0) sel.wait.check = [this](int peer) { checkPeerWayInStore(peer); };
+    if (windowState_ == 0) {
+      sel.wait.check = [this, &ch](int peer) {
+        runningOp_->stalledOn(peer, windowState_ == 1 ? RunningOp::kWindow
+                                                      : RunningOp::kWindowSetup);
+        checkPeerWayInStore(peer);
+        checkMessagesFrom(ch, peer);
+      };
+    }
     sel.window = hostWindow(sel.wait);
     if (sel.window == nullptr) {
       // Without the window the group runs as one whose windows are off: the rules
@@ -1307,7 +1326,15 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   choice_.way = wayOf(choice.algorithm);
   if (windowState_ == 1 && window_) {
     window_->announce(part, choice_.way);  // one store to shared memory: every op may say it
-    sel.wait.check = [this](int peer) { checkPeerWay(peer); };
+    if (sel.window != nullptr) {
+      sel.wait.check = [this, &ch](int peer) {
+        runningOp_->stalledOn(peer, RunningOp::kWindow);
+        checkPeerWay(peer);
+        checkMessagesFrom(ch, peer);
+      };
+    } else {
+      sel.wait.check = [this](int peer) { checkPeerWay(peer); };
+    }
     ch.setPeerCheck([this](int peer) { checkPeerWay(peer); });
   } else if (windowState_ == 0) {
     // Without a window, through the store, and only once a wait has stalled. Choices
@@ -1338,11 +1365,28 @@ const char* wayWords(algorithms::Link link) {
   }
 }
 
+// The way a rank announces for a part of an op that it refused to run (its pin cannot).
+constexpr uint16_t kRefusedWay = 0xffff;
+
+// What this rank runs, for the errors below: "all_reduce with 'ring' (on messages)".
+std::string wayText(const algorithms::Algorithm& a) {
+  return algorithms::collectiveCallName(a.collective) + std::string(" with '") + a.name +
+         "' (" + wayWords(a.link) + ")";
+}
+
 // Throws when rank `peer` announced `theirs` (0: nothing for this part) where this rank
 // runs `mine` (ways: registry indices plus one).
 void throwIfOtherWay(int peer, uint16_t theirs, uint16_t mine) {
   if (theirs == 0 || theirs == mine) return;
   const auto& all = algorithms::Registry::get().all();
+  if (theirs == kRefusedWay && mine >= 1 && mine <= all.size()) {
+    throw std::runtime_error(
+        "collective mismatch: rank " + std::to_string(peer) +
+        " refused this op (the algorithm it pinned for it cannot run it; its error says "
+        "why) where this rank runs " + wayText(all[mine - 1]) +
+        ". Pin the same algorithm on every rank (torchdist_ext.set_algorithm, TDX_ALGO) or "
+        "none; TDX_DEBUG=DETAIL compares the pins before each op");
+  }
   if (theirs > all.size() || mine > all.size()) {
     throw std::runtime_error("collective mismatch: rank " + std::to_string(peer) +
                              " runs this op with an algorithm this build does not know; "
@@ -1351,11 +1395,8 @@ void throwIfOtherWay(int peer, uint16_t theirs, uint16_t mine) {
   const algorithms::Algorithm& a = all[mine - 1];
   const algorithms::Algorithm& b = all[theirs - 1];
   throw std::runtime_error(
-      "collective mismatch: rank " + std::to_string(peer) + " runs this op as " +
-      algorithms::collectiveCallName(b.collective) + " with '" + b.name + "' (" +
-      wayWords(b.link) + ") where this rank runs " +
-      algorithms::collectiveCallName(a.collective) + " with '" + a.name + "' (" +
-      wayWords(a.link) + "). " +
+      "collective mismatch: rank " + std::to_string(peer) + " runs this op as " + wayText(b) +
+      " where this rank runs " + wayText(a) + ". " +
       (a.collective == b.collective
            ? "The ranks chose different algorithms: pin the same one on every rank "
              "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL compares "
@@ -1364,6 +1405,52 @@ void throwIfOtherWay(int peer, uint16_t theirs, uint16_t mine) {
 }
 
 } // namespace
+
+void ProcessGroupTDX::checkMessagesFrom(const GroupChannel& ch, int peer) {
+  // Another collective's message for this op's sequence number is a mismatch whatever
+  // the ways (a peer that went through the set-up and runs this op sends only its kind).
+  ch.throwIfOtherOpFrom(peer);
+  if (messageSeenPart_ != choice_.part) {
+    messageSeen_.assign(size_, 0);  // the same size each time: no allocation after the first
+    messageSeenPart_ = choice_.part;
+  }
+  if (!ch.sentThisOp(peer)) {
+    messageSeen_[peer] = 0;
+    return;
+  }
+  if (messageSeen_[peer] == 0) {
+    messageSeen_[peer] = 1;  // the second look, at the next check, decides
+    return;
+  }
+  const auto& all = algorithms::Registry::get().all();
+  const algorithms::Algorithm& mine = all[choice_.way - 1];
+  throw std::runtime_error(
+      "collective mismatch: rank " + std::to_string(peer) + " runs this op (" +
+      algorithms::collectiveCallName(mine.collective) +
+      ") on messages (its message for it arrived here) where this rank runs " +
+      wayText(mine) +
+      ". The ranks chose different algorithms: pin the same one on every rank "
+      "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL compares the pins "
+      "before each op");
+}
+
+void ProcessGroupTDX::announceRefusal(uint64_t part) {
+  if (windowState_ == 1 && window_) {
+    window_->announce(part, kRefusedWay);
+  } else if (windowState_ == 0) {
+    // Peers read it after their 1 s grace (checkPeerWayInStore). The refusal ends this
+    // op here at once, so the store call goes on a thread of its own as theirs do.
+    std::thread([store = store_, key = "tdx/way/" + std::to_string(incarnation_) + "/" +
+                                      std::to_string(rank_),
+                 text = std::to_string(part) + " " + std::to_string(kRefusedWay)] {
+      try {
+        store->set(key, bytesOf(text));
+      } catch (const std::exception&) {
+        // Peers then wait out their deadline, as before.
+      }
+    }).detach();
+  }
+}
 
 void ProcessGroupTDX::checkPeerWay(int peer) const {
   throwIfOtherWay(peer, window_->wayOf(peer, choice_.part), choice_.way);

@@ -182,6 +182,14 @@ class ProcessGroupTDX : public c10d::Backend {
   // waits that have stalled.
   void checkPeerWay(int peer) const;
   void checkPeerWayInStore(int peer);
+  // For waits of a shared-memory algorithm (or of the window's set-up) on rank `peer`:
+  // throws when `peer` runs the op on messages instead, seen by its message for the op
+  // waiting here unreceived. A rank whose role only sends (a broadcast root) never
+  // stalls to announce its way, so its messages are what tells.
+  void checkMessagesFrom(const GroupChannel& ch, int peer);
+  // A rank that refuses its pin for a part of an op says so as it would announce its way,
+  // so that peers whose pins let them run it stop waiting for it.
+  void announceRefusal(uint64_t part);
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;
@@ -271,6 +279,12 @@ class ProcessGroupTDX : public c10d::Backend {
     std::chrono::steady_clock::time_point storeCheckAt;  // the next store check
   };
   WayChoice choice_;
+  // checkMessagesFrom's two looks: a peer's message for the op must still be waiting at
+  // a check after the one that first saw it (one per member, for choice_.part). Set-up
+  // needs the second look: a peer that went through it wrote its key before it sent,
+  // and a key read just before that write must not count as the peer's absence.
+  std::vector<uint8_t> messageSeen_;
+  uint64_t messageSeenPart_ = ~uint64_t{0};
   // What the latest store read for checkPeerWayInStore found, written by the thread that
   // made it (store calls have no deadline, so the waiting thread never makes them).
   struct WayRead {
@@ -286,6 +300,8 @@ class ProcessGroupTDX : public c10d::Backend {
   // its errors (which name ranks of the group); "" otherwise. Shared, so a point-to-point
   // op's completion holds it without a copy per op.
   std::shared_ptr<const std::string> rankNote_ = std::make_shared<const std::string>();
+  // The worker's running op and where it stalled, shared with every collective's work.
+  std::shared_ptr<RunningOp> runningOp_ = std::make_shared<RunningOp>();
   uint32_t groupId_;
   // Dropped at shutdown, which may run on another thread (abort from a watchdog) while a
   // caller's thread is in a point-to-point op: that thread takes its own reference under

@@ -160,9 +160,10 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
                           " ms. A peer may not have posted the matching op; check that "
                           "every rank calls the same ops in the same order." +
                           (onTimeout ? std::string()
-                                     : " The op goes on under the group timeout: wait() "
-                                       "again for its result, or for an error that names "
-                                       "the ranks that did not reach it."));
+                                     : (running_ ? running_->describeFor(seq_) : "") +
+                                           " The op goes on under the group timeout: wait() "
+                                           "again for its result, or for an error that names "
+                                           "the ranks that did not reach it."));
     }
   }
   if (exception_) std::rethrow_exception(exception_);

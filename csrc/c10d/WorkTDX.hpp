@@ -8,6 +8,8 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "c10d/RunningOp.hpp"
+
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -60,6 +62,11 @@ class WorkTDX : public c10d::Work {
   // waiting thread (a point-to-point op's transport) instead of only yielding: a small
   // op then completes right there, without waking the progress thread and then this one.
   void setProgress(std::function<void()> fn);
+  // The group's record of its running op, named by a wait(timeout) that runs out on a
+  // collective (which goes on).
+  void setRunningOp(std::shared_ptr<const RunningOp> running) {
+    running_ = std::move(running);
+  }
 
   void setSourceRank(int rank) {
     sourceRank_.store(rank);
@@ -108,6 +115,7 @@ class WorkTDX : public c10d::Work {
   bool futureShared_ = false;
   std::function<void()> onTimeout_;
   std::function<void()> progress_;  // guarded by timeoutMu_
+  std::shared_ptr<const RunningOp> running_;  // set before the work is shared
   std::atomic<bool> deadlineArmed_{false};  // futureDeadlines holds this work
   // The coalesced work this one belongs to (attachChild), told directly when this one
   // completes: no listener on this work's future, so no completion thread in between.
