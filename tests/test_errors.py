@@ -380,9 +380,10 @@ def test_a_wait_timeout_on_a_collective_says_where_the_op_stands(shm: str) -> No
         queued, running = r["queued"], r["running"]
         assert queued.startswith("DistBackendError") and "did not complete" in queued, r
         assert re.search(r"It has not started on this rank: op #\d+, queued ahead of it, "
-                         rf"still runs, waiting for rank {late} {where}\.", queued), r
+                         rf"still runs \(its latest stall: a wait for rank {late} {where}\)\.",
+                         queued), r
         assert running.startswith("DistBackendError") and "did not complete" in running, r
-        assert re.search(rf"By then this rank was waiting for rank {late} {where}\.",
+        assert re.search(rf"Its latest stall on this rank was a wait for rank {late} {where}\.",
                          running), r
         assert "The op goes on under the group timeout" in running, r
 

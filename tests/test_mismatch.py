@@ -512,6 +512,55 @@ def test_ranks_that_pin_different_algorithms_fail_at_once_on_one_host(window_fir
             assert r[name + " seconds"] < limit, (rank, name, r[name + " seconds"])
 
 
+def _one_pins_then_all_reduce(rank: int, n: int, case: str) -> dict:
+    """Rank 0 alone pins an algorithm for the op of `case`, in whose role it waits on
+    peers that never wait for it (a broadcast leaf, a reduce root): those run the op
+    their way, finish it at once and go on to an all_reduce."""
+    import datetime
+
+    collective, algo, call = {
+        "broadcast-leaf": ("broadcast", "tree",
+                           lambda g: dist.broadcast(torch.ones(1000), 1, group=g)),
+        "reduce-root": ("reduce", "tree",
+                        lambda g: dist.reduce(torch.ones(1000), 0, group=g)),
+        "broadcast-chain": ("broadcast", "chain",
+                            lambda g: dist.broadcast(torch.ones(1000), 1, group=g)),
+    }[case]
+    g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+    dist.barrier(group=g)  # the window, where there is one, is made
+    if rank == 0:
+        torchdist_ext.set_algorithm(collective, algo)
+    out: dict = {}
+    start = time.monotonic()
+    for name, fn in (("op", call), ("after", lambda g: dist.all_reduce(torch.ones(10), group=g))):
+        try:
+            fn(g)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+            break
+    out["seconds"] = time.monotonic() - start
+    torchdist_ext.set_algorithm(collective, "auto")
+    return out
+
+
+@pytest.mark.parametrize("case, env", [
+    ("broadcast-leaf", {}), ("reduce-root", {}), ("broadcast-chain", {"TDX_SHM": "0"})])
+def test_a_pin_on_a_rank_that_waits_for_peers_that_went_on(case, env) -> None:
+    """The peers ran the op their way and went on, so their announcement for it was no
+    longer the latest, and the pinned rank waited out the timeout (60 s here) for a
+    message they would never send; on messages its error blamed a rank that had finished
+    the op. Now a window keeps each rank's last 7 announcements, and a stalled rank
+    compares a peer's announcement of an earlier op with its own way of running it."""
+    results = run_ranks(_one_pins_then_all_reduce, 3, timeout=90, args=(case,), env=env)
+    for rank, r in enumerate(results):
+        msg = r["after"] if r["op"] == "no error" else r["op"]
+        assert msg.startswith("DistBackendError"), (rank, r)
+        assert "collective mismatch" in msg, (rank, r)
+        # At once in the window; through the store, a grace of 1 s and a read after it.
+        assert r["seconds"] < 10.0, (rank, r)
+
+
 def _one_refuses(rank: int, n: int, window_first: bool) -> dict:
     """Rank 0 pins all_gather to 'rd', which 3 ranks cannot run; the others run auto.
     Then every rank runs a broadcast on a new group, which must still work."""
@@ -540,19 +589,22 @@ def _one_refuses(rank: int, n: int, window_first: bool) -> dict:
 
 
 @pytest.mark.parametrize(
-    "window_first, shm",
-    [(True, "1"), (False, "1"), (False, "0")],
-    ids=["window-made", "first-op", "no-window"],
+    "window_first, env, way",
+    [(True, {}, "window"), (False, {}, "window"), (False, {"TDX_SHM": "0"}, "messages"),
+     # A slot no /dev/shm can hold: the barrier's window set-up fails, and the group
+     # runs on messages from then on.
+     (True, {"TDX_SHM_SLOT_BYTES": str(1 << 44)}, "messages")],
+    ids=["window-made", "first-op", "no-window", "window-failed"],
 )
-def test_a_rank_that_refuses_its_pin_ends_the_op_on_the_others(window_first, shm) -> None:
+def test_a_rank_that_refuses_its_pin_ends_the_op_on_the_others(window_first, env,
+                                                                 way) -> None:
     """The refusing rank raised at once and its peers, whose pins let them run the op,
     waited out the group timeout for it; the window ranks' error said it had not reached
     the op. Now the refusal is announced as a way of running the op: in the window at
     once, through the store after the 1 s grace."""
-    results = run_ranks(_one_refuses, 3, timeout=60, args=(window_first,),
-                        env={"TDX_SHM": shm})
+    results = run_ranks(_one_refuses, 3, timeout=60, args=(window_first,), env=env)
     assert "pinned to 'rd', which needs a power-of-two world size" in results[0]["error"]
-    way = "(in the shared-memory window)" if shm == "1" else "(on messages)"
+    way = "(in the shared-memory window)" if way == "window" else "(on messages)"
     for rank in (1, 2):
         msg = results[rank]["error"]
         assert msg.startswith("DistBackendError"), (rank, msg)

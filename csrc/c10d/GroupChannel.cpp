@@ -160,29 +160,35 @@ RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes
   return r;
 }
 
-bool GroupChannel::messageWaits(int peer, uint32_t field) const {
-  // Any step: another algorithm's or collective's first message need not carry the step
-  // this rank waits on.
-  const uint64_t want = tag::collective(groupId_, static_cast<uint32_t>(peer), field, seq_, 0);
+int GroupChannel::waitingField(int peer) const {
+  // Any op and any step: another collective's first message need not carry the step
+  // this rank waits on. One probe, made only after a stalled wait, so the cost stays
+  // off the ops that run as they should.
+  const uint64_t want = tag::collective(groupId_, static_cast<uint32_t>(peer), 0, seq_, 0);
   uint64_t found = 0;
-  return transport_.probe(want, ~tag::kStepFieldMask, found);
+  if (!transport_.probe(want, ~(tag::kStepFieldMask | tag::kOpFieldMask), found)) return -1;
+  return static_cast<int>(tag::opOf(found));
+}
+
+const char* GroupChannel::otherOp(int field) const {
+  // Field 0 is the backend's own exchange before an op (the fingerprint check), which
+  // every rank runs alike: it names no collective.
+  if (!collective_ || field <= 0 || field > algorithms::kNumCollectives) return nullptr;
+  if (static_cast<uint32_t>(field) == opField(*collective_)) return nullptr;
+  return algorithms::collectiveCallName(static_cast<algorithms::Collective>(field - 1));
 }
 
 const char* GroupChannel::otherOpFrom(int peer) const {
-  if (!collective_) return nullptr;
-  // One probe per other kind, made only after a stalled wait, so the cost stays off the
-  // ops that run as they should.
-  for (int i = 0; i < algorithms::kNumCollectives; ++i) {
-    const auto c = static_cast<algorithms::Collective>(i);
-    if (c != *collective_ && messageWaits(peer, opField(c))) {
-      return algorithms::collectiveCallName(c);
-    }
-  }
-  return nullptr;
+  // A peer calls one collective per sequence number: its oldest waiting message for
+  // this one says which.
+  return otherOp(waitingField(peer));
 }
 
 bool GroupChannel::sentThisOp(int peer) const {
-  return collective_ && messageWaits(peer, opField(*collective_));
+  if (!collective_) return false;
+  const int field = waitingField(peer);
+  if (otherOp(field) != nullptr) throwIfOtherOpFrom(peer);
+  return field == static_cast<int>(opField(*collective_));
 }
 
 void GroupChannel::checkForOtherOps() const {
@@ -250,8 +256,9 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
       throw TimedOut(
           std::string("timed out waiting to ") + (r->isSend ? "send to" : "receive from") +
           " rank " + std::to_string(p.peer) + " (step " + std::to_string(p.step) +
-          "); that rank has not reached this op, is behind, or is gone. Every rank must "
-          "call the same collectives in the same order");
+          "); that rank has not reached this op, is behind, is gone, or ran this op with "
+          "another algorithm and finished it without this rank. Every rank must call the "
+          "same collectives in the same order, with the same algorithm pins");
     }
   }
   if (!r->ok() && r->truncated) {

@@ -160,10 +160,12 @@ class GroupChannel final : public algorithms::Channel {
   const char* otherOpFrom(int peer) const;
   // Throws "collective mismatch" naming both collectives when otherOpFrom(peer) finds one.
   void throwIfOtherOpFrom(int peer) const;
-  // Whether rank `peer` sent this rank a message of this op (its kind and sequence
-  // number) that waits unreceived. For a rank that runs the op without messages (in the
-  // shared-memory window) while `peer` has not reached it there: such a message says
-  // `peer` runs it on messages. Same caveat as otherOpFrom().
+  // For a rank that runs the op without messages (in the shared-memory window, or
+  // setting it up) while `peer` has not reached it there: throws as throwIfOtherOpFrom()
+  // when `peer`'s message for this op's sequence number waits here and is of another
+  // collective, and returns true when it is of this one (`peer` runs the op on messages).
+  // A peer that is behind has had every message it owed this rank for earlier ops
+  // received, so nothing with wrapped sequence bits can be waiting from it.
   bool sentThisOp(int peer) const;
 
   // True when every request of this op has finished (so its buffers may be reused).
@@ -230,9 +232,11 @@ class GroupChannel final : public algorithms::Channel {
     return static_cast<uint32_t>(c) + 1;
   }
   uint64_t tagOf(int sender, uint32_t step) const;
-  // Whether a message from `peer` of this op's sequence number and op field `field`
-  // (any step) waits unreceived.
-  bool messageWaits(int peer, uint32_t field) const;
+  // The op field of the oldest message from `peer` for this op's sequence number (any
+  // op, any step) that waits unreceived, or -1 when none does: one probe.
+  int waitingField(int peer) const;
+  // The collective that op field `field` names when it is another than this op's.
+  const char* otherOp(int field) const;
   // Throws naming the other collective when a rank this op still waits to receive from
   // sent a message of this op's sequence number but another kind: it called a
   // different collective.

@@ -1290,9 +1290,9 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
     // A rank that never comes to set the window up may run the op on messages. (Only
     // read if this call sets it up.)
     if (windowState_ == 0) {
+      windowTriedSeq_ = ch.seq();
       sel.wait.check = [this, &ch](int peer) {
-        runningOp_->stalledOn(peer, windowState_ == 1 ? RunningOp::kWindow
-                                                      : RunningOp::kWindowSetup);
+        runningOp_->stalledOn(peer, RunningOp::kWindowSetup);
         checkPeerWayInStore(peer);
         checkMessagesFrom(ch, peer);
       };
@@ -1324,6 +1324,7 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   // first) would otherwise each wait out the timeout for the other: one in the window
   // and one on messages, or on two plans that never pair up.
   choice_.way = wayOf(choice.algorithm);
+  pastWays_[pastNext_++ % pastWays_.size()] = PastWay{part, choice_.way};
   if (windowState_ == 1 && window_) {
     window_->announce(part, choice_.way);  // one store to shared memory: every op may say it
     if (sel.window != nullptr) {
@@ -1336,12 +1337,10 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
       sel.wait.check = [this](int peer) { checkPeerWay(peer); };
     }
     ch.setPeerCheck([this](int peer) { checkPeerWay(peer); });
-  } else if (windowState_ == 0) {
+  } else if (storeAnnounces(ch.seq())) {
     // Without a window, through the store, and only once a wait has stalled. Choices
-    // made while the group has not tried its window come from the same inputs on every
-    // rank but the pins, so ranks whose choices differ pinned differently. One made
-    // after the window could not be made is a fallback, which a peer's announcement of
-    // the window algorithm it was setting up must not be compared with.
+    // come from the same inputs on every rank but the pins and the op's sizes, so ranks
+    // whose choices differ pinned differently or called the op differently.
     ch.setPeerCheck([this](int peer) { checkPeerWayInStore(peer); });
   }
   TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
@@ -1367,6 +1366,12 @@ const char* wayWords(algorithms::Link link) {
 
 // The way a rank announces for a part of an op that it refused to run (its pin cannot).
 constexpr uint16_t kRefusedWay = 0xffff;
+
+// Why ranks run one op with different algorithms, and the fix.
+constexpr const char* kChoseApart =
+    "The ranks chose different algorithms: pin the same one on every rank "
+    "(torchdist_ext.set_algorithm, TDX_ALGO) or none, and call the op with tensors of the "
+    "same sizes and devices; TDX_DEBUG=DETAIL compares shapes and pins before each op";
 
 // What this rank runs, for the errors below: "all_reduce with 'ring' (on messages)".
 std::string wayText(const algorithms::Algorithm& a) {
@@ -1398,23 +1403,42 @@ void throwIfOtherWay(int peer, uint16_t theirs, uint16_t mine) {
       "collective mismatch: rank " + std::to_string(peer) + " runs this op as " + wayText(b) +
       " where this rank runs " + wayText(a) + ". " +
       (a.collective == b.collective
-           ? "The ranks chose different algorithms: pin the same one on every rank "
-             "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL compares "
-             "the pins before each op"
+           ? std::string(kChoseApart)
            : "Every rank must call the same collectives in the same order"));
+}
+
+// Throws when rank `peer` announced `theirs` for the earlier part `part` (an op number,
+// see select()), which this rank ran as `mine` (0: it has no record of that part).
+void throwIfOtherWayBefore(int peer, uint64_t part, uint16_t theirs, uint16_t mine) {
+  const auto& all = algorithms::Registry::get().all();
+  if (theirs == 0 || mine == 0 || theirs == mine || mine > all.size()) return;
+  const std::string op = "op #" + std::to_string(part >> 8) + " of the group";
+  if (theirs == kRefusedWay) {
+    throw std::runtime_error("collective mismatch: rank " + std::to_string(peer) +
+                             " refused " + op + " (the algorithm it pinned for it cannot run "
+                             "it), which this rank ran as " + wayText(all[mine - 1]) +
+                             ". Pin the same algorithm on every rank "
+                             "(torchdist_ext.set_algorithm, TDX_ALGO) or none");
+  }
+  if (theirs > all.size()) return;  // another build's: the current part's check says so
+  throw std::runtime_error(
+      "collective mismatch: rank " + std::to_string(peer) + " runs " + op + " as " +
+      wayText(all[theirs - 1]) + " where this rank ran it as " + wayText(all[mine - 1]) +
+      " and went on to this op (rank " + std::to_string(peer) +
+      " may still be waiting in it). " + kChoseApart);
 }
 
 } // namespace
 
 void ProcessGroupTDX::checkMessagesFrom(const GroupChannel& ch, int peer) {
   // Another collective's message for this op's sequence number is a mismatch whatever
-  // the ways (a peer that went through the set-up and runs this op sends only its kind).
-  ch.throwIfOtherOpFrom(peer);
+  // the ways, and sentThisOp() throws for it at once.
+  const bool sent = ch.sentThisOp(peer);
   if (messageSeenPart_ != choice_.part) {
     messageSeen_.assign(size_, 0);  // the same size each time: no allocation after the first
     messageSeenPart_ = choice_.part;
   }
-  if (!ch.sentThisOp(peer)) {
+  if (!sent) {
     messageSeen_[peer] = 0;
     return;
   }
@@ -1429,22 +1453,27 @@ void ProcessGroupTDX::checkMessagesFrom(const GroupChannel& ch, int peer) {
       algorithms::collectiveCallName(mine.collective) +
       ") on messages (its message for it arrived here) where this rank runs " +
       wayText(mine) +
-      ". The ranks chose different algorithms: pin the same one on every rank "
-      "(torchdist_ext.set_algorithm, TDX_ALGO) or none; TDX_DEBUG=DETAIL compares the pins "
-      "before each op");
+      ". " + kChoseApart);
+}
+
+bool ProcessGroupTDX::storeAnnounces(uint64_t seq) const {
+  // The op during which the window could not be made is the exception: its ranks may
+  // have announced the window algorithm they were setting it up for (a provisional
+  // choice), and run a fallback now, which must not be compared with that.
+  return windowState_ == 0 || (windowState_ == -1 && seq != windowTriedSeq_);
 }
 
 void ProcessGroupTDX::announceRefusal(uint64_t part) {
   if (windowState_ == 1 && window_) {
     window_->announce(part, kRefusedWay);
-  } else if (windowState_ == 0) {
+  } else if (storeAnnounces(part >> 8)) {
     // Peers read it after their 1 s grace (checkPeerWayInStore). The refusal ends this
     // op here at once, so the store call goes on a thread of its own as theirs do.
-    std::thread([store = store_, key = "tdx/way/" + std::to_string(incarnation_) + "/" +
-                                      std::to_string(rank_),
-                 text = std::to_string(part) + " " + std::to_string(kRefusedWay)] {
+    std::thread([read = wayRead_, store = store_,
+                 key = "tdx/way/" + std::to_string(incarnation_) + "/" + std::to_string(rank_),
+                 part] {
       try {
-        store->set(key, bytesOf(text));
+        writeWay(*read, *store, key, part, kRefusedWay);
       } catch (const std::exception&) {
         // Peers then wait out their deadline, as before.
       }
@@ -1452,8 +1481,35 @@ void ProcessGroupTDX::announceRefusal(uint64_t part) {
   }
 }
 
+void ProcessGroupTDX::writeWay(WayRead& read, c10d::Store& store, const std::string& key,
+                               uint64_t part, uint16_t way) {
+  // Writers are threads of their own, which may run in any order: a later part's way
+  // must never be overwritten by an earlier one's (an op refused, then the next op's
+  // announcement), or a real mismatch of the later op would go unseen.
+  std::lock_guard<std::mutex> lock(read.writeMu);
+  if (part < read.written) return;
+  store.set(key, bytesOf(std::to_string(part) + " " + std::to_string(way)));
+  read.written = part;
+}
+
 void ProcessGroupTDX::checkPeerWay(int peer) const {
   throwIfOtherWay(peer, window_->wayOf(peer, choice_.part), choice_.way);
+  // The peer's recent announcements: one of an op this rank ran another way and left
+  // (as a broadcast root in the window does at once) means the peer may still wait in
+  // it, for this rank, which will never come.
+  constexpr uint64_t mask = (uint64_t{1} << transport::HostWindow::kAnnouncedOpBits) - 1;
+  for (int i = 0; i < transport::HostWindow::kAnnouncements; ++i) {
+    const auto a = window_->announced(peer, i);
+    if (a.way == 0 || a.op == (choice_.part & mask)) continue;
+    throwIfOtherWayBefore(peer, a.op, a.way, pastWay(a.op, mask));
+  }
+}
+
+uint16_t ProcessGroupTDX::pastWay(uint64_t part, uint64_t mask) const {
+  for (const auto& p : pastWays_) {
+    if (p.way != 0 && (p.part & mask) == part) return p.way;
+  }
+  return 0;
 }
 
 void ProcessGroupTDX::checkPeerWayInStore(int peer) {
@@ -1466,38 +1522,46 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
   if (now < choice_.storeCheckAt) return;
   choice_.storeCheckAt = now + std::chrono::seconds(1);
   {
-    // What an earlier read found (it records only another way than this rank's), or a
-    // read still in flight: nothing to start.
+    // What the latest read found: the peer's way for this part, or for an earlier one
+    // that this rank ran another way and left (the peer may still wait in it). A read
+    // still in flight: nothing to start.
     std::unique_lock<std::mutex> lock(wayRead_->mu);
-    if (wayRead_->part == choice_.part && wayRead_->way != 0) {
+    if (wayRead_->way != 0) {
       const int about = wayRead_->peer;
+      const uint64_t theirPart = wayRead_->part;
       const uint16_t theirs = wayRead_->way;
       lock.unlock();
-      throwIfOtherWay(about, theirs, choice_.way);
+      if (theirPart == choice_.part) {
+        throwIfOtherWay(about, theirs, choice_.way);
+      } else if (!(windowState_ == -1 && (theirPart >> 8) == windowTriedSeq_)) {
+        // (The op that failed to make the window ran a fallback after announcing a
+        // provisional choice: not comparable.)
+        throwIfOtherWayBefore(about, theirPart, theirs, pastWay(theirPart, ~uint64_t{0}));
+      }
+      lock.lock();
     }
     if (wayRead_->busy) return;
     wayRead_->busy = true;
   }
   const std::string base = "tdx/way/" + std::to_string(incarnation_) + "/";
-  std::string mine;
-  if (!choice_.announced) {
-    mine = std::to_string(choice_.part) + " " + std::to_string(choice_.way);
-    choice_.announced = true;
-  }
+  const bool announce = !choice_.announced;
+  choice_.announced = true;
   // On a thread of its own, as timeoutNote's: a store call has no deadline (a server
   // that stops answering, or another thread's wait on the same client, can hold it),
   // and this thread must go on watching its op. The next check reads what it found.
-  std::thread([read = wayRead_, store = store_, base, mine, rank = rank_, peer,
+  std::thread([read = wayRead_, store = store_, base, announce, rank = rank_, peer,
                part = choice_.part, way = choice_.way] {
+    uint64_t foundPart = 0;
     uint16_t found = 0;
     try {
-      if (!mine.empty()) store->set(base + std::to_string(rank), bytesOf(mine));
+      if (announce) writeWay(*read, *store, base + std::to_string(rank), part, way);
       const std::string key = base + std::to_string(peer);
       if (store->check({key})) {
         const auto v = store->get(key);
         const std::string text(v.begin(), v.end());
         const auto space = text.find(' ');
-        if (space != std::string::npos && std::stoull(text.substr(0, space)) == part) {
+        if (space != std::string::npos) {
+          foundPart = std::stoull(text.substr(0, space));
           found = static_cast<uint16_t>(std::stoul(text.substr(space + 1)));
         }
       }
@@ -1506,8 +1570,8 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
     }
     std::lock_guard<std::mutex> lock(read->mu);
     read->busy = false;
-    if (found != 0 && found != way) {
-      read->part = part;
+    if (found != 0) {
+      read->part = foundPart;
       read->peer = peer;
       read->way = found;
     }

@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -190,6 +191,8 @@ class ProcessGroupTDX : public c10d::Backend {
   // A rank that refuses its pin for a part of an op says so as it would announce its way,
   // so that peers whose pins let them run it stop waiting for it.
   void announceRefusal(uint64_t part);
+  // Whether op `seq` announces its way through the store (the group has no window).
+  bool storeAnnounces(uint64_t seq) const;
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;
@@ -293,8 +296,24 @@ class ProcessGroupTDX : public c10d::Backend {
     uint64_t part = 0;
     int peer = -1;
     uint16_t way = 0;  // what `peer` announced for `part` (0: nothing)
+    std::mutex writeMu;  // orders this rank's writes of its own key
+    uint64_t written = 0;  // the latest part whose way this rank wrote
   };
   std::shared_ptr<WayRead> wayRead_ = std::make_shared<WayRead>();
+  // Writes this rank's way for `part` under `key`, unless a later part's is written.
+  static void writeWay(WayRead& read, c10d::Store& store, const std::string& key,
+                       uint64_t part, uint16_t way);
+  uint64_t windowTriedSeq_ = 0;  // the op that tried to make the window (storeAnnounces)
+  // This rank's latest choices (part, way), for peers that announce an earlier part.
+  struct PastWay {
+    uint64_t part = 0;
+    uint16_t way = 0;
+  };
+  std::array<PastWay, 8> pastWays_{};
+  size_t pastNext_ = 0;
+  // This rank's way for `part` among its latest choices, comparing the bits in `mask`
+  // (a window announcement keeps the low ones); 0 when it has none.
+  uint16_t pastWay(uint64_t part, uint64_t mask) const;
   std::vector<int64_t> globalRanks_;
   // For a group whose ranks are not the global ones: which global rank each is, added to
   // its errors (which name ranks of the group); "" otherwise. Shared, so a point-to-point

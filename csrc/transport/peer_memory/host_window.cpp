@@ -177,9 +177,10 @@ std::atomic<uint64_t>& HostWindow::counter(int r) const {
   return *reinterpret_cast<std::atomic<uint64_t>*>(base_ + pidsEnd + r * kLine);
 }
 
-std::atomic<uint64_t>& HostWindow::announcement(int r) const {
-  static_assert(2 * sizeof(std::atomic<uint64_t>) <= kLine, "both fit the counter's line");
-  return *(&counter(r) + 1);
+std::atomic<uint64_t>& HostWindow::announcement(int r, int i) const {
+  static_assert((1 + kAnnouncements) * sizeof(std::atomic<uint64_t>) <= kLine,
+                "the counter and its announcements fit one line");
+  return *(&counter(r) + 1 + i);
 }
 
 namespace {
@@ -188,12 +189,18 @@ constexpr uint64_t kAnnouncedOpMask = (uint64_t{1} << HostWindow::kAnnouncedOpBi
 } // namespace
 
 void HostWindow::announce(uint64_t op, uint16_t way) {
-  announcement(rank_).store(((op & kAnnouncedOpMask) << 16) | way, std::memory_order_release);
+  announcement(rank_, static_cast<int>(op % kAnnouncements))
+      .store(((op & kAnnouncedOpMask) << 16) | way, std::memory_order_release);
+}
+
+HostWindow::Announced HostWindow::announced(int r, int i) const {
+  const uint64_t word = announcement(r, i).load(std::memory_order_acquire);
+  return Announced{word >> 16, static_cast<uint16_t>(word & 0xffff)};
 }
 
 uint16_t HostWindow::wayOf(int r, uint64_t op) const {
-  const uint64_t word = announcement(r).load(std::memory_order_acquire);
-  return (word >> 16) == (op & kAnnouncedOpMask) ? static_cast<uint16_t>(word & 0xffff) : 0;
+  const Announced a = announced(r, static_cast<int>(op % kAnnouncements));
+  return a.op == (op & kAnnouncedOpMask) ? a.way : 0;
 }
 
 int32_t HostWindow::pid(int r) const {

@@ -122,11 +122,22 @@ class HostWindow {
   // (one in this window, another on messages, as when they pinned different algorithms)
   // would otherwise each wait out the timeout for the other. `op` names the op (the
   // caller's number, of which the low kAnnouncedOpBits count) and `way` how this rank
-  // runs it (nonzero, the caller's number too). One store to this rank's counter line.
+  // runs it (nonzero, the caller's number too). One store to this rank's counter line,
+  // which keeps the last kAnnouncements (one slot per op number modulo that): a rank
+  // whose role never waits (a broadcast root) may have moved on to later ops by the
+  // time a peer stalled on an earlier one reads its way for that one.
   static constexpr int kAnnouncedOpBits = 48;
+  static constexpr int kAnnouncements = 7;
   void announce(uint64_t op, uint16_t way);
-  // Rank r's way of running `op`, or 0 when its latest announcement is of another op.
+  // Rank r's way of running `op`, or 0 when it announced none for it (or not lately).
   uint16_t wayOf(int r, uint64_t op) const;
+  // Rank r's announcement in slot i (0 .. kAnnouncements - 1): the op's low
+  // kAnnouncedOpBits bits, and its way (0: none yet).
+  struct Announced {
+    uint64_t op;
+    uint16_t way;
+  };
+  Announced announced(int r, int i) const;
 
   // Cross-memory attach (process_vm_readv): whether this rank can read every peer's
   // memory. probeCrossMemory() publishes a probe word (before the group's attach
@@ -164,8 +175,9 @@ class HostWindow {
   HostWindow() = default;
   struct Header;
   std::atomic<uint64_t>& counter(int r) const;
-  // On the counter's line: written once per op by its rank, read only by stalled waits.
-  std::atomic<uint64_t>& announcement(int r) const;
+  // On the counter's line: slot i of rank r's announcements, each written once per op
+  // by its rank (op number modulo kAnnouncements), read only by stalled waits.
+  std::atomic<uint64_t>& announcement(int r, int i) const;
   // Bumps the futex word and wakes ranks sleeping on it (post(), publishFailure()).
   void wakeSleepers();
   OpInfo* opInfoSlot(int r, int h) const;
