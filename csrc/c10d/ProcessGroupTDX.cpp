@@ -1342,6 +1342,11 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
     // come from the same inputs on every rank but the pins and the op's sizes, so ranks
     // whose choices differ pinned differently or called the op differently.
     ch.setPeerCheck([this](int peer) { checkPeerWayInStore(peer); });
+  } else {
+    // The op whose window set-up just failed: an earlier entry of it (coalesced) may
+    // have set the store check, which would compare this fallback with a peer's
+    // provisional announcement of the window algorithm.
+    ch.setPeerCheck(nullptr);
   }
   TDX_LOG(Info, prefix()) << what << " #" << seq_.load() << " " << static_cast<uint64_t>(bytes)
                           << " B: " << choice.algorithm->name << " (predicted "
