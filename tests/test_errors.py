@@ -839,6 +839,7 @@ def test_a_rendezvous_send_ends_at_its_wait_timeout(batch: bool) -> None:
     r = run_ranks(_p2p_wait_timeout, 2, timeout=30, args=(batch,))[0]
     assert r["wait"].startswith("DistBackendError"), r
     assert "timed out: the peer never posted the matching op" in r["wait"], r
+    assert "within 300 ms (the limit of this wait" in r["wait"], r  # the limit that ran out
     # In a batch every op timed out: the error names whichever ended first (the sends end
     # at once, the receive once its cancel has run).
     assert "send (Float[4194304] on cpu) to rank 1" in r["wait"] or (

@@ -2059,7 +2059,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   // The transport is held weakly by the work too: one kept past its group must not keep
   // the transport alive.
   work->setOnTimeout([weakTransport, weak, fault = fault_, endpoints = sharedEndpoints_,
-                       self = rank_, group = groupId_, what] {
+                       self = rank_, group = groupId_, what](std::chrono::milliseconds limit) {
     auto t = weakTransport.lock();
     auto r = weak.lock();
     // Finished after all (at the deadline, or another op of a coalesced block timed
@@ -2069,13 +2069,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
     // has matched, nor a rendezvous send to a live peer): a message of this op may still
     // arrive, so which later message pairs with which op is in doubt. Peers hear of it
     // now, not at their next op's timeout.
-    const std::string why = what + " timed out: the peer never posted the matching op";
+    const std::string reason = "timed out: the peer never posted the matching op within " +
+                               std::to_string(limit.count()) +
+                               " ms (the limit of this wait, or the group timeout)";
+    const std::string why = what + " " + reason;
     const bool first = fault->record(why, /*abort=*/false);
     if (t && first && !fault->closed.load()) {
       sendNotice(*t, *endpoints, self, group, gaveUp(self, why));
     }
     if (!t) return;
-    const std::string reason = "timed out: the peer never posted the matching op";
     t->cancel(*r, reason);
     // UCX cannot cancel a rendezvous send: it would hold the wait (and a coalesced
     // block's) past its timeout. Ended here, its buffer left to UCX; the group is broken

@@ -84,7 +84,7 @@ bool WorkTDX::isSuccess() const {
 }
 
 bool WorkTDX::wait(std::chrono::milliseconds timeout) {
-  std::function<void()> onTimeout;
+  std::function<void(std::chrono::milliseconds)> onTimeout;
   auto backstop = std::chrono::steady_clock::time_point::max();
   {
     std::lock_guard<std::mutex> g(timeoutMu_);
@@ -146,7 +146,7 @@ bool WorkTDX::wait(std::chrono::milliseconds timeout) {
   if (!done) {
     if (onTimeout) {
       lock.unlock();
-      onTimeout();
+      onTimeout(limit);
       lock.lock();
       // Cancellation completes the parts quickly; if it does not, report the timeout.
       cv_.wait_for(lock, std::chrono::seconds(1), [&] { return completed_; });
@@ -200,7 +200,7 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkTDX::getFuture() {
 }
 
 void WorkTDX::expire() {
-  std::function<void()> onTimeout;
+  std::function<void(std::chrono::milliseconds)> onTimeout;
   {
     std::lock_guard<std::mutex> g(timeoutMu_);
     onTimeout = onTimeout_;
@@ -211,7 +211,7 @@ void WorkTDX::expire() {
   }
   // Cancels the parts (or abandons a send UCX cannot cancel) and breaks the group: they
   // complete with the timeout as their error, and so does the future.
-  if (onTimeout) onTimeout();
+  if (onTimeout) onTimeout(timeout_);
 }
 
 int WorkTDX::sourceRank() const {
@@ -247,7 +247,7 @@ void WorkTDX::finishPart(std::exception_ptr error) {
   }
 }
 
-void WorkTDX::setOnTimeout(std::function<void()> fn) {
+void WorkTDX::setOnTimeout(std::function<void(std::chrono::milliseconds)> fn) {
   std::lock_guard<std::mutex> lock(timeoutMu_);
   onTimeout_ = std::move(fn);
 }
@@ -292,14 +292,14 @@ void WorkTDX::attachChild(const c10::intrusive_ptr<WorkTDX>& child) {
       return;
     }
     auto previous = onTimeout_;
-    onTimeout_ = [previous, child] {
-      if (previous) previous();
-      std::function<void()> fn;
+    onTimeout_ = [previous, child](std::chrono::milliseconds limit) {
+      if (previous) previous(limit);
+      std::function<void(std::chrono::milliseconds)> fn;
       {
         std::lock_guard<std::mutex> g(child->timeoutMu_);
         fn = child->onTimeout_;
       }
-      if (fn) fn();
+      if (fn) fn(limit);
     };
   }
 }

@@ -49,8 +49,9 @@ class WorkTDX : public c10d::Work {
   // One part finished; the first error wins. The last part completes the work.
   void finishPart(std::exception_ptr error);
 
-  // Called when wait() gives up; should make the outstanding parts finish (cancel).
-  void setOnTimeout(std::function<void()> fn);
+  // Called when wait() gives up, with the limit that ran out; should make the
+  // outstanding parts finish (cancel).
+  void setOnTimeout(std::function<void(std::chrono::milliseconds)> fn);
   // The latest a wait() without a timeout of its own waits for a collective: the op and
   // those queued ahead of it each end within the group timeout of their start, so this
   // is reached only if something below the op failed to end it.
@@ -113,7 +114,7 @@ class WorkTDX : public c10d::Work {
   // so a callback never runs on a group's worker.
   std::mutex futureMu_;
   bool futureShared_ = false;
-  std::function<void()> onTimeout_;
+  std::function<void(std::chrono::milliseconds)> onTimeout_;
   std::function<void()> progress_;  // guarded by timeoutMu_
   std::shared_ptr<const RunningOp> running_;  // set before the work is shared
   std::atomic<bool> deadlineArmed_{false};  // futureDeadlines holds this work
