@@ -187,7 +187,7 @@ const char* GroupChannel::otherOpFrom(int peer) const {
 bool GroupChannel::sentThisOp(int peer) const {
   if (!collective_) return false;
   const int field = waitingField(peer);
-  if (otherOp(field) != nullptr) throwIfOtherOpFrom(peer);
+  if (const char* other = otherOp(field)) throwOtherOp(peer, other);
   return field == static_cast<int>(opField(*collective_));
 }
 
@@ -206,14 +206,16 @@ void GroupChannel::checkForOtherOps() const {
 }
 
 void GroupChannel::throwIfOtherOpFrom(int peer) const {
-  if (const char* other = otherOpFrom(peer)) {
-    throw std::runtime_error(
-        std::string("collective mismatch: rank ") + std::to_string(peer) + " called " + other +
-        " as this op of the group (its message arrived here) where this rank called " +
-        algorithms::collectiveCallName(*collective_) +
-        ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
-        "also compares dtypes, shapes, roots and reduce ops");
-  }
+  if (const char* other = otherOpFrom(peer)) throwOtherOp(peer, other);
+}
+
+void GroupChannel::throwOtherOp(int peer, const char* other) const {
+  throw std::runtime_error(
+      std::string("collective mismatch: rank ") + std::to_string(peer) + " called " + other +
+      " as this op of the group (its message arrived here) where this rank called " +
+      algorithms::collectiveCallName(*collective_) +
+      ". Every rank must call the same collectives in the same order; TDX_DEBUG=DETAIL "
+      "also compares dtypes, shapes, roots and reduce ops");
 }
 
 bool GroupChannel::settle(const RequestPtr& r, Clock::time_point until) {

@@ -237,6 +237,8 @@ class GroupChannel final : public algorithms::Channel {
   int waitingField(int peer) const;
   // The collective that op field `field` names when it is another than this op's.
   const char* otherOp(int field) const;
+  // Throws "collective mismatch": rank `peer` called `other` as this op.
+  [[noreturn]] void throwOtherOp(int peer, const char* other) const;
   // Throws naming the other collective when a rank this op still waits to receive from
   // sent a message of this op's sequence number but another kind: it called a
   // different collective.

@@ -1377,6 +1377,10 @@ constexpr const char* kChoseApart =
     "The ranks chose different algorithms: pin the same one on every rank "
     "(torchdist_ext.set_algorithm, TDX_ALGO) or none, and call the op with tensors of the "
     "same sizes and devices; TDX_DEBUG=DETAIL compares shapes and pins before each op";
+// The fix for a rank that refused the op its peers run.
+constexpr const char* kPinAlike =
+    "Pin the same algorithm on every rank (torchdist_ext.set_algorithm, TDX_ALGO) or none; "
+    "TDX_DEBUG=DETAIL compares the pins before each op";
 
 // What this rank runs, for the errors below: "all_reduce with 'ring' (on messages)".
 std::string wayText(const algorithms::Algorithm& a) {
@@ -1393,9 +1397,7 @@ void throwIfOtherWay(int peer, uint16_t theirs, uint16_t mine) {
     throw std::runtime_error(
         "collective mismatch: rank " + std::to_string(peer) +
         " refused this op (the algorithm it pinned for it cannot run it; its error says "
-        "why) where this rank runs " + wayText(all[mine - 1]) +
-        ". Pin the same algorithm on every rank (torchdist_ext.set_algorithm, TDX_ALGO) or "
-        "none; TDX_DEBUG=DETAIL compares the pins before each op");
+        "why) where this rank runs " + wayText(all[mine - 1]) + ". " + kPinAlike);
   }
   if (theirs > all.size() || mine > all.size()) {
     throw std::runtime_error("collective mismatch: rank " + std::to_string(peer) +
@@ -1421,9 +1423,8 @@ void throwIfOtherWayBefore(int peer, uint64_t part, uint16_t theirs, uint16_t mi
   if (theirs == kRefusedWay) {
     throw std::runtime_error("collective mismatch: rank " + std::to_string(peer) +
                              " refused " + op + " (the algorithm it pinned for it cannot run "
-                             "it), which this rank ran as " + wayText(all[mine - 1]) +
-                             ". Pin the same algorithm on every rank "
-                             "(torchdist_ext.set_algorithm, TDX_ALGO) or none");
+                             "it), which this rank ran as " + wayText(all[mine - 1]) + ". " +
+                             kPinAlike);
   }
   if (theirs > all.size()) return;  // another build's: the current part's check says so
   throw std::runtime_error(
@@ -1461,6 +1462,12 @@ void ProcessGroupTDX::checkMessagesFrom(const GroupChannel& ch, int peer) {
       ". " + kChoseApart);
 }
 
+std::string ProcessGroupTDX::wayKeys() const {
+  // A key per rank and incarnation of the group: a group made again under the same name
+  // (on a store that outlived the first) never reads the first one's.
+  return "tdx/way/" + std::to_string(incarnation_) + "/";
+}
+
 bool ProcessGroupTDX::storeAnnounces(uint64_t seq) const {
   // The op during which the window could not be made is the exception: its ranks may
   // have announced the window algorithm they were setting it up for (a provisional
@@ -1475,7 +1482,7 @@ void ProcessGroupTDX::announceRefusal(uint64_t part) {
     // Peers read it after their 1 s grace (checkPeerWayInStore). The refusal ends this
     // op here at once, so the store call goes on a thread of its own as theirs do.
     std::thread([read = wayRead_, store = store_,
-                 key = "tdx/way/" + std::to_string(incarnation_) + "/" + std::to_string(rank_),
+                 key = wayKeys() + std::to_string(rank_),
                  part] {
       try {
         writeWay(*read, *store, key, part, kRefusedWay);
@@ -1498,15 +1505,17 @@ void ProcessGroupTDX::writeWay(WayRead& read, c10d::Store& store, const std::str
 }
 
 void ProcessGroupTDX::checkPeerWay(int peer) const {
-  throwIfOtherWay(peer, window_->wayOf(peer, choice_.part), choice_.way);
-  // The peer's recent announcements: one of an op this rank ran another way and left
-  // (as a broadcast root in the window does at once) means the peer may still wait in
-  // it, for this rank, which will never come.
-  constexpr uint64_t mask = (uint64_t{1} << transport::HostWindow::kAnnouncedOpBits) - 1;
+  // The peer's recent announcements: its way for this part, or for an earlier one this
+  // rank ran another way and left (as a broadcast root in the window does at once), in
+  // which the peer may still wait for this rank, which will never come.
+  constexpr uint64_t mask = transport::HostWindow::kAnnouncedOpMask;
   for (int i = 0; i < transport::HostWindow::kAnnouncements; ++i) {
     const auto a = window_->announced(peer, i);
-    if (a.way == 0 || a.op == (choice_.part & mask)) continue;
-    throwIfOtherWayBefore(peer, a.op, a.way, pastWay(a.op, mask));
+    if (a.op == (choice_.part & mask)) {
+      throwIfOtherWay(peer, a.way, choice_.way);
+    } else {
+      throwIfOtherWayBefore(peer, a.op, a.way, pastWay(a.op, mask));
+    }
   }
 }
 
@@ -1538,9 +1547,9 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
       lock.unlock();
       if (theirPart == choice_.part) {
         throwIfOtherWay(about, theirs, choice_.way);
-      } else if (!(windowState_ == -1 && (theirPart >> 8) == windowTriedSeq_)) {
-        // (The op that failed to make the window ran a fallback after announcing a
-        // provisional choice: not comparable.)
+      } else if (storeAnnounces(theirPart >> 8)) {
+        // (Not the op that failed to make the window: it ran a fallback after announcing
+        // a provisional choice.)
         throwIfOtherWayBefore(about, theirPart, theirs, pastWay(theirPart, ~uint64_t{0}));
       }
       lock.lock();
@@ -1548,7 +1557,7 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
     if (wayRead_->busy) return;
     wayRead_->busy = true;
   }
-  const std::string base = "tdx/way/" + std::to_string(incarnation_) + "/";
+  const std::string base = wayKeys();
   const bool announce = !choice_.announced;
   choice_.announced = true;
   // On a thread of its own, as timeoutNote's: a store call has no deadline (a server

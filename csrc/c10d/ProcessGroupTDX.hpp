@@ -193,6 +193,8 @@ class ProcessGroupTDX : public c10d::Backend {
   void announceRefusal(uint64_t part);
   // Whether op `seq` announces its way through the store (the group has no window).
   bool storeAnnounces(uint64_t seq) const;
+  // The store prefix of the ranks' way keys (the rank's number follows).
+  std::string wayKeys() const;
 
   // "[tdx r<rank>/<size> pg=<name>]": the prefix of every message of this group.
   std::string prefix() const;

@@ -183,11 +183,7 @@ std::atomic<uint64_t>& HostWindow::announcement(int r, int i) const {
   return *(&counter(r) + 1 + i);
 }
 
-namespace {
 // An announcement word: the op's low kAnnouncedOpBits bits above the way's 16.
-constexpr uint64_t kAnnouncedOpMask = (uint64_t{1} << HostWindow::kAnnouncedOpBits) - 1;
-} // namespace
-
 void HostWindow::announce(uint64_t op, uint16_t way) {
   announcement(rank_, static_cast<int>(op % kAnnouncements))
       .store(((op & kAnnouncedOpMask) << 16) | way, std::memory_order_release);
@@ -196,11 +192,6 @@ void HostWindow::announce(uint64_t op, uint16_t way) {
 HostWindow::Announced HostWindow::announced(int r, int i) const {
   const uint64_t word = announcement(r, i).load(std::memory_order_acquire);
   return Announced{word >> 16, static_cast<uint16_t>(word & 0xffff)};
-}
-
-uint16_t HostWindow::wayOf(int r, uint64_t op) const {
-  const Announced a = announced(r, static_cast<int>(op % kAnnouncements));
-  return a.op == (op & kAnnouncedOpMask) ? a.way : 0;
 }
 
 int32_t HostWindow::pid(int r) const {

@@ -127,12 +127,11 @@ class HostWindow {
   // whose role never waits (a broadcast root) may have moved on to later ops by the
   // time a peer stalled on an earlier one reads its way for that one.
   static constexpr int kAnnouncedOpBits = 48;
+  static constexpr uint64_t kAnnouncedOpMask = (uint64_t{1} << kAnnouncedOpBits) - 1;
   static constexpr int kAnnouncements = 7;
   void announce(uint64_t op, uint16_t way);
-  // Rank r's way of running `op`, or 0 when it announced none for it (or not lately).
-  uint16_t wayOf(int r, uint64_t op) const;
   // Rank r's announcement in slot i (0 .. kAnnouncements - 1): the op's low
-  // kAnnouncedOpBits bits, and its way (0: none yet).
+  // kAnnouncedOpBits bits (compare `op & kAnnouncedOpMask`), and its way (0: none yet).
   struct Announced {
     uint64_t op;
     uint16_t way;
