@@ -368,6 +368,62 @@ def test_windows_refuse_the_same_bytes_reduced_as_another_dtype_or_op(allreduce:
             assert r[name + " seconds"] < 10, (rank, name, r)
 
 
+def _other_reduction_on_messages(rank: int, n: int) -> dict:
+    """The cases of _same_bytes_other_reduction on the message path, plus a reduce whose
+    root sums where the others take the maximum; then ops that agree: a coalesced
+    all_reduce of two dtypes, and more broadcasts than the tags' sequence field counts
+    (2^7), which a root that only sends may run ahead through."""
+    out = _same_bytes_other_reduction(rank, n)
+    g = dist.new_group(backend="tdx")
+    start = time.monotonic()
+    try:
+        dist.reduce(torch.ones(64), 0, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX,
+                    group=g)
+        out["reduce"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        out["reduce"] = f"{type(e).__name__}: {e}"
+    out["reduce seconds"] = time.monotonic() - start
+    dist.destroy_process_group(g)
+    a, b = torch.full((100,), 1.5), torch.full((100,), rank, dtype=torch.int64)
+    _coalesced_pair(None, a, b)
+    out["agree coalesced"] = (a.tolist() == [1.5 * n] * 100 and
+                              b.tolist() == [n * (n - 1) // 2] * 100)
+    got = []
+    for i in range(300):
+        t = torch.full((16,), float(i if rank == 0 else -1))
+        dist.broadcast(t, 0)
+        got.append(t[0].item())
+    out["agree broadcasts"] = got == [float(i) for i in range(300)]
+    return out
+
+
+@pytest.mark.parametrize("allreduce", ["ring", "rhd", "direct"])
+def test_ranks_that_reduce_as_another_dtype_or_op_fail_on_the_message_path(allreduce: str) -> None:
+    """Without DETAIL, on messages (TDX_SHM=0, as across hosts): each message's tag
+    carries 4 bits of its step's dtype, reduce op and root, so a rank never reduces a
+    peer's bytes as another dtype or with another op. Before, SUM against MAX gave a
+    half-summed, half-maxed result and no error. The ranks that disagree raise in about
+    0.2 s (the stalled wait's second look) instead of returning it."""
+    results = run_ranks(_other_reduction_on_messages, 3, timeout=90,
+                        env={"TDX_SHM": "0", "TDX_ALGO": f"allreduce:{allreduce}"})
+    for rank, r in enumerate(results):
+        assert r["ok"] and r["agree coalesced"] and r["agree broadcasts"], (rank, r)
+        for name, (first, second) in {"dtype": ("float32 SUM", "int32 SUM"),
+                                      "op": ("float32 SUM", "float32 MAX"),
+                                      "reduce_scatter": ("float32 SUM", "float64 SUM"),
+                                      "coalesced": ("float32 SUM", "int32 SUM")}.items():
+            msg = r[name]
+            assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
+            assert "another dtype, reduce op or root" in msg, (rank, name, msg)
+            # A rank names its own call, or the call of the rank whose error ended its op.
+            assert first in msg or second in msg, (rank, name, msg)
+            assert r[name + " seconds"] < 5, (rank, name, r)
+    # The reduce's root takes the messages; a rank that only sends may finish first.
+    root = results[0]["reduce"]
+    assert "collective mismatch" in root and "float32 SUM" in root, root
+    assert results[0]["reduce seconds"] < 5, results[0]
+
+
 def _roots_disagree(rank: int, n: int) -> dict:
     """Without DETAIL, in the windows: both ranks believe they are the root of a
     broadcast or a scatter, or both believe the other is the root of a gather or a

@@ -29,7 +29,7 @@ void runAllreduce(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& outpu
   const bool inPlace = input.is_same(output);
   HostImage out(ch, output, /*copyIn=*/inPlace);
   HostImage in = inPlace ? out : HostImage(ch, input, /*copyIn=*/true);
-  ch.setOpDetail(red.detail.c_str());
+  ch.setOpDetail(red.detail.c_str(), detailCode(&red, -1));
   host::allreduce(pg, ch, in.data(), out.data(), out.numel(), output.element_size(), red.fn,
                   red.load(ch.size()));
   out.copyOut();
@@ -56,7 +56,7 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
   const size_t block = out.bytes();
   std::vector<Block> blocks;
   for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{in.data() + r * block, block});
-  ch.setOpDetail(red.detail.c_str());
+  ch.setOpDetail(red.detail.c_str(), detailCode(&red, -1));
   host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn,
                       red.load(ch.size()));
   out.copyOut();
@@ -172,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce(std::vector<at::Tensor>& 
                  [this, t, red, root, isRoot](GroupChannel& ch) {
     HostImage img(ch, t, true);
     // The root reduces into its own tensor; other ranks leave theirs untouched.
-    ch.setOpDetail(red.detail.c_str());
+    ch.setOpDetail(red.detail.c_str(), detailCode(&red, root));
     host::reduce(*this, ch, img.data(), img.data(), img.numel(), t.element_size(), red.fn, root,
                  red.load(ch.size()));
     if (isRoot) img.copyOut();
@@ -449,7 +449,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
                    for (const auto& i : ins) images.emplace_back(ch, i, true);
                    for (const auto& img : images) blocks.push_back(blockOf(img));
                    HostImage out(ch, output, false);
-                   ch.setOpDetail(red.detail.c_str());
+                   ch.setOpDetail(red.detail.c_str(), detailCode(&red, -1));
                    host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
                                        red.fn, red.load(ch.size()));
                    out.copyOut();

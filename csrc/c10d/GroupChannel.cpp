@@ -141,8 +141,9 @@ void GroupChannel::holdUntilReleased(std::shared_ptr<const void> owner, size_t b
 
 uint64_t GroupChannel::tagOf(int sender, uint32_t step) const {
   static_assert(algorithms::kNumCollectives <= tag::kMaxOp, "every kind fits the op field");
-  return tag::collective(groupId_, static_cast<uint32_t>(sender),
-                         collective_ ? opField(*collective_) : 0, seq_, step);
+  return collective_ ? tag::collective(groupId_, static_cast<uint32_t>(sender),
+                                       opField(*collective_), detailCode_, seq_, step)
+                     : tag::collective(groupId_, static_cast<uint32_t>(sender), 0, 0, seq_, step);
 }
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
@@ -160,14 +161,22 @@ RequestPtr GroupChannel::irecv(int peer, uint32_t step, void* data, size_t bytes
   return r;
 }
 
-int GroupChannel::waitingField(int peer) const {
-  // Any op and any step: another collective's first message need not carry the step
+std::optional<uint64_t> GroupChannel::waitingTag(int peer) const {
+  // Any op, code and step: another collective's first message need not carry the step
   // this rank waits on. One probe, made only after a stalled wait, so the cost stays
   // off the ops that run as they should.
-  const uint64_t want = tag::collective(groupId_, static_cast<uint32_t>(peer), 0, seq_, 0);
+  const uint64_t want = tag::collective(groupId_, static_cast<uint32_t>(peer), 0, 0, seq_, 0);
   uint64_t found = 0;
-  if (!transport_.probe(want, ~(tag::kStepFieldMask | tag::kOpFieldMask), found)) return -1;
-  return static_cast<int>(tag::opOf(found));
+  if (!transport_.probe(want, ~(tag::kStepFieldMask | tag::kOpFieldMask | tag::kCodeFieldMask),
+                        found)) {
+    return std::nullopt;
+  }
+  return found;
+}
+
+int GroupChannel::waitingField(int peer) const {
+  const auto found = waitingTag(peer);
+  return found ? static_cast<int>(tag::opOf(*found)) : -1;
 }
 
 const char* GroupChannel::otherOp(int field) const {
@@ -197,7 +206,7 @@ void GroupChannel::checkForOtherOps() const {
   for (const auto& p : posted_) {
     // A rank that still owes this op a message has not finished it as this op's kind:
     // its message of the same sequence bits and another kind is a mismatch either way.
-    // (A rank that owes nothing may be 2^11 ops ahead, its sequence bits wrapped.)
+    // (A rank that owes nothing may be 2^7 ops ahead, its sequence bits wrapped.)
     if (p.request->isSend || p.request->done()) continue;
     if (std::find(asked.begin(), asked.end(), p.peer) != asked.end()) continue;
     asked.push_back(p.peer);
@@ -206,7 +215,30 @@ void GroupChannel::checkForOtherOps() const {
 }
 
 void GroupChannel::throwIfOtherOpFrom(int peer) const {
-  if (const char* other = otherOpFrom(peer)) throwOtherOp(peer, other);
+  if (!collective_) return;
+  const auto found = waitingTag(peer);
+  if (!found) return;
+  const uint32_t field = tag::opOf(*found);
+  if (const char* other = otherOp(static_cast<int>(field))) throwOtherOp(peer, other);
+  const uint32_t mine = detailCode_ & tag::kMaxCode;
+  if (field != opField(*collective_) || tag::codeOf(*found) == mine) return;
+  // Only the same message found at an earlier check counts: it has waited unreceived
+  // since, while this rank waited on that peer for a message of its own code.
+  if (std::find(codeSeen_.begin(), codeSeen_.end(), *found) == codeSeen_.end()) {
+    codeSeen_.push_back(*found);
+    return;
+  }
+  std::string detail = opDetail_;
+  if (root_ >= 0) detail += (detail.empty() ? "root " : ", root ") + std::to_string(root_);
+  throw std::runtime_error(
+      "collective mismatch: rank " + std::to_string(peer) + " runs this op (" +
+      algorithms::collectiveCallName(*collective_) +
+      ") with another dtype, reduce op or root than this rank" +
+      (detail.empty() ? std::string() : " (" + detail + ")") +
+      ": its message for the op arrived here with detail code " +
+      std::to_string(tag::codeOf(*found)) + " where this rank's is " + std::to_string(mine) +
+      ". Every rank must pass the same dtype, reduce op and root to a collective; "
+      "TDX_DEBUG=DETAIL names both ranks' calls");
 }
 
 void GroupChannel::throwOtherOp(int peer, const char* other) const {
@@ -259,8 +291,9 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
           std::string("timed out waiting to ") + (r->isSend ? "send to" : "receive from") +
           " rank " + std::to_string(p.peer) + " (step " + std::to_string(p.step) +
           "); that rank has not reached this op, is behind, is gone, or ran this op with "
-          "another algorithm and finished it without this rank. Every rank must call the "
-          "same collectives in the same order, with the same algorithm pins");
+          "another algorithm or root and finished it without this rank. Every rank must "
+          "call the same collectives in the same order, with the same roots and algorithm "
+          "pins");
     }
   }
   if (!r->ok() && r->truncated) {

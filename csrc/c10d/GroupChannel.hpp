@@ -106,8 +106,17 @@ class GroupChannel final : public algorithms::Channel {
   const char* opDetail() const {
     return opDetail_;
   }
-  void setOpDetail(const char* detail) {
+  // `code` is the same as 4 bits of the step's tags (detailCode()), with the op's root
+  // where it has one: ranks that disagree never take each other's messages.
+  void setOpDetail(const char* detail, uint32_t code) {
     opDetail_ = detail;
+    detailCode_ = code;
+  }
+  // The op's detail code (detailCode()) and root (-1: none), for its tags from
+  // setCollective() on, until a step sets its own (setOpDetail()).
+  void setDetailCode(uint32_t code, int root) {
+    detailCode_ = code;
+    root_ = root;
   }
   // Run at each of a stalled wait's checks (every 100 ms) when set, with the rank the
   // wait is on: throws to end the op, as when that rank announced another way of
@@ -156,9 +165,12 @@ class GroupChannel final : public algorithms::Channel {
   // The collective rank `peer` called as this op, when its message for this op's
   // sequence number carries another kind than this op's (it waits unreceived); null when
   // none has come. Only a peer that still owes this rank a message of the op may be
-  // asked: one that owes it nothing may be 2^11 ops ahead, its sequence bits wrapped.
+  // asked: one that owes it nothing may be 2^7 ops ahead, its sequence bits wrapped.
   const char* otherOpFrom(int peer) const;
-  // Throws "collective mismatch" naming both collectives when otherOpFrom(peer) finds one.
+  // Throws "collective mismatch" naming both collectives when otherOpFrom(peer) finds one,
+  // or when `peer`'s message of this op's kind carries another detail code (another
+  // dtype, reduce op or root) at two checks of this op (the second look lets a message
+  // of this rank's code that is still on its way land first).
   void throwIfOtherOpFrom(int peer) const;
   // For a rank that runs the op without messages (in the shared-memory window, or
   // setting it up) while `peer` has not reached it there: throws as throwIfOtherOpFrom()
@@ -232,8 +244,10 @@ class GroupChannel final : public algorithms::Channel {
     return static_cast<uint32_t>(c) + 1;
   }
   uint64_t tagOf(int sender, uint32_t step) const;
-  // The op field of the oldest message from `peer` for this op's sequence number (any
-  // op, any step) that waits unreceived, or -1 when none does: one probe.
+  // The tag of the oldest message from `peer` for this op's sequence number (any op, code
+  // and step) that waits unreceived, if one does: one probe.
+  std::optional<uint64_t> waitingTag(int peer) const;
+  // The op field of waitingTag(peer), or -1 when none waits.
   int waitingField(int peer) const;
   // The collective that op field `field` names when it is another than this op's.
   const char* otherOp(int field) const;
@@ -255,6 +269,10 @@ class GroupChannel final : public algorithms::Channel {
   RunningOp* running_ = nullptr;        // see setRunningOp()
   uint32_t choices_ = 0;                // see nextChoice()
   const char* opDetail_ = "";
+  uint32_t detailCode_ = 0;  // see setOpDetail()
+  int root_ = -1;            // see setDetailCode()
+  // Messages of this op's kind and another detail code seen waiting (throwIfOtherOpFrom).
+  mutable std::vector<uint64_t> codeSeen_;
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;
   std::vector<Posted> posted_;

@@ -24,6 +24,7 @@
 #include <sstream>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "algorithms/collectives.h"
 #include "algorithms/executor.h"
@@ -46,6 +47,9 @@ namespace {
 // the op methods right before they enqueue; thread_local so concurrent callers on other
 // threads cannot mix them up.
 thread_local std::string tFingerprintExtra;
+// The same op's detail code and root for its tags (GroupChannel::setDetailCode).
+thread_local uint32_t tDetailCode = 0;
+thread_local int tDetailRoot = -1;
 
 bool shapesMustMatch(c10d::OpType t) {
   switch (t) {
@@ -689,6 +693,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   // Taken first, so an op that fails its checks leaves nothing for the next one.
   const std::string fingerprintExtra = std::move(tFingerprintExtra);
   tFingerprintExtra.clear();
+  const uint32_t detailCode = std::exchange(tDetailCode, 0);
+  const int detailRoot = std::exchange(tDetailRoot, -1);
   for (size_t i = 0; writesOutputs && i < outputs.size(); ++i) {
     // The message is built only for a tensor that fails: this runs on every op.
     if (!isWritable(outputs[i])) {
@@ -741,6 +747,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.tellsPeers = limits.tellsPeers;
   task.collective = *collective;
   task.elementBytes = commonElementBytes(task.keepAlive);
+  task.detailCode = detailCode;
+  task.detailRoot = detailRoot;
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
@@ -1155,6 +1163,7 @@ void ProcessGroupTDX::runTask(Task& task) {
         }
         ch.setCollective(task.collective);
         ch.setElementBytes(task.elementBytes);
+        ch.setDetailCode(task.detailCode, task.detailRoot);
         if (task.deviceBody) {
           task.deviceBody(ch, ctx);
         } else {
@@ -1793,6 +1802,8 @@ void ProcessGroupTDX::checkFingerprint(GroupChannel& ch, const std::string& mine
 }
 
 void ProcessGroupTDX::noteFingerprint(int root, const Reduction* red) const {
+  tDetailCode = detailCode(red, root);
+  tDetailRoot = root;
   if (!checkFingerprints_) return;
   tFingerprintExtra.clear();
   if (root >= 0) tFingerprintExtra += " root=" + std::to_string(root);

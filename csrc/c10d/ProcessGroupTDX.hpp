@@ -233,6 +233,8 @@ class ProcessGroupTDX : public c10d::Backend {
     bool tellsPeers = true;  // see OpLimits
     algorithms::Collective collective{};  // named in the op's tags (setCollective)
     size_t elementBytes = 0;  // see GroupChannel::setElementBytes
+    uint32_t detailCode = 0;  // see GroupChannel::setDetailCode
+    int detailRoot = -1;
   };
 
   // Queues a collective; `body` runs on the worker thread with the op's channel.
@@ -257,8 +259,8 @@ class ProcessGroupTDX : public c10d::Backend {
                      uint32_t steps, const std::string& path, bool refused,
                      std::exception_ptr& error);
   void checkFingerprint(GroupChannel& ch, const std::string& mine);
-  // Root (-1: none) and reduce op (null: none) for the fingerprint of the next enqueue()
-  // on this thread; costs nothing unless fingerprints are checked.
+  // Root (-1: none) and reduce op (null: none) of the next enqueue() on this thread: the
+  // detail code of its tags, and its fingerprint when fingerprints are checked.
   void noteFingerprint(int root, const Reduction* red) const;
   void stopWorker(const std::string& reason);
   void shutdownLocked();

@@ -9,6 +9,8 @@
 #include <functional>
 #include <sstream>
 
+#include "transport/tag.h"
+
 namespace tdx {
 
 std::optional<DType> toDType(at::ScalarType t) {
@@ -311,6 +313,11 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
 
 } // namespace
 
+uint32_t detailCode(const Reduction* red, int root) {
+  const uint32_t r = root > 0 ? static_cast<uint32_t>(root) : 0;
+  return ((red ? red->code : 0) + 7u * r) & tag::kMaxCode;
+}
+
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
                         at::ScalarType scalar, int groupSize) {
   Reduction r;
@@ -321,6 +328,9 @@ Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op,
   r.dtype = *dt;
   r.name = reduceOpName(op.op_);
   r.detail = std::string(dtypeName(r.dtype)) + " " + r.name;
+  // The ops' values (0 .. 8) and the dtypes' (0 .. 9) are each below 16, and 5 is odd:
+  // a change of either alone changes the code.
+  r.code = static_cast<uint32_t>(op.op_) + 5u * static_cast<uint32_t>(r.dtype);
   const bool floating = isFloating(r.dtype);
   switch (op.op_) {
     case c10d::ReduceOp::SUM: r.kind = ReduceKind::Sum; break;

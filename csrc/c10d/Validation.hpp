@@ -79,6 +79,8 @@ struct Reduction {
   // across ranks ("float32 SUM"; a complex tensor's real dtype, as all_reduce and
   // all_reduce_into of it both reduce that). Made with the rest, on the caller's thread.
   std::string detail;
+  // The same, as 4 bits of the tags of the reduction's messages (detailCode()).
+  uint32_t code = 0;
 
   double factor() const;               // the PREMUL_SUM factor
   // How this rank's input enters the reduction (scaled by factor() when premul) and how
@@ -93,6 +95,12 @@ struct Reduction {
 // overflow where the average does not: a PREMUL_SUM by 1/groupSize there.
 Reduction makeReduction(const std::string& ctx, const c10d::ReduceOp& op, at::ScalarType dtype,
                         int groupSize);
+// The detail code an op's messages carry in their tags (transport/tag.h): its reduction's
+// dtype and reduce op (null: none) and its root (-1: none), folded into 4 bits. Each
+// enters with an odd multiplier, so ranks that differ in one of them alone always get
+// different codes (roots: unless they differ by a multiple of 16); ranks that differ in
+// two at once may get the same.
+uint32_t detailCode(const Reduction* red, int root);
 // What a reduction runs on: a complex tensor as its real and imaginary parts
 // (view_as_real, the same memory), where SUM, AVG and PREMUL_SUM by a real factor act on
 // each part alone, as they do on complex numbers; any other tensor as it is. Other ops

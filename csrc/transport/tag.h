@@ -8,14 +8,21 @@
 //   bits 43..62  group id (20 bits, a hash of the group name)
 //   bits 23..42  sender's rank in the group (20 bits)
 //   bits  0..22  collective: op kind (bits 19..22; 0 for the backend's own exchanges
-//                before an op, such as the fingerprint check), sequence number mod 2^11
-//                (bits 8..18) and step mod 2^8
+//                before an op, such as the fingerprint check), the op's detail code
+//                (bits 15..18), sequence number mod 2^7 (bits 8..14) and step mod 2^8
 //                point-to-point: the user's tag (0 .. 2^23-1)
+//
+// The detail code is what else the ranks must agree on for the step, folded into 4 bits
+// (a reduction's dtype and reduce op, an op's root; 0 where there is none), so that a
+// receive never takes a message sent with another root, reduce op or dtype: the bytes
+// would be summed as the wrong type, or maxed where they should be summed, and the result
+// would be wrong without a word. Ranks that disagree stall instead, and the stalled
+// wait's probe finds the peer's message with another code and says so.
 //
 // Messages with equal (sender, tag) match in posting order (UCX tag matching is
 // non-overtaking), so wrapping step or sequence numbers is safe while ops on one group
 // run in order. A rank whose role in an op only sends (a broadcast root) may run ahead
-// of its peers, even 2^11 ops: a probe for another op's message therefore asks only a
+// of its peers, even 2^7 ops: a probe for another op's message therefore asks only a
 // peer that still owes the waiting op a message.
 #pragma once
 
@@ -31,15 +38,18 @@ constexpr int kRankShift = 23;
 constexpr int kRankBits = 20;
 constexpr int kOpShift = 19;
 constexpr int kOpBits = 4;
+constexpr int kCodeShift = 15;
+constexpr int kCodeBits = 4;
 constexpr int kSeqShift = 8;
-constexpr int kSeqBits = 11;
+constexpr int kSeqBits = 7;
 constexpr int kStepBits = 8;
 constexpr int kUserBits = 23;
 
 static_assert(kGroupShift + kGroupBits == kKindShift, "group field must end below kind bit");
 static_assert(kRankShift + kRankBits == kGroupShift, "rank field must end below group");
 static_assert(kOpShift + kOpBits == kRankShift, "op field must end below rank");
-static_assert(kSeqShift + kSeqBits == kOpShift, "sequence field must end below op");
+static_assert(kCodeShift + kCodeBits == kOpShift, "code field must end below op");
+static_assert(kSeqShift + kSeqBits == kCodeShift, "sequence field must end below code");
 static_assert(kStepBits == kSeqShift, "step field fills the low bits");
 static_assert(kUserBits == kRankShift, "user tag fills the low bits of a p2p tag");
 
@@ -55,6 +65,8 @@ constexpr uint64_t kGroupMask = (uint64_t{1} << kGroupBits) - 1;
 
 constexpr uint64_t kRankFieldMask = ((uint64_t{1} << kRankBits) - 1) << kRankShift;
 constexpr uint64_t kOpFieldMask = ((uint64_t{1} << kOpBits) - 1) << kOpShift;
+constexpr uint64_t kCodeFieldMask = ((uint64_t{1} << kCodeBits) - 1) << kCodeShift;
+constexpr uint32_t kMaxCode = (uint32_t{1} << kCodeBits) - 1;
 constexpr uint64_t kStepFieldMask = (uint64_t{1} << kStepBits) - 1;
 constexpr uint32_t kMaxOp = (uint32_t{1} << kOpBits) - 1;
 constexpr uint64_t kFullMask = ~uint64_t{0};
@@ -62,16 +74,21 @@ constexpr uint64_t kFullMask = ~uint64_t{0};
 constexpr uint64_t kAnySourceMask = ~kRankFieldMask;
 
 // `op` (0 .. kMaxOp) is the caller's code for the kind of op; 0 for exchanges that any
-// op may run first.
-constexpr uint64_t collective(uint32_t group, uint32_t sender, uint32_t op, uint64_t seq,
-                              uint32_t step) {
+// op may run first. `code` is the detail code (only its low kCodeBits count).
+constexpr uint64_t collective(uint32_t group, uint32_t sender, uint32_t op, uint32_t code,
+                              uint64_t seq, uint32_t step) {
   return (uint64_t{0} << kKindShift) | ((group & kGroupMask) << kGroupShift) |
          (uint64_t{sender} << kRankShift) | (uint64_t{op & kMaxOp} << kOpShift) |
+         (uint64_t{code & kMaxCode} << kCodeShift) |
          ((seq & ((uint64_t{1} << kSeqBits) - 1)) << kSeqShift) | (step & kStepFieldMask);
 }
 
 constexpr uint32_t opOf(uint64_t t) {
   return static_cast<uint32_t>((t & kOpFieldMask) >> kOpShift);
+}
+
+constexpr uint32_t codeOf(uint64_t t) {
+  return static_cast<uint32_t>((t & kCodeFieldMask) >> kCodeShift);
 }
 
 constexpr uint64_t pointToPoint(uint32_t group, uint32_t sender, uint64_t userTag) {
@@ -83,9 +100,12 @@ constexpr uint32_t senderOf(uint64_t t) {
   return static_cast<uint32_t>((t >> kRankShift) & ((uint64_t{1} << kRankBits) - 1));
 }
 
-static_assert(senderOf(collective(5, 77, 9, 3, 2)) == 77, "sender round trip");
-static_assert(opOf(collective(5, 77, 9, 3, 2)) == 9, "op round trip");
-static_assert(collective(5, 77, 9, 3, 2) != collective(5, 77, 8, 3, 2), "ops tell apart");
+static_assert(senderOf(collective(5, 77, 9, 11, 3, 2)) == 77, "sender round trip");
+static_assert(opOf(collective(5, 77, 9, 11, 3, 2)) == 9, "op round trip");
+static_assert(codeOf(collective(5, 77, 9, 11, 3, 2)) == 11, "code round trip");
+static_assert(collective(5, 77, 9, 11, 3, 2) != collective(5, 77, 8, 11, 3, 2), "ops tell apart");
+static_assert(collective(5, 77, 9, 11, 3, 2) != collective(5, 77, 9, 10, 3, 2),
+              "codes tell apart");
 static_assert(senderOf(pointToPoint(5, 1234, kShutdownTag)) == 1234, "p2p sender round trip");
 static_assert(pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kShutdownTag) &&
                   pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kMismatchTag),
