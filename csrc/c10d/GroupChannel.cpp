@@ -206,7 +206,7 @@ void GroupChannel::checkForOtherOps() const {
   for (const auto& p : posted_) {
     // A rank that still owes this op a message has not finished it as this op's kind:
     // its message of the same sequence bits and another kind is a mismatch either way.
-    // (A rank that owes nothing may be 2^7 ops ahead, its sequence bits wrapped.)
+    // (A rank that owes nothing may be 2^11 ops ahead, its sequence bits wrapped.)
     if (p.request->isSend || p.request->done()) continue;
     if (std::find(asked.begin(), asked.end(), p.peer) != asked.end()) continue;
     asked.push_back(p.peer);

@@ -107,7 +107,8 @@ class GroupChannel final : public algorithms::Channel {
     return opDetail_;
   }
   // `code` is the same as 4 bits of the step's tags (detailCode()), with the op's root
-  // where it has one: ranks that disagree never take each other's messages.
+  // where it has one, so ranks that disagree do not take each other's messages (unless
+  // their codes coincide: transport/tag.h).
   void setOpDetail(const char* detail, uint32_t code) {
     opDetail_ = detail;
     detailCode_ = code;
@@ -165,7 +166,7 @@ class GroupChannel final : public algorithms::Channel {
   // The collective rank `peer` called as this op, when its message for this op's
   // sequence number carries another kind than this op's (it waits unreceived); null when
   // none has come. Only a peer that still owes this rank a message of the op may be
-  // asked: one that owes it nothing may be 2^7 ops ahead, its sequence bits wrapped.
+  // asked: one that owes it nothing may be 2^11 ops ahead, its sequence bits wrapped.
   const char* otherOpFrom(int peer) const;
   // Throws "collective mismatch" naming both collectives when otherOpFrom(peer) finds one,
   // or when `peer`'s message of this op's kind carries another detail code (another

@@ -6,24 +6,29 @@
 //
 //   bit  63      kind: 0 collective, 1 point-to-point
 //   bits 43..62  group id (20 bits, a hash of the group name)
-//   bits 23..42  sender's rank in the group (20 bits)
-//   bits  0..22  collective: op kind (bits 19..22; 0 for the backend's own exchanges
-//                before an op, such as the fingerprint check), the op's detail code
-//                (bits 15..18), sequence number mod 2^7 (bits 8..14) and step mod 2^8
-//                point-to-point: the user's tag (0 .. 2^23-1)
+//   bits 27..42  sender's rank in the group (16 bits: groups of up to 65535 ranks)
+//   bits  0..26  collective: op kind (bits 23..26; 0 for the backend's own exchanges
+//                before an op, such as the fingerprint check), the step's detail code
+//                (bits 19..22), sequence number mod 2^11 (bits 8..18) and step mod 2^8
+//                point-to-point: the user's tag (0 .. 2^23-1; bits 23..26 are 0)
 //
 // The detail code is what else the ranks must agree on for the step, folded into 4 bits
 // (a reduction's dtype and reduce op, an op's root; 0 where there is none), so that a
-// receive never takes a message sent with another root, reduce op or dtype: the bytes
-// would be summed as the wrong type, or maxed where they should be summed, and the result
-// would be wrong without a word. Ranks that disagree stall instead, and the stalled
-// wait's probe finds the peer's message with another code and says so.
+// receive does not take a message sent with another reduce op or dtype: the bytes would
+// be summed as the wrong type, or maxed where they should be summed, and the result would
+// be wrong without a word. Ranks that disagree stall instead, and the stalled wait's
+// probe finds the peer's message with another code and says so. 4 bits are not a
+// fingerprint: codes may coincide where two of the three differ at once, and a rank that
+// alone believes it is a broadcast's root receives nothing to compare (README,
+// "Mismatch detection").
 //
 // Messages with equal (sender, tag) match in posting order (UCX tag matching is
 // non-overtaking), so wrapping step or sequence numbers is safe while ops on one group
-// run in order. A rank whose role in an op only sends (a broadcast root) may run ahead
-// of its peers, even 2^7 ops: a probe for another op's message therefore asks only a
-// peer that still owes the waiting op a message.
+// run in order and take every message sent to them. A rank whose role in an op only
+// sends (a broadcast root) may run ahead of its peers, even 2^11 ops: a probe for another
+// op's message therefore asks only a peer that still owes the waiting op a message. A
+// message no op took (sent under a root mismatch nothing caught) is taken by the op 2^11
+// later of the same kind, code, sender and step.
 #pragma once
 
 #include <cstdint>
@@ -34,14 +39,14 @@ namespace tag {
 constexpr int kKindShift = 63;
 constexpr int kGroupShift = 43;
 constexpr int kGroupBits = 20;
-constexpr int kRankShift = 23;
-constexpr int kRankBits = 20;
-constexpr int kOpShift = 19;
+constexpr int kRankShift = 27;
+constexpr int kRankBits = 16;
+constexpr int kOpShift = 23;
 constexpr int kOpBits = 4;
-constexpr int kCodeShift = 15;
+constexpr int kCodeShift = 19;
 constexpr int kCodeBits = 4;
 constexpr int kSeqShift = 8;
-constexpr int kSeqBits = 7;
+constexpr int kSeqBits = 11;
 constexpr int kStepBits = 8;
 constexpr int kUserBits = 23;
 
@@ -51,7 +56,7 @@ static_assert(kOpShift + kOpBits == kRankShift, "op field must end below rank");
 static_assert(kCodeShift + kCodeBits == kOpShift, "code field must end below op");
 static_assert(kSeqShift + kSeqBits == kCodeShift, "sequence field must end below code");
 static_assert(kStepBits == kSeqShift, "step field fills the low bits");
-static_assert(kUserBits == kRankShift, "user tag fills the low bits of a p2p tag");
+static_assert(kUserBits <= kRankShift, "user tag fits below the rank field");
 
 constexpr uint64_t kMaxRanks = uint64_t{1} << kRankBits;
 // The two highest point-to-point tags are the backend's own: the goodbye each rank sends

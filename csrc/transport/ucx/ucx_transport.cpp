@@ -16,6 +16,7 @@
 
 #include "common/env.h"
 #include "common/logging.h"
+#include "transport/tag.h"
 #include "transport/ucx/ucx_stop_reports.h"
 
 namespace tdx {
@@ -258,7 +259,7 @@ UcxTransport::UcxTransport(const Hints& hints)
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_TAG_SENDER_MASK |
                       UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
-  params.tag_sender_mask = ((uint64_t{1} << 20) - 1) << 23;
+  params.tag_sender_mask = tag::kRankFieldMask;
   params.mt_workers_shared = 1;
   ucs_status_t st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
