@@ -369,3 +369,15 @@ def test_pipeline_refuses_more_microbatches_than_samples(
     monkeypatch.setattr(sys, "argv", ["pipeline.py", "--batch-size", "4", "--microbatches", "8"])
     with pytest.raises(SystemExit, match="--microbatches 8 exceeds --batch-size 4"):
         pipeline.main()
+
+
+def test_a_group_larger_than_the_tags_can_name_is_refused(tmp_path: Path) -> None:
+    """A message's tag names its sender in 16 bits, so a group of 65536 ranks would give
+    two ranks one name: its creation fails at once, naming the limit, before any rank is
+    waited for."""
+    import datetime
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(ValueError, match="groups are limited to 65535 ranks"):
+        _C._create_backend(store, 0, 65536, datetime.timedelta(seconds=2), "big",
+                           list(range(65536)))

@@ -371,8 +371,8 @@ def test_windows_refuse_the_same_bytes_reduced_as_another_dtype_or_op(allreduce:
 def _other_reduction_on_messages(rank: int, n: int) -> dict:
     """The cases of _same_bytes_other_reduction on the message path, plus a reduce whose
     root sums where the others take the maximum; then ops that agree: a coalesced
-    all_reduce of two dtypes, and more broadcasts than the tags' sequence field counts
-    (2^7), which a root that only sends may run ahead through."""
+    all_reduce of two dtypes, and 300 broadcasts from one root, which only sends and may
+    run ahead."""
     out = _same_bytes_other_reduction(rank, n)
     g = dist.new_group(backend="tdx")
     start = time.monotonic()
