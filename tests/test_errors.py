@@ -605,6 +605,13 @@ def test_a_slot_larger_than_a_window_can_map_is_refused_at_creation() -> None:
         out.stdout, out.stdout
 
 
+def test_a_root_check_other_than_0_or_1_is_refused_at_creation() -> None:
+    out = subprocess.run([sys.executable, "-c", _ENV_PROBE], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "TDX_ROOT_CHECK": "2"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TDX_ROOT_CHECK must be 0 or 1, not 2" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize("var, value, ok", [
     ("TDX_FLIGHT_OPS", "100ops", False),  # a number followed by a unit
     ("TDX_SPIN_US", "50us", False),

@@ -351,16 +351,21 @@ def _same_bytes_other_reduction(rank: int, n: int) -> dict:
     return _each_on_a_group_of_its_own(n, cases, rank == 0)
 
 
+# The calls of _same_bytes_other_reduction's cases, as errors name them: rank 0's, then
+# the others'.
+_OTHER_REDUCTION_CALLS = {"dtype": ("float32 SUM", "int32 SUM"),
+                          "op": ("float32 SUM", "float32 MAX"),
+                          "reduce_scatter": ("float32 SUM", "float64 SUM"),
+                          "coalesced": ("float32 SUM", "int32 SUM")}
+
+
 @pytest.mark.parametrize("allreduce", ["shm", "shm_direct"])
 def test_windows_refuse_the_same_bytes_reduced_as_another_dtype_or_op(allreduce: str) -> None:
     results = run_ranks(_same_bytes_other_reduction, 3, timeout=60,
                         env={"TDX_ALGO": f"allreduce:{allreduce},reduce_scatter:shm"})
     for rank, r in enumerate(results):
         assert r["ok"], r
-        for name, (first, second) in {"dtype": ("float32 SUM", "int32 SUM"),
-                                      "op": ("float32 SUM", "float32 MAX"),
-                                      "reduce_scatter": ("float32 SUM", "float64 SUM"),
-                                      "coalesced": ("float32 SUM", "int32 SUM")}.items():
+        for name, (first, second) in _OTHER_REDUCTION_CALLS.items():
             msg = r[name]
             assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
             assert first in msg or rank != 0, (rank, name, msg)
@@ -408,10 +413,7 @@ def test_ranks_that_reduce_as_another_dtype_or_op_fail_on_the_message_path(allre
                         env={"TDX_SHM": "0", "TDX_ALGO": f"allreduce:{allreduce}"})
     for rank, r in enumerate(results):
         assert r["ok"] and r["agree coalesced"] and r["agree broadcasts"], (rank, r)
-        for name, (first, second) in {"dtype": ("float32 SUM", "int32 SUM"),
-                                      "op": ("float32 SUM", "float32 MAX"),
-                                      "reduce_scatter": ("float32 SUM", "float64 SUM"),
-                                      "coalesced": ("float32 SUM", "int32 SUM")}.items():
+        for name, (first, second) in _OTHER_REDUCTION_CALLS.items():
             msg = r[name]
             assert msg.startswith("DistBackendError") and "collective mismatch" in msg, (rank, name, msg)
             assert "another dtype, reduce op or root" in msg, (rank, name, msg)
@@ -423,6 +425,66 @@ def test_ranks_that_reduce_as_another_dtype_or_op_fail_on_the_message_path(allre
     assert "collective mismatch" in root and "float32 SUM" in root, root
     assert results[0]["reduce seconds"] < 5, results[0]
 
+
+
+def _roots_disagree_on_messages(rank: int, n: int) -> dict:
+    """Without DETAIL, on messages, 3 ranks: rank 0 names one root and ranks 1 and 2
+    another, each case on a group of its own with a 3 s timeout; then a fresh group."""
+    import datetime
+
+    cases = {
+        # Rank 0 believes it is the root alone: it only sends.
+        "broadcast": lambda g: dist.broadcast(torch.full((16,), float(rank)),
+                                              0 if rank == 0 else 1, group=g),
+        # Rank 0, the others' root, believes rank 1 is: nobody receives at all.
+        "reduce": lambda g: dist.reduce(torch.ones(16), 1 if rank == 0 else 0, group=g),
+        "gather": lambda g: dist.gather(torch.ones(16),
+                                        [torch.empty(16) for _ in range(n)]
+                                        if rank == (1 if rank == 0 else 0) else None,
+                                        1 if rank == 0 else 0, group=g),
+        "scatter": lambda g: dist.scatter(torch.empty(16),
+                                          [torch.full((16,), float(r)) for r in range(n)]
+                                          if rank == (0 if rank == 0 else 1) else None,
+                                          0 if rank == 0 else 1, group=g),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=3))
+        start = time.monotonic()
+        try:
+            call(g)
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+            out[name] = f"{type(e).__name__}: {e}"
+        out[name + " seconds"] = time.monotonic() - start
+        dist.destroy_process_group(g)
+    g = dist.new_group(backend="tdx")
+    t = torch.full((4,), float(rank))
+    dist.broadcast(t, 2, group=g)
+    out["ok"] = t.tolist() == [2.0] * 4
+    return out
+
+
+def test_ranks_that_disagree_on_the_root_fail_on_the_message_path() -> None:
+    """Rooted ops on messages send with acknowledgement (TDX_ROOT_CHECK=1, the default),
+    so no send completes unless a receive took it. Before, rank 0 returned its own data
+    from the broadcast, nobody received anything in the reduce or the gather, every rank
+    returned without an error, and the messages left behind were taken by the op 2048
+    later of the same kind and root, which then returned them as its data. Now every rank
+    whose call is not the others' raises: at once where two ranks each send the other
+    their message, else at the group timeout (3 s) or at the notice of a rank that
+    raised. Scatter's rank 2 takes its chunk from the root it named and may return."""
+    results = run_ranks(_roots_disagree_on_messages, 3, timeout=120, env={"TDX_SHM": "0"})
+    for rank, r in enumerate(results):
+        assert r["ok"], (rank, r)
+        for name in ("broadcast", "reduce", "gather", "scatter"):
+            if name == "scatter" and rank == 2 and r[name] == "no error":
+                continue
+            assert r[name].startswith("DistBackendError"), (rank, name, r[name])
+            assert r[name + " seconds"] < 3 + 5, (rank, name, r)
+    # Where two ranks each send the other their message, the check names the root.
+    texts = [r[name] for r in results for name in ("reduce", "gather")]
+    assert any("with another root than this rank" in t for t in texts), texts
 
 def _roots_disagree(rank: int, n: int) -> dict:
     """Without DETAIL, in the windows: both ranks believe they are the root of a

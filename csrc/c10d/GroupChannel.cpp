@@ -148,7 +148,8 @@ uint64_t GroupChannel::tagOf(int sender, uint32_t step) const {
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
   uint64_t t = tagOf(rank_, step);
-  auto r = transport_.isend(endpoints_.at(peer), t, data, bytes, transport::MemType::Host);
+  auto r = transport_.isend(endpoints_.at(peer), t, data, bytes, transport::MemType::Host,
+                            nullptr, acknowledgedSends_);
   posted_.push_back({r, peer, step});
   return r;
 }
@@ -222,12 +223,9 @@ void GroupChannel::throwIfOtherOpFrom(int peer) const {
   if (const char* other = otherOp(static_cast<int>(field))) throwOtherOp(peer, other);
   const uint32_t mine = detailCode_ & tag::kMaxCode;
   if (field != opField(*collective_) || tag::codeOf(*found) == mine) return;
-  // Only the same message found at an earlier check counts: it has waited unreceived
-  // since, while this rank waited on that peer for a message of its own code.
-  if (std::find(codeSeen_.begin(), codeSeen_.end(), *found) == codeSeen_.end()) {
-    codeSeen_.push_back(*found);
-    return;
-  }
+  // It has waited unreceived since, while this rank waited on that peer for a message of
+  // its own code.
+  if (!seenBefore(*found)) return;
   std::string detail = opDetail_;
   if (root_ >= 0) detail += (detail.empty() ? "root " : ", root ") + std::to_string(root_);
   throw std::runtime_error(
@@ -239,6 +237,29 @@ void GroupChannel::throwIfOtherOpFrom(int peer) const {
       std::to_string(tag::codeOf(*found)) + " where this rank's is " + std::to_string(mine) +
       ". Every rank must pass the same dtype, reduce op and root to a collective; "
       "TDX_DEBUG=DETAIL names both ranks' calls");
+}
+
+bool GroupChannel::seenBefore(uint64_t found) const {
+  if (std::find(codeSeen_.begin(), codeSeen_.end(), found) != codeSeen_.end()) return true;
+  codeSeen_.push_back(found);
+  return false;
+}
+
+void GroupChannel::throwIfSentBack(int peer) const {
+  if (!collective_) return;
+  const auto found = waitingTag(peer);
+  if (!found) return;
+  const uint32_t field = tag::opOf(*found);
+  if (const char* other = otherOp(static_cast<int>(field))) throwOtherOp(peer, other);
+  if (field != opField(*collective_) || !seenBefore(*found)) return;
+  throw std::runtime_error(
+      "collective mismatch: rank " + std::to_string(peer) + " runs this op (" +
+      algorithms::collectiveCallName(*collective_) + ") with another root than this rank" +
+      (root_ >= 0 ? " (root " + std::to_string(root_) + ")" : std::string()) +
+      ": each sends the other its message for the op, which goes one way between two "
+      "ranks (rank " + std::to_string(peer) + "'s arrived here, and this rank's waits for "
+      "rank " + std::to_string(peer) + " to take it). Every rank must pass the same root "
+      "(and algorithm pins) to a collective; TDX_DEBUG=DETAIL names both ranks' calls");
 }
 
 void GroupChannel::throwOtherOp(int peer, const char* other) const {
@@ -284,6 +305,7 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
     }
     if (running_) running_->stalledOn(p.peer, RunningOp::kMessages);
     checkForOtherOps();
+    if (r->isSend && acknowledgedSends_) throwIfSentBack(p.peer);
     if (peerCheck_) peerCheck_(p.peer);
     if (Clock::now() >= deadline_) {
       if (watch.timedOut != nullptr) throw TimedOut(watch.timedOut);

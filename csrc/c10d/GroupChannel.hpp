@@ -119,6 +119,16 @@ class GroupChannel final : public algorithms::Channel {
     detailCode_ = code;
     root_ = root;
   }
+  // Sends complete only once the peer has taken them (Transport::isend's `acknowledged`),
+  // for ops whose messages go one way between two ranks (toward a root or away from it):
+  // a rank that alone names another root then waits on a send no receive takes, and
+  // fails, where its message would have sat at the peer while both ranks returned wrong
+  // data (a broadcast root that only sends, reduce leaves that only send), and been
+  // taken by the op 2^11 later of its kind and root. A stalled send's check finds the
+  // peer's own message of the op (throwIfSentBack).
+  void setAcknowledgedSends(bool on) {
+    acknowledgedSends_ = on;
+  }
   // Run at each of a stalled wait's checks (every 100 ms) when set, with the rank the
   // wait is on: throws to end the op, as when that rank announced another way of
   // running it (ProcessGroupTDX::select).
@@ -252,6 +262,13 @@ class GroupChannel final : public algorithms::Channel {
   int waitingField(int peer) const;
   // The collective that op field `field` names when it is another than this op's.
   const char* otherOp(int field) const;
+  // Whether `found` (a waiting message's tag) was seen at an earlier check of this op;
+  // records it when not. A message that waits through two checks is not one still on
+  // its way ahead of the one this rank waits for.
+  bool seenBefore(uint64_t found) const;
+  // For a stalled acknowledged send to `peer`: throws when `peer` sent this rank a
+  // message of this op too, where the op's messages go one way (setAcknowledgedSends).
+  void throwIfSentBack(int peer) const;
   // Throws "collective mismatch": rank `peer` called `other` as this op.
   [[noreturn]] void throwOtherOp(int peer, const char* other) const;
   // Throws naming the other collective when a rank this op still waits to receive from
@@ -272,7 +289,8 @@ class GroupChannel final : public algorithms::Channel {
   const char* opDetail_ = "";
   uint32_t detailCode_ = 0;  // see setOpDetail()
   int root_ = -1;            // see setDetailCode()
-  // Messages of this op's kind and another detail code seen waiting (throwIfOtherOpFrom).
+  bool acknowledgedSends_ = false;  // see setAcknowledgedSends()
+  // Messages of this op's kind seen waiting where none should (seenBefore()).
   mutable std::vector<uint64_t> codeSeen_;
   transport::Clock::time_point deadline_;
   const std::atomic<bool>& aborted_;

@@ -116,6 +116,7 @@ void broadcast(ProcessGroupTDX& pg, GroupChannel& ch, char* data, size_t bytes, 
   Buffers b;
   b.data = data;
   b.dataBytes = bytes;
+  ch.setAcknowledgedSends(pg.acknowledgesRootedSends());
   run(ch, sel, a, b, nullptr);
 }
 
@@ -144,6 +145,7 @@ void reduce(ProcessGroupTDX& pg, GroupChannel& ch, const char* input, char* outp
   b.dataBytes = count * elemSize;
   // The executor scales the input where the plan first reads it (`load`).
   b.send = {Block{const_cast<char*>(input), count * elemSize}};
+  ch.setAcknowledgedSends(pg.acknowledgesRootedSends());
   run(ch, sel, a, b, fn, load);
   if (ch.rank() == root) load.finish(output, count * elemSize);
 }
@@ -336,6 +338,7 @@ void gather(ProcessGroupTDX& pg, GroupChannel& ch, const Block& mine,
   Buffers b;
   b.send = {mine};
   b.recv = rootBlocks;
+  ch.setAcknowledgedSends(pg.acknowledgesRootedSends());
   run(ch, sel, a, b, nullptr);
 }
 
@@ -355,6 +358,7 @@ void scatter(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<Block>& ro
   Buffers b;
   b.send = rootBlocks;
   b.recv = {mine};
+  ch.setAcknowledgedSends(pg.acknowledgesRootedSends());
   run(ch, sel, a, b, nullptr);
 }
 

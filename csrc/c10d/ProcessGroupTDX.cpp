@@ -386,6 +386,10 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   // windows: checked now, as the other knobs are.
   if (env::get("TDX_SHM_SPIN_US") != "auto") (void)env::getInt("TDX_SHM_SPIN_US");
   const int shmThreads = shmThreadsSetting(prefix());
+  const int64_t rootCheck = env::getInt("TDX_ROOT_CHECK");
+  TORCH_CHECK_VALUE(rootCheck == 0 || rootCheck == 1, prefix(),
+                    ": TDX_ROOT_CHECK must be 0 or 1, not ", rootCheck);
+  acknowledgeRooted_ = rootCheck == 1;
   TORCH_CHECK_VALUE(static_cast<uint64_t>(size) < tag::kMaxRanks, prefix(),
                     ": groups are limited to ", tag::kMaxRanks - 1, " ranks");
   setupDeadline_ = Clock::now() + timeout();  // bounded, as every deadline (timeout())

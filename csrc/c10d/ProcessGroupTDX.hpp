@@ -176,6 +176,11 @@ class ProcessGroupTDX : public c10d::Backend {
     transport::WaitContext wait;
   };
   Selected select(algorithms::Collective c, double bytes, GroupChannel& ch, const char* what);
+  // Whether rooted ops on messages send with acknowledgement (TDX_ROOT_CHECK; see
+  // GroupChannel::setAcknowledgedSends).
+  bool acknowledgesRootedSends() const {
+    return acknowledgeRooted_;
+  }
   // Ranks that run one part of an op (its sequence number and which of its choices, see
   // select()) different ways. Each throws when rank `peer` announced another way for the
   // running op's part than this rank's (choice_): in the window when the group has one,
@@ -374,6 +379,7 @@ class ProcessGroupTDX : public c10d::Backend {
   // TDX_DEBUG=DETAIL or TORCH_DISTRIBUTED_DEBUG=DETAIL: ranks compare each collective's
   // fingerprint (op, dtype, shapes, root, reduce op) before running it.
   bool checkFingerprints_ = false;
+  bool acknowledgeRooted_ = true;  // TDX_ROOT_CHECK (acknowledgesRootedSends())
   std::atomic<uint64_t> seq_{0};
   // Set at shutdown, or when a peer reports a mismatch: ops in flight stop waiting. Shared
   // so that a completion outliving the group may still set it.

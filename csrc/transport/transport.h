@@ -147,8 +147,12 @@ class Transport {
   // Returns an endpoint id for the peer at `address`; the same address gives the same id.
   virtual int connect(const std::string& address) = 0;
 
+  // `acknowledged`: the send completes only once the receiver has matched it, not once
+  // its bytes are out (UCX's synchronous send), so a message no receive will take keeps
+  // its send waiting instead of sitting unreceived at the peer.
   virtual RequestPtr isend(int endpoint, uint64_t tag, const void* data, size_t bytes,
-                           MemType mem, std::function<void(Request&)> onComplete = nullptr) = 0;
+                           MemType mem, std::function<void(Request&)> onComplete = nullptr,
+                           bool acknowledged = false) = 0;
 
   // `endpoint` is used only to cancel the receive if that peer fails (-1: any source).
   // A message matches when (messageTag & tagMask) == (tag & tagMask).

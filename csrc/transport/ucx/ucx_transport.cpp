@@ -708,7 +708,8 @@ void UcxTransport::failEndpoint(int endpoint, const std::string& failure) {
 }
 
 RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, size_t bytes,
-                               MemType mem, std::function<void(Request&)> onComplete) {
+                               MemType mem, std::function<void(Request&)> onComplete,
+                               bool acknowledged) {
   RequestPtr r = track(endpoint, true, std::move(onComplete));
   r->postedBytes = bytes;
   // Shared: a force close of this endpoint waits until the post is done. The exclusive
@@ -741,7 +742,8 @@ RequestPtr UcxTransport::isend(int endpoint, uint64_t tag, const void* data, siz
   p.user_data = r.get();
   p.datatype = ucp_dt_make_contig(1);
   p.memory_type = mem == MemType::Cuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
-  ucs_status_ptr_t s = ucp_tag_send_nbx(ep, data, bytes, tag, &p);
+  ucs_status_ptr_t s = acknowledged ? ucp_tag_send_sync_nbx(ep, data, bytes, tag, &p)
+                                    : ucp_tag_send_nbx(ep, data, bytes, tag, &p);
   if (s != nullptr && !UCS_PTR_IS_ERR(s)) {
     r->handle.store(s);  // before a force close of the endpoint may look for it
     posting.unlock();

@@ -82,7 +82,8 @@ class UcxTransport final : public Transport {
   std::string address() const override;
   int connect(const std::string& address) override;
   RequestPtr isend(int endpoint, uint64_t tag, const void* data, size_t bytes, MemType mem,
-                   std::function<void(Request&)> onComplete) override;
+                   std::function<void(Request&)> onComplete = nullptr,
+                   bool acknowledged = false) override;
   RequestPtr irecv(int endpoint, uint64_t tag, uint64_t tagMask, void* data, size_t bytes,
                    MemType mem, std::function<void(Request&)> onComplete) override;
   bool probe(uint64_t tag, uint64_t tagMask, uint64_t& found) override;
