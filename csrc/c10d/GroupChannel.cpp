@@ -148,8 +148,13 @@ uint64_t GroupChannel::tagOf(int sender, uint32_t step) const {
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
   uint64_t t = tagOf(rank_, step);
+  bool acknowledged = false;
+  if (acknowledgedSends_ && !acknowledged_.at(peer)) {
+    acknowledged_[peer] = true;
+    acknowledged = true;
+  }
   auto r = transport_.isend(endpoints_.at(peer), t, data, bytes, transport::MemType::Host,
-                            nullptr, acknowledgedSends_);
+                            nullptr, acknowledged);
   posted_.push_back({r, peer, step});
   return r;
 }
@@ -204,11 +209,21 @@ bool GroupChannel::sentThisOp(int peer) const {
 void GroupChannel::checkForOtherOps() const {
   if (!collective_) return;
   std::vector<int> asked;
+  std::vector<int> sentTo;
   for (const auto& p : posted_) {
+    if (p.request->done()) continue;
+    if (p.request->isSend) {
+      // A peer that has not taken this rank's message has not finished the op with this
+      // rank's root: it cannot be ahead (below).
+      if (!acknowledgedSends_) continue;
+      if (std::find(sentTo.begin(), sentTo.end(), p.peer) != sentTo.end()) continue;
+      sentTo.push_back(p.peer);
+      throwIfSentBack(p.peer);
+      continue;
+    }
     // A rank that still owes this op a message has not finished it as this op's kind:
     // its message of the same sequence bits and another kind is a mismatch either way.
     // (A rank that owes nothing may be 2^11 ops ahead, its sequence bits wrapped.)
-    if (p.request->isSend || p.request->done()) continue;
     if (std::find(asked.begin(), asked.end(), p.peer) != asked.end()) continue;
     asked.push_back(p.peer);
     throwIfOtherOpFrom(p.peer);
@@ -305,7 +320,6 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
     }
     if (running_) running_->stalledOn(p.peer, RunningOp::kMessages);
     checkForOtherOps();
-    if (r->isSend && acknowledgedSends_) throwIfSentBack(p.peer);
     if (peerCheck_) peerCheck_(p.peer);
     if (Clock::now() >= deadline_) {
       if (watch.timedOut != nullptr) throw TimedOut(watch.timedOut);
@@ -351,7 +365,9 @@ void GroupChannel::wait(const RequestPtr& r, const Watch& watch) {
 }
 
 char* GroupChannel::scratch(size_t bytes) {
-  scratchUsed_ = true;
+  // A plan that asks for none moves nothing through it, so an unclean end need not give
+  // it up.
+  if (bytes > 0) scratchUsed_ = true;
   return scratch_.get(bytes);
 }
 

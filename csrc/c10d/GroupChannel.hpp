@@ -119,15 +119,19 @@ class GroupChannel final : public algorithms::Channel {
     detailCode_ = code;
     root_ = root;
   }
-  // Sends complete only once the peer has taken them (Transport::isend's `acknowledged`),
-  // for ops whose messages go one way between two ranks (toward a root or away from it):
-  // a rank that alone names another root then waits on a send no receive takes, and
-  // fails, where its message would have sat at the peer while both ranks returned wrong
-  // data (a broadcast root that only sends, reduce leaves that only send), and been
-  // taken by the op 2^11 later of its kind and root. A stalled send's check finds the
-  // peer's own message of the op (throwIfSentBack).
+  // The op's first send to each peer completes only once the peer has taken it
+  // (Transport::isend's `acknowledged`), for ops whose messages go one way between two
+  // ranks (toward a root or away from it): a rank that alone names another root then
+  // waits on a send no receive takes, and fails, where its message would have sat at the
+  // peer while both ranks returned wrong data (a broadcast root that only sends, reduce
+  // leaves that only send), and been taken by the op 2^11 later of its kind and root. A
+  // peer that took the first message runs the op with this rank's root (the tags' detail
+  // code) and takes the rest, so later sends (a chain's pipelined chunks) go as usual.
+  // Stalled waits check the peers of sends still pending for their own message of the op
+  // (throwIfSentBack).
   void setAcknowledgedSends(bool on) {
     acknowledgedSends_ = on;
+    if (on) acknowledged_.assign(endpoints_.size(), false);
   }
   // Run at each of a stalled wait's checks (every 100 ms) when set, with the rank the
   // wait is on: throws to end the op, as when that rank announced another way of
@@ -273,7 +277,8 @@ class GroupChannel final : public algorithms::Channel {
   [[noreturn]] void throwOtherOp(int peer, const char* other) const;
   // Throws naming the other collective when a rank this op still waits to receive from
   // sent a message of this op's sequence number but another kind: it called a
-  // different collective.
+  // different collective. With acknowledged sends, also throwIfSentBack() for the peer
+  // of each send still pending.
   void checkForOtherOps() const;
 
   transport::Transport& transport_;
@@ -290,6 +295,7 @@ class GroupChannel final : public algorithms::Channel {
   uint32_t detailCode_ = 0;  // see setOpDetail()
   int root_ = -1;            // see setDetailCode()
   bool acknowledgedSends_ = false;  // see setAcknowledgedSends()
+  std::vector<bool> acknowledged_;  // by peer: its first send was posted acknowledged
   // Messages of this op's kind seen waiting where none should (seenBefore()).
   mutable std::vector<uint64_t> codeSeen_;
   transport::Clock::time_point deadline_;

@@ -48,12 +48,13 @@ const std::vector<Knob>& knobs() {
        "pin algorithms per collective, e.g. allreduce:ring,broadcast:tree (names: "
        "torchdist_ext.algorithms()); unset: the cost model picks"},
       {"TDX_ROOT_CHECK", "1",
-       "1: broadcast, reduce, gather and scatter on messages send with acknowledgement (a "
-       "send ends once the peer has taken it), so ranks that disagree on the root fail, at "
-       "the latest at the group timeout, instead of returning their own data and leaving "
-       "messages for a later op to take; 0: plain sends, which spare a sender (a "
-       "broadcast's root and inner ranks, the other ranks of a reduce or gather) one round "
-       "trip per send, without that check"},
+       "1: broadcast, reduce, gather and scatter on messages send their first message to "
+       "each peer with acknowledgement (the send ends once the peer has taken it), so "
+       "ranks that disagree on the root fail, at the latest at the group timeout, instead "
+       "of returning their own data and leaving messages for a later op to take; 0: plain "
+       "sends, which spare a sender (a broadcast's or scatter's root and a broadcast's "
+       "inner ranks, the other ranks of a reduce or gather) a round trip, without that "
+       "check; each rank's own setting governs its sends"},
       {"TDX_SEGMENT_BYTES", "1048576",
        "(at least 4096) transfers that the receiver reduces as they land (RecvReduce) are "
        "cut into segments of this size, all in flight at once, so reducing one overlaps "

@@ -25,10 +25,11 @@
 // Messages with equal (sender, tag) match in posting order (UCX tag matching is
 // non-overtaking), so wrapping step or sequence numbers is safe while ops on one group
 // run in order and take every message sent to them. A rank whose role in an op only
-// sends (a broadcast root) may run ahead of its peers, even 2^11 ops: a probe for another
-// op's message therefore asks only a peer that still owes the waiting op a message. A
-// message no op took (sent under a root mismatch nothing caught) is taken by the op 2^11
-// later of the same kind, code, sender and step.
+// sends (a broadcast root with TDX_ROOT_CHECK=0, whose sends are not acknowledged) may
+// run ahead of its peers, even 2^11 ops: a probe for another op's message therefore asks
+// only a peer that still owes the waiting op a message. A message no op took (sent,
+// unacknowledged, under a root mismatch nothing caught) is taken by the op 2^11 later of
+// the same kind, code, sender and step.
 #pragma once
 
 #include <cstdint>

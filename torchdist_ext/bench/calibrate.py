@@ -309,8 +309,9 @@ def calibrate(world: int = 2, sizes: Sequence[int] = DEFAULT_SIZES,
                    stat=stat, timeout=timeout, quiet=True, progress=progress, rounds=rounds)
     # The shm link's terms are one thread's: the model divides the window all_reduce's
     # byte terms by its threads' speedup itself (TDX_SHM_THREADS), which a fit of
-    # threaded points would count a second time.
-    with _env(TDX_SHM_THREADS="1"):
+    # threaded points would count a second time. Rooted ops send plainly: the round trip
+    # of their check (TDX_ROOT_CHECK) is not the link's and would raise every op's alpha.
+    with _env(TDX_SHM_THREADS="1", TDX_ROOT_CHECK="0"):
         rows = run(opts)
     points = points_from_rows(rows, links)
     previous = torchdist_ext.cost_model()
