@@ -300,6 +300,18 @@ def test_one_sided_mismatch_fails_the_other_ranks_at_once(shm: str, algo: str) -
     assert "rank 1 gave up" in r0["next"] and r0["next s"] < 3.0, r0
 
 
+def _record(out: dict, name: str, call) -> None:
+    """Runs `call()`: its outcome under `name` ("no error", or the exception's type and
+    text) and its time under "`name` seconds"."""
+    start = time.monotonic()
+    try:
+        call()
+        out[name] = "no error"
+    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
+        out[name] = f"{type(e).__name__}: {e}"
+    out[name + " seconds"] = time.monotonic() - start
+
+
 def _each_on_a_group_of_its_own(n: int, cases: dict, first: bool) -> dict:
     """Runs each case, ``case(first, group)``, on a new group that it then destroys: the
     outcome under the case's name, its time under "<name> seconds"; then, under "ok",
@@ -307,13 +319,7 @@ def _each_on_a_group_of_its_own(n: int, cases: dict, first: bool) -> dict:
     out: dict = {}
     for name, call in cases.items():
         g = dist.new_group(backend="tdx")
-        start = time.monotonic()
-        try:
-            call(first, g)
-            out[name] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
+        _record(out, name, lambda: call(first, g))
         dist.destroy_process_group(g)
     t = torch.ones(8)
     dist.all_reduce(t)  # the default group is untouched
@@ -380,14 +386,8 @@ def _other_reduction_on_messages(rank: int, n: int) -> dict:
     run ahead."""
     out = _same_bytes_other_reduction(rank, n)
     g = dist.new_group(backend="tdx")
-    start = time.monotonic()
-    try:
-        dist.reduce(torch.ones(64), 0, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX,
-                    group=g)
-        out["reduce"] = "no error"
-    except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-        out["reduce"] = f"{type(e).__name__}: {e}"
-    out["reduce seconds"] = time.monotonic() - start
+    _record(out, "reduce", lambda: dist.reduce(
+        torch.ones(64), 0, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX, group=g))
     dist.destroy_process_group(g)
     a, b = torch.full((100,), 1.5), torch.full((100,), rank, dtype=torch.int64)
     _coalesced_pair(None, a, b)
@@ -450,13 +450,7 @@ def _roots_disagree_on_messages(rank: int, n: int) -> dict:
     out: dict = {}
     for name, call in cases.items():
         g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=3))
-        start = time.monotonic()
-        try:
-            call(g)
-            out[name] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
+        _record(out, name, lambda: call(g))
         dist.destroy_process_group(g)
     g = dist.new_group(backend="tdx")
     t = torch.full((4,), float(rank))
@@ -584,13 +578,7 @@ def _pinned_apart(rank: int, n: int, window_first: bool) -> dict:
             dist.barrier(group=g)
         if rank == 0:
             torchdist_ext.set_algorithm(name, algo)
-        start = time.monotonic()
-        try:
-            call(g)
-            out[name] = "no error"
-        except Exception as e:  # noqa: BLE001 - the type is checked by the caller
-            out[name] = f"{type(e).__name__}: {e}"
-        out[name + " seconds"] = time.monotonic() - start
+        _record(out, name, lambda: call(g))
         torchdist_ext.set_algorithm(name, "auto")
         dist.destroy_process_group(g)
     return out
