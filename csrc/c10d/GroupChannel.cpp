@@ -230,14 +230,20 @@ void GroupChannel::checkForOtherOps() const {
   }
 }
 
-void GroupChannel::throwIfOtherOpFrom(int peer) const {
-  if (!collective_) return;
+std::optional<uint64_t> GroupChannel::waitingOfThisOp(int peer) const {
+  if (!collective_) return std::nullopt;
   const auto found = waitingTag(peer);
-  if (!found) return;
+  if (!found) return std::nullopt;
   const uint32_t field = tag::opOf(*found);
   if (const char* other = otherOp(static_cast<int>(field))) throwOtherOp(peer, other);
+  if (field != opField(*collective_)) return std::nullopt;  // the fingerprint exchange's
+  return found;
+}
+
+void GroupChannel::throwIfOtherOpFrom(int peer) const {
+  const auto found = waitingOfThisOp(peer);
   const uint32_t mine = detailCode_ & tag::kMaxCode;
-  if (field != opField(*collective_) || tag::codeOf(*found) == mine) return;
+  if (!found || tag::codeOf(*found) == mine) return;
   // It has waited unreceived since, while this rank waited on that peer for a message of
   // its own code.
   if (!seenBefore(*found)) return;
@@ -261,12 +267,8 @@ bool GroupChannel::seenBefore(uint64_t found) const {
 }
 
 void GroupChannel::throwIfSentBack(int peer) const {
-  if (!collective_) return;
-  const auto found = waitingTag(peer);
-  if (!found) return;
-  const uint32_t field = tag::opOf(*found);
-  if (const char* other = otherOp(static_cast<int>(field))) throwOtherOp(peer, other);
-  if (field != opField(*collective_) || !seenBefore(*found)) return;
+  const auto found = waitingOfThisOp(peer);
+  if (!found || !seenBefore(*found)) return;
   throw std::runtime_error(
       "collective mismatch: rank " + std::to_string(peer) + " runs this op (" +
       algorithms::collectiveCallName(*collective_) + ") with another root than this rank" +

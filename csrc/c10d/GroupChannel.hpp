@@ -262,6 +262,9 @@ class GroupChannel final : public algorithms::Channel {
   // The tag of the oldest message from `peer` for this op's sequence number (any op, code
   // and step) that waits unreceived, if one does: one probe.
   std::optional<uint64_t> waitingTag(int peer) const;
+  // waitingTag(peer) when it is of this op's kind; throws "collective mismatch" when it
+  // is another collective's.
+  std::optional<uint64_t> waitingOfThisOp(int peer) const;
   // The op field of waitingTag(peer), or -1 when none waits.
   int waitingField(int peer) const;
   // The collective that op field `field` names when it is another than this op's.
