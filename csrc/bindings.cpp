@@ -111,6 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       m, "ProcessGroupTDX")
       .def_property_readonly("group_name", &tdx::ProcessGroupTDX::groupName)
       .def_property_readonly("peer_ops_run", &tdx::ProcessGroupTDX::peerOpsRun)
+      .def_property_readonly("tag_id", &tdx::ProcessGroupTDX::tagId)
       .def_property_readonly("placement",
                              [](const tdx::ProcessGroupTDX& pg) {
                                py::dict d;
@@ -154,6 +155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_create_backend", &createBackend, py::arg("store"), py::arg("rank"), py::arg("size"),
         py::arg("timeout"), py::arg("group_name"), py::arg("global_ranks"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("_group_ids_held_for_good", &tdx::groupIdsHeldForGood);
   m.def("_multi_reduce", &multiReduce, py::arg("inputs"), py::arg("outputs"), py::arg("op"),
         py::arg("factor") = 1.0);
   m.def("cuda_enabled", [] {

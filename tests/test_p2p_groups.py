@@ -267,6 +267,48 @@ def test_groups_whose_names_hash_alike_keep_their_messages_apart() -> None:
     assert results == [[3.0, 300.0]] * 2, results
 
 
+def _message_left_for_a_later_group(rank: int, n: int, names: tuple[str, str]) -> dict:
+    from datetime import timedelta
+
+    import torchdist_ext
+
+    store = dist.distributed_c10d._get_default_store()
+
+    def group(name: str):
+        return torchdist_ext._C._create_backend(dist.PrefixStore(name, store), rank, n,
+                                                timedelta(seconds=30), name, list(range(n)))
+
+    first = group(names[0])
+    if rank == 0:  # rank 1 never receives it: it waits in rank 1's transport
+        first.send([torch.full((4,), -1.0)], 1, 5).wait()
+    dist.barrier()  # after the message, on the same connection
+    first_id = first.tag_id
+    first.shutdown()
+    for k in range(40):  # more destroyed groups than an id is otherwise held for
+        group(f"filler-{k}").shutdown()
+    second = group(names[1])  # its name hashes to the first group's id
+    got = torch.zeros(4)
+    if rank == 0:
+        second.send([torch.full((4,), 7.0)], 1, 5).wait()
+    else:
+        second.recv([got], 0, 5).wait()
+    out = {"first_id": first_id, "second_id": second.tag_id, "got": got.tolist()}
+    second.shutdown()
+    return out
+
+
+def test_a_message_no_op_took_never_reaches_a_later_group_under_its_id() -> None:
+    """A message sent to a group and never received waits in the transport, which the
+    default group keeps alive. A later group under the same id, with the same sender and
+    tag, would receive it as its own: the first group's id is held for good instead."""
+    names = ("1898", "2109")  # colliding in 20 bits (see above)
+    r0, r1 = run_ranks(_message_left_for_a_later_group, 2, args=(names,), timeout=90,
+                       env={"TDX_SHM": "0"})
+    assert r1["got"] == [7.0] * 4, r1
+    assert r0["first_id"] == r1["first_id"] == _fnv_group_id(names[0])
+    assert r0["second_id"] == r1["second_id"] != r0["first_id"], (r0, r1)
+
+
 def _receive_left_posted(rank: int, n: int, store_dir: str) -> dict:
     import os
 

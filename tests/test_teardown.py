@@ -241,3 +241,52 @@ def test_memory_of_a_send_given_up_on_is_freed_once_nothing_reads_it(
     assert r0["held"] >= 16 << 20, r0  # at least the tensor itself
     assert r0["still_held"] == r0["held"], r0
     assert r0["after"] == 0, r0
+
+
+def _ids_held_after_failures(rank: int, n: int) -> dict:
+    from torchdist_ext import _C
+
+    def tag_id(g) -> int:
+        return g._get_backend(torch.device("cpu")).tag_id
+
+    short = datetime.timedelta(seconds=2)
+    # A: rank 0's message to rank 1 is never received, and waits in rank 1's transport
+    # (which the default group keeps alive) when the group is destroyed.
+    a = dist.new_group([0, 1], timeout=short)
+    if rank == 0:
+        dist.isend(torch.ones(4), 1, group=a, tag=5).wait()
+    dist.barrier()  # after the message, on the same connection
+    # B: healthy to the end.
+    b = dist.new_group([0, 1], timeout=short)
+    t = torch.ones(8)
+    dist.all_reduce(t, group=b)
+    # C: rank 0's op times out, as rank 1 never calls it.
+    c = dist.new_group([0, 1], timeout=short)
+    failed = ""
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(8), group=c)
+        except Exception as e:  # noqa: BLE001 - checked by the caller
+            failed = type(e).__name__
+    dist.barrier()
+    ids = {"a": tag_id(a), "b": tag_id(b), "c": tag_id(c)}
+    for g in (a, b, c):
+        dist.destroy_process_group(g)
+    return {"ids": ids, "held": list(_C._group_ids_held_for_good()), "failed": failed,
+            "sum": t[0].item()}
+
+
+def test_a_destroyed_groups_id_is_held_for_good_where_its_messages_may_wait() -> None:
+    """A message sent to a group and never received stays in the transport, which other
+    groups keep alive; so may an op's messages after it failed. A later group under the
+    same id would take them as its own: those ids are never given out again, and a
+    healthy group's id is (after the usual delay)."""
+    r0, r1 = run_ranks(_ids_held_after_failures, 2, timeout=90)
+    assert r0["ids"] == r1["ids"] and len(set(r0["ids"].values())) == 3, (r0, r1)
+    ids = r0["ids"]
+    assert r0["failed"] == "DistBackendError", r0
+    assert r0["sum"] == r1["sum"] == 2.0
+    assert ids["a"] in r1["held"], r1  # the unreceived message waits on rank 1
+    assert ids["a"] not in r0["held"], r0  # rank 0's queue holds none of A's
+    assert ids["c"] in r0["held"], r0  # its op failed
+    assert ids["b"] not in r0["held"] and ids["b"] not in r1["held"], (r0, r1)

@@ -322,8 +322,16 @@ class GroupIds {
   }
 
   // A destroyed group's id, held until kRetired later groups have been destroyed.
-  void retire(uint32_t id) {
+  // `forGood`: held for the life of the process instead, as messages sent to the group
+  // may wait in a transport that outlives it (an op that failed part-way, a message
+  // nobody received). A later group under the id would take them, with the same
+  // sender, op, code and sequence number, as its own.
+  void retire(uint32_t id, bool forGood = false) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (forGood) {
+      kept_.push_back(id);
+      return;
+    }
     retired_.push_back(id);
     if (retired_.size() > kRetired) {
       held_.erase(retired_.front());
@@ -335,6 +343,13 @@ class GroupIds {
   std::mutex mu_;
   std::set<uint32_t> held_;  // live groups' ids, reserved candidates and retired ids
   std::deque<uint32_t> retired_;
+  std::vector<uint32_t> kept_;  // retired for good
+
+ public:
+  std::vector<uint32_t> keptForGood() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return kept_;
+  }
 };
 
 std::string errorText(const std::exception& e) {
@@ -369,6 +384,10 @@ std::vector<uint8_t> bytesOf(const std::string& s) {
 }
 
 } // namespace
+
+std::vector<uint32_t> groupIdsHeldForGood() {
+  return GroupIds::get().keptForGood();
+}
 
 ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                  int size, c10::intrusive_ptr<c10d::Backend::Options> options,
@@ -2260,14 +2279,31 @@ void ProcessGroupTDX::shutdownLocked() {
     }
   }
   abandonRequests(unended, "the process group was shut down");
+  // Messages under this group's id may outlive it where the transport does (other
+  // groups share it): a peer's message that no op took waits in it, and after a failure
+  // an op's messages may still be on their way, or a send of this rank's still pending.
+  // Its id then stays held for good, or a later group under the id could take them.
+  const bool failed = !brokenReason().empty() || fault_->happened.load();
+  uint64_t found = 0;
+  const bool unreceived = transport_->probe(tag::groupTag(groupId_), tag::kGroupFieldMask, found);
   std::shared_ptr<transport::UcxTransport> dropped;
   {
     std::lock_guard<std::mutex> lock(transportMu_);
     dropped.swap(transport_);
   }
+  // Approximate (another group may let go of it meanwhile): at worst an id is kept that
+  // could have been retired.
+  const bool outlived = dropped.use_count() > 1;
   dropped.reset();  // outside the lock: the last reference stops the transport
   fault_->closed.store(true);  // before the id is free for another group
-  GroupIds::get().retire(groupId_);
+  const bool keep = outlived && (failed || unreceived);
+  GroupIds::get().retire(groupId_, keep);
+  if (keep) {
+    TDX_LOG(Info, prefix()) << "id " << groupId_ << " held for the life of the process: "
+                            << (unreceived ? "a message sent to this group was never received"
+                                           : "an op of this group failed, and its messages "
+                                             "may still arrive");
+  }
   TDX_LOG(Info, prefix()) << "shut down";
 }
 

@@ -48,6 +48,10 @@ struct OpLimits {
   std::optional<algorithms::Collective> collective;
 };
 
+// Ids of destroyed groups that this process holds for good (their messages may still
+// wait in a transport; see GroupIds::retire), for tests and diagnostics.
+std::vector<uint32_t> groupIdsHeldForGood();
+
 class ProcessGroupTDX : public c10d::Backend {
  public:
   ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
@@ -205,6 +209,10 @@ class ProcessGroupTDX : public c10d::Backend {
   std::string prefix() const;
   const std::string& groupName() const {
     return groupName_;
+  }
+  // The id in every tag the group's messages carry (a hash of its name).
+  uint32_t tagId() const {
+    return groupId_;
   }
   // Where the group's ranks are, as every rank of it agreed at creation.
   const algorithms::Placement& placement() const {

@@ -29,7 +29,8 @@
 // run ahead of its peers, even 2^11 ops: a probe for another op's message therefore asks
 // only a peer that still owes the waiting op a message. A message no op took (sent,
 // unacknowledged, under a root mismatch nothing caught) is taken by the op 2^11 later of
-// the same kind, code, sender and step.
+// the same kind, code, sender and step. Once its group is destroyed, by nothing: a
+// group that leaves messages behind keeps its id from later groups (GroupIds::retire).
 #pragma once
 
 #include <cstdint>
@@ -68,6 +69,8 @@ constexpr uint64_t kShutdownTag = (uint64_t{1} << kUserBits) - 1;
 constexpr uint64_t kMismatchTag = kShutdownTag - 1;
 constexpr uint64_t kMaxUserTag = kMismatchTag - 1;
 constexpr uint64_t kGroupMask = (uint64_t{1} << kGroupBits) - 1;
+// Every message of one group, either kind: probe with groupTag(id) under this mask.
+constexpr uint64_t kGroupFieldMask = kGroupMask << kGroupShift;
 
 constexpr uint64_t kRankFieldMask = ((uint64_t{1} << kRankBits) - 1) << kRankShift;
 constexpr uint64_t kOpFieldMask = ((uint64_t{1} << kOpBits) - 1) << kOpShift;
@@ -102,6 +105,10 @@ constexpr uint64_t pointToPoint(uint32_t group, uint32_t sender, uint64_t userTa
          (uint64_t{sender} << kRankShift) | (userTag & kShutdownTag);
 }
 
+constexpr uint64_t groupTag(uint32_t group) {
+  return (group & kGroupMask) << kGroupShift;
+}
+
 constexpr uint32_t senderOf(uint64_t t) {
   return static_cast<uint32_t>((t >> kRankShift) & ((uint64_t{1} << kRankBits) - 1));
 }
@@ -113,6 +120,10 @@ static_assert(collective(5, 77, 9, 11, 3, 2) != collective(5, 77, 8, 11, 3, 2), 
 static_assert(collective(5, 77, 9, 11, 3, 2) != collective(5, 77, 9, 10, 3, 2),
               "codes tell apart");
 static_assert(senderOf(pointToPoint(5, 1234, kShutdownTag)) == 1234, "p2p sender round trip");
+static_assert((collective(5, 77, 9, 11, 3, 2) & kGroupFieldMask) == groupTag(5) &&
+                  (pointToPoint(5, 1, 7) & kGroupFieldMask) == groupTag(5) &&
+                  (pointToPoint(6, 1, 7) & kGroupFieldMask) != groupTag(5),
+              "a group's tags, either kind, are found under its group field");
 static_assert(pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kShutdownTag) &&
                   pointToPoint(5, 1, kMaxUserTag) != pointToPoint(5, 1, kMismatchTag),
               "the backend's tags are out of the users' range");
