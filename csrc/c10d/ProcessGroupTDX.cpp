@@ -339,17 +339,16 @@ class GroupIds {
     }
   }
 
+  std::vector<uint32_t> keptForGood() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return kept_;
+  }
+
  private:
   std::mutex mu_;
   std::set<uint32_t> held_;  // live groups' ids, reserved candidates and retired ids
   std::deque<uint32_t> retired_;
   std::vector<uint32_t> kept_;  // retired for good
-
- public:
-  std::vector<uint32_t> keptForGood() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return kept_;
-  }
 };
 
 std::string errorText(const std::exception& e) {
