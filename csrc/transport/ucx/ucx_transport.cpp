@@ -13,6 +13,7 @@
 #include <sstream>
 #include <system_error>
 #include <utility>
+#include <unordered_set>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -339,13 +340,22 @@ UcxTransport::~UcxTransport() {
     for (auto& kv : inflight_) live.push_back(kv.second);
   }
   for (auto& r : live) cancel(*r, "transport shut down");
-  auto until = Clock::now() + std::chrono::seconds(2);
+  // Receives get 2 s: a cancelled one ends at once, a matched one from a live peer in a
+  // moment. A send still in flight here belongs to an op that failed or was given up on
+  // (a healthy group's sends ended before its goodbyes), and UCX cannot cancel one that
+  // the peer never takes (acknowledged, or a rendezvous): 100 ms.
+  const auto start = Clock::now();
+  const auto until = start + std::chrono::seconds(2);
+  const auto sendsUntil = start + std::chrono::milliseconds(100);
   while (Clock::now() < until) {
     progressOnce();
     // Requests already failed by a lost watched peer may never hear back from UCX.
+    const bool sendsCount = Clock::now() < sendsUntil;
     std::lock_guard<std::mutex> lock(inflightMu_);
     bool open = false;
-    for (auto& kv : inflight_) open = open || !kv.second->done();
+    for (auto& kv : inflight_) {
+      open = open || (!kv.second->done() && (sendsCount || !kv.second->isSend));
+    }
     if (!open) break;
   }
   closeEndpoints();
@@ -398,29 +408,47 @@ UcxTransport::~UcxTransport() {
 }
 
 void UcxTransport::closeEndpoints() {
+  // A send UCX still holds now (see the destructor) may never end: an acknowledged send
+  // the peer never takes, a rendezvous whose peer never reads. A flushing close waits
+  // for it, so an endpoint with one gets a short flush instead of the usual 2 s.
+  std::unordered_set<int> stuck;
+  {
+    std::lock_guard<std::mutex> lock(inflightMu_);
+    for (auto& kv : inflight_) {
+      if (kv.second->isSend) stuck.insert(kv.second->endpoint);
+    }
+  }
   // Taken out under the lock, closed outside it (see the lock order above connect()).
-  std::vector<std::pair<ucp_ep_h, bool>> eps;
+  struct Closing {
+    ucp_ep_h ep;
+    bool failed;
+    bool stuck;
+  };
+  std::vector<Closing> eps;
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
     for (auto& e : endpoints_) {
       if (e.ep == nullptr) continue;
-      eps.emplace_back(e.ep, e.failed.load());
+      eps.push_back({e.ep, e.failed.load(), stuck.count(e.id) > 0});
       e.ep = nullptr;
     }
   }
-  std::vector<void*> closing;
-  for (auto& [handle, failed] : eps) {
+  const auto now = Clock::now();
+  std::vector<std::pair<void*, Clock::time_point>> closing;
+  for (const auto& c : eps) {
     ucp_request_param_t p;
     std::memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     // A flushing close lets in-flight eager data drain to a live peer; a peer already
     // reported lost gets a forced close.
-    p.flags = failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    void* req = ucp_ep_close_nbx(handle, &p);
-    if (UCS_PTR_IS_PTR(req)) closing.push_back(req);
+    p.flags = c.failed ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* req = ucp_ep_close_nbx(c.ep, &p);
+    if (UCS_PTR_IS_PTR(req)) {
+      closing.emplace_back(req, now + (c.stuck ? std::chrono::milliseconds(100)
+                                               : std::chrono::milliseconds(2000)));
+    }
   }
-  auto until = Clock::now() + std::chrono::seconds(2);
-  for (void* req : closing) {
+  for (auto& [req, until] : closing) {
     while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until) {
       ucp_worker_progress(worker_);
     }
