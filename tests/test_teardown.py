@@ -323,3 +323,40 @@ def test_sends_left_pending_by_a_failed_op_do_not_hold_up_the_transport_stop(tmp
         assert r["error"].startswith("DistBackendError") and "root" in r["error"], r
         assert r["destroy_s"] < 1.0, r  # 0.10-0.11 s measured; 2.0 s before
         assert r["sum"] == 2.0, r
+
+
+def _exit_without_destroy(rank: int, n: int, store_path: str) -> None:
+    import torchdist_ext  # noqa: F401 - registers tdx in the spawned process
+
+    dist.init_process_group("tdx", store=dist.FileStore(store_path, n), rank=rank,
+                            world_size=n, timeout=datetime.timedelta(seconds=30))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    sub = dist.new_group([0, 1])
+    dist.all_reduce(t, group=sub)
+    if t[0].item() != 2.0 * n:
+        raise SystemExit(3)
+    # No destroy_process_group: the program just ends, as many do.
+
+
+def test_a_program_that_never_destroys_its_groups_exits_cleanly(tmp_path) -> None:
+    """At exit the groups a program left alive are shut down while Python is whole.
+    Before, a group's worker thread could free an op's tensors during finalization,
+    and the process aborted ("terminate called without an active exception") in about
+    a third of the ranks' exits."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    codes = []
+    for run in range(6):
+        path = str(tmp_path / f"store{run}")
+        procs = [ctx.Process(target=_exit_without_destroy, args=(r, 2, path)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        codes.append([p.exitcode for p in procs])
+    assert codes == [[0, 0]] * 6, codes

@@ -9,6 +9,7 @@ Importing this package registers the backend for CPU and CUDA tensors::
 
 from __future__ import annotations
 
+import atexit
 import math
 import numbers
 import operator
@@ -445,3 +446,30 @@ if BACKEND_NAME.upper() not in dist.Backend._plugins:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
     )
+
+
+def _shut_down_at_exit() -> None:
+    """Shuts down the tdx groups a program leaves alive at exit (it never called
+    ``destroy_process_group``), while Python is still whole.
+
+    Otherwise a group's worker thread could let go of an op's tensors only once the
+    interpreter is finalizing: freeing a tensor's Python object then takes the GIL,
+    which ends the thread in the middle of a destructor, and the process aborts
+    ("terminate called without an active exception"). Shutting down also says goodbye
+    to the peers, so a rank that exits first does not cut off one still reading its
+    messages. Subgroups go first, then the default group."""
+    try:
+        groups = list(dist.distributed_c10d._world.pg_map)
+    except Exception:  # noqa: BLE001 - torch's internals moved: nothing to do here
+        return
+    for group in reversed(groups):
+        for device in ("cpu", "cuda"):
+            try:
+                backend = group._get_backend(torch.device(device))
+            except Exception:  # noqa: BLE001 - no backend for that device
+                continue
+            if isinstance(backend, _C.ProcessGroupTDX):
+                backend.shutdown()  # a second call (the same backend for both) does nothing
+
+
+atexit.register(_shut_down_at_exit)
