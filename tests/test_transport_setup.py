@@ -106,3 +106,48 @@ def test_ranks_pinned_to_a_core_each_are_not_crowded() -> None:
             assert r["cpus"] == pins[rank], (rank, r)
             assert r["crowded"] is crowded, (pins, rank, r)
             assert r["rndv"] == ("1m" if crowded else ""), (pins, rank, r)
+
+
+def _attempt(rank: int, port: int, delay: float, q) -> None:
+    import datetime
+    import time
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                          timeout=datetime.timedelta(seconds=20))
+    time.sleep(delay)
+    try:
+        dist.init_process_group("tdx", store=store, rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=10))
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        q.put((rank, "ok", str(t.tolist())))
+    except Exception as e:  # noqa: BLE001 - checked by the caller
+        q.put((rank, type(e).__name__, str(e)))
+
+
+def test_an_address_left_in_the_store_by_an_earlier_attempt_is_named_so() -> None:
+    """A second attempt on the same store (torchrun --max-restarts shares its store) reads
+    the first attempt's addresses before the ranks overwrite them: the error says the
+    process that published the address is gone and what to do, not just UCX's "Shared
+    memory error. Check UCX_TLS"."""
+    import torch.multiprocessing as mp
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    results = {}
+    for attempt, delay in ((1, 0.0), (2, 3.0)):
+        procs = [ctx.Process(target=_attempt, args=(r, master.port, delay if r else 0.0, q))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        got = [q.get(timeout=5) for _ in procs]
+        results[attempt] = {r: (kind, text) for r, kind, text in got}
+    assert results[1] == {0: ("ok", "[2.0, 2.0]"), 1: ("ok", "[2.0, 2.0]")}, results
+    kind, text = results[2][0]  # rank 0 went first and read rank 1's old address
+    assert kind == "DistBackendError", results
+    assert "could not connect to rank 1" in text and "no longer running" in text, text
+    assert "fresh store" in text, text

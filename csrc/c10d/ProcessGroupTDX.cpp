@@ -633,7 +633,13 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   transport_->setRank(globalRanks_[rank]);  // the transport's log lines name ranks
   for (int r = 0; r < size; ++r) {
     const auto peer = store_->get("tdx/addr/" + std::to_string(r));
-    endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
+    try {
+      endpoints_[r] = transport_->connect(std::string(peer.begin(), peer.end()));
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError, prefix() + " could not connect to rank " +
+                                            std::to_string(r) + " (global rank " +
+                                            std::to_string(globalRanks_[r]) + "): " + e.what());
+    }
     transport_->setPeerRank(endpoints_[r], globalRanks_[r]);
     knownPeers().add(transport_, globalRanks_[r], endpoints_[r]);
   }

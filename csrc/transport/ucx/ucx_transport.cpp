@@ -510,6 +510,18 @@ int UcxTransport::connect(const std::string& address) {
     endpoints_[id].failed = true;
     endpoints_[id].failure = std::string("endpoint create: ") + ucs_status_string(created);
   }
+  if (created != UCS_OK && !self && peer.sameHostAs(self_) &&
+      processStartTime(peer.pid) != peer.startTime) {
+    // UCX's own words ("Shared memory error") point at its settings, but the address
+    // names a process of this host that is gone: its record outlived it in the store.
+    throw std::runtime_error(
+        std::string("UCX endpoint create failed (") + ucs_status_string(created) +
+        "): the address the peer published belongs to process " + std::to_string(peer.pid) +
+        " on this host, which is no longer running. Either that rank has exited since (see "
+        "its own error), or the store holds the record of an earlier run or restart "
+        "attempt: give each attempt a fresh store (a new FileStore file; under torchrun "
+        "--max-restarts, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)");
+  }
   check(created, "endpoint create");
   {
     std::lock_guard<std::mutex> lock(endpointsMu_);
