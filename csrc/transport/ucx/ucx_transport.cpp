@@ -12,8 +12,8 @@
 #include <shared_mutex>
 #include <sstream>
 #include <system_error>
-#include <utility>
 #include <unordered_set>
+#include <utility>
 
 #include "common/env.h"
 #include "common/logging.h"
@@ -341,9 +341,10 @@ UcxTransport::~UcxTransport() {
   }
   for (auto& r : live) cancel(*r, "transport shut down");
   // Receives get 2 s: a cancelled one ends at once, a matched one from a live peer in a
-  // moment. A send still in flight here belongs to an op that failed or was given up on
-  // (a healthy group's sends ended before its goodbyes), and UCX cannot cancel one that
-  // the peer never takes (acknowledged, or a rendezvous): 100 ms.
+  // moment. A send still in flight here belongs to an op that failed or was given up on,
+  // or to a peer whose goodbye this rank stopped waiting for (a healthy group's sends end
+  // before its goodbyes are exchanged), and UCX cannot cancel one that the peer never
+  // takes (acknowledged, or a rendezvous): 100 ms.
   const auto start = Clock::now();
   const auto until = start + std::chrono::seconds(2);
   const auto sendsUntil = start + std::chrono::milliseconds(100);
