@@ -148,11 +148,11 @@ uint64_t GroupChannel::tagOf(int sender, uint32_t step) const {
 
 RequestPtr GroupChannel::isend(int peer, uint32_t step, const void* data, size_t bytes) {
   uint64_t t = tagOf(rank_, step);
-  bool acknowledged = false;
-  if (acknowledgedSends_ && !acknowledged_.at(peer)) {
-    acknowledged_[peer] = true;
-    acknowledged = true;
-  }
+  // Only the op's first send to the peer (see setAcknowledgedSends()).
+  const bool acknowledged =
+      acknowledgedSends_ && std::none_of(posted_.begin(), posted_.end(), [&](const Posted& p) {
+        return p.peer == peer && p.request->isSend;
+      });
   auto r = transport_.isend(endpoints_.at(peer), t, data, bytes, transport::MemType::Host,
                             nullptr, acknowledged);
   posted_.push_back({r, peer, step});

@@ -131,7 +131,6 @@ class GroupChannel final : public algorithms::Channel {
   // (throwIfSentBack).
   void setAcknowledgedSends(bool on) {
     acknowledgedSends_ = on;
-    if (on) acknowledged_.assign(endpoints_.size(), false);
   }
   // Run at each of a stalled wait's checks (every 100 ms) when set, with the rank the
   // wait is on: throws to end the op, as when that rank announced another way of
@@ -298,7 +297,6 @@ class GroupChannel final : public algorithms::Channel {
   uint32_t detailCode_ = 0;  // see setOpDetail()
   int root_ = -1;            // see setDetailCode()
   bool acknowledgedSends_ = false;  // see setAcknowledgedSends()
-  std::vector<bool> acknowledged_;  // by peer: its first send was posted acknowledged
   // Messages of this op's kind seen waiting where none should (seenBefore()).
   mutable std::vector<uint64_t> codeSeen_;
   transport::Clock::time_point deadline_;
