@@ -44,7 +44,8 @@ def _bad_calls(rank: int, n: int) -> list[str]:
                   lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool), op=dist.ReduceOp.AVG),
                   "AVG", "bool")
     _expect_error(fails, "all_gather wrong size",
-                  lambda: dist.all_gather([torch.empty(3)] * (n - 1) + [torch.empty(4)], torch.ones(3)),
+                  lambda: dist.all_gather([torch.empty(4) if r == rank else torch.empty(3)
+                                           for r in range(n)], torch.ones(3)),
                   "all_gather", "4")
     _expect_error(fails, "all_gather wrong count",
                   lambda: pg.allgather([[torch.empty(3)] * (n + 1)], [torch.ones(3)]),

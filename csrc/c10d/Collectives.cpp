@@ -3,7 +3,9 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 
 #include "c10d/HostCollectives.hpp"
 #include "c10d/ProcessGroupTDX.hpp"
@@ -60,6 +62,65 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
   host::reduceScatter(pg, ch, blocks, out.data(), output.element_size(), red.fn,
                       red.load(ch.size()));
   out.copyOut();
+}
+
+// Uneven blocks: all_gather and reduce_scatter over lists whose entries differ in size
+// by rank (as gloo and NCCL accept). Every rank passes the same list, so every rank pads
+// each block to the same largest one, and the algorithms, which move equal blocks, run
+// unchanged on the padded images; only the real part of each block is copied out.
+bool evenBlocks(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.numel() != ts[0].numel()) return false;
+  }
+  return true;
+}
+
+int64_t widestBlock(const std::vector<at::Tensor>& ts) {
+  int64_t widest = 0;
+  for (const auto& t : ts) widest = std::max(widest, t.numel());
+  return widest;
+}
+
+// A flat host tensor for the op's transfers, which the channel keeps alive past the op's
+// end where a failed transfer could still touch it.
+at::Tensor paddedImage(GroupChannel& ch, const at::Tensor& like, int64_t numel) {
+  at::Tensor t = at::zeros({numel}, like.options().device(at::kCPU));
+  ch.keep(std::make_shared<at::Tensor>(t), t.nbytes());
+  return t;
+}
+
+void runUnevenAllgather(ProcessGroupTDX& pg, GroupChannel& ch,
+                        const std::vector<at::Tensor>& outs, const at::Tensor& input) {
+  const int64_t widest = widestBlock(outs);
+  at::Tensor padded = paddedImage(ch, input, widest * ch.size());
+  padded.narrow(0, widest * ch.rank(), input.numel()).copy_(input.reshape(-1));
+  const size_t block = static_cast<size_t>(widest) * padded.element_size();
+  char* base = static_cast<char*>(padded.data_ptr());
+  std::vector<Block> blocks;
+  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
+  host::allgather(pg, ch, blocks);
+  for (int r = 0; r < ch.size(); ++r) {
+    outs[r].copy_(padded.narrow(0, widest * r, outs[r].numel()).view(outs[r].sizes()));
+  }
+}
+
+void runUnevenReduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
+                            const std::vector<at::Tensor>& ins, const Reduction& red) {
+  const int64_t widest = widestBlock(ins);
+  // Zeros past each block's end: the padding is reduced too, and must stay finite.
+  at::Tensor padded = paddedImage(ch, output, widest * ch.size());
+  for (int r = 0; r < ch.size(); ++r) {
+    padded.narrow(0, widest * r, ins[r].numel()).copy_(ins[r].reshape(-1));
+  }
+  at::Tensor result = paddedImage(ch, output, widest);
+  const size_t block = static_cast<size_t>(widest) * padded.element_size();
+  char* base = static_cast<char*>(padded.data_ptr());
+  std::vector<Block> blocks;
+  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
+  ch.setOpDetail(red.detail.c_str(), detailCode(&red, -1));
+  host::reduceScatter(pg, ch, blocks, static_cast<char*>(result.data_ptr()),
+                      output.element_size(), red.fn, red.load(ch.size()));
+  output.copy_(result.narrow(0, 0, output.numel()).view(output.sizes()));
 }
 
 // A coalesced op's limits: the group's timeout, and the collective its entries are.
@@ -189,11 +250,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
   checkListSize(ctx, outputs[0].size(), size_, "the output list");
   at::Tensor input = inputs[0];
   for (int r = 0; r < size_; ++r) {
-    checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r), true);
+    // Entries may differ in size by rank (uneven blocks); this rank's is its input's.
+    checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r),
+                    r == rank_);
   }
   checkEntriesDisjoint(ctx, outputs[0], "the output list");
   std::vector<at::Tensor> outs = outputs[0];
+  // The output list, the same on every rank, is what ranks must agree on.
+  OpLimits limits;
+  limits.fingerprintInputs = false;
   return enqueue(OpType::ALLGATHER, "all_gather", outs, {input}, [this, input, outs](GroupChannel& ch) {
+    if (!evenBlocks(outs)) {
+      runUnevenAllgather(*this, ch, outs, input);
+      return;
+    }
     HostImage in(ch, input, true);
     std::vector<HostImage> images;
     std::vector<Block> blocks;
@@ -203,7 +273,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
     if (mine.bytes > 0 && mine.data != in.data()) std::memmove(mine.data, in.data(), mine.bytes);
     host::allgather(*this, ch, blocks);
     for (auto& img : images) img.copyOut();
-  });
+  }, nullptr, true, limits);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_allgather_base(
@@ -421,7 +491,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   at::Tensor output = outputs[0];
   for (int r = 0; r < size_; ++r) {
     const std::string name = "input_list[" + std::to_string(r) + "]";
-    checkSameLayout(ctx, output, inputs[0][r], name, true, "the output");
+    // Blocks may differ in size by rank (uneven blocks); this rank's is its output's.
+    checkSameLayout(ctx, output, inputs[0][r], name, r == rank_, "the output");
     // The output may be this rank's own input (in place), never part of another's: that
     // one is still read after the output is written.
     if (r == rank_) {
@@ -442,8 +513,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   }
   Reduction red = makeReduction(ctx, opts.reduceOp, out.scalar_type(), size_);
   noteFingerprint(-1, &red);
+  // The input list, the same on every rank, is what ranks must agree on.
+  OpLimits limits;
+  limits.fingerprintOutputs = false;
   return enqueue(OpType::REDUCE_SCATTER, "reduce_scatter", {output}, inputs[0],
                  [this, output = out, ins, red](GroupChannel& ch) {
+                   if (!evenBlocks(ins)) {
+                     runUnevenReduceScatter(*this, ch, output, ins, red);
+                     return;
+                   }
                    std::vector<HostImage> images;
                    std::vector<Block> blocks;
                    for (const auto& i : ins) images.emplace_back(ch, i, true);
@@ -453,7 +531,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
                    host::reduceScatter(*this, ch, blocks, out.data(), output.element_size(),
                                        red.fn, red.load(ch.size()));
                    out.copyOut();
-                 });
+                 },
+                 nullptr, true, limits);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_reduce_scatter_base(

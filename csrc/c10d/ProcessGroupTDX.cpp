@@ -756,6 +756,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   task.work = work;
   task.flightId = flight_->record(seq, what, work->description(), "-");  // chosen when it runs
   task.seq = seq;
+  const size_t inputCount = inputs.size();
   task.keepAlive = std::move(inputs);
   task.keepAlive.insert(task.keepAlive.end(), outputs.begin(), outputs.end());
   if (peerAttempt && peer_ && firstDeviceTensor(task.keepAlive)) {
@@ -780,7 +781,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   if (checkFingerprints_ && task.fingerprinted) {
     // Pinned algorithms are part of the call: ranks pinned differently cannot meet.
     const std::string pins = algorithms::Registry::get().overrides(task.pins.get());
-    task.fingerprint = fingerprintOf(type, what, task.keepAlive, fingerprintExtra) +
+    const auto split = task.keepAlive.begin() + static_cast<std::ptrdiff_t>(inputCount);
+    std::vector<at::Tensor> compared(limits.fingerprintInputs ? task.keepAlive.begin() : split,
+                                     limits.fingerprintOutputs ? task.keepAlive.end() : split);
+    task.fingerprint = fingerprintOf(type, what, compared, fingerprintExtra) +
                        (pins.empty() ? std::string() : " algorithms=" + pins);
   }
   if (auto dev = firstDeviceTensor(task.keepAlive)) {

@@ -41,6 +41,11 @@ namespace tdx {
 struct OpLimits {
   std::chrono::milliseconds timeout{0};
   bool fingerprinted = true;
+  // Which side's shapes the fingerprint compares. A list op's per-rank side differs by
+  // rank with uneven blocks (all_gather's input, reduce_scatter's output); the list, the
+  // same on every rank, says everything the wire needs.
+  bool fingerprintInputs = true;
+  bool fingerprintOutputs = true;
   // False: a failure of this op on this rank is not told to the peers (the monitored
   // barrier's other ranks leave that to rank 0, whose error names the missing ranks).
   bool tellsPeers = true;
