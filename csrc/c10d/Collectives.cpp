@@ -104,6 +104,24 @@ void runUnevenAllgather(ProcessGroupTDX& pg, GroupChannel& ch,
   }
 }
 
+// all_gather into a list of tensors, one per rank, even or uneven.
+void runAllgatherList(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<at::Tensor>& outs,
+                      const at::Tensor& input) {
+  if (!evenBlocks(outs)) {
+    runUnevenAllgather(pg, ch, outs, input);
+    return;
+  }
+  HostImage in(ch, input, true);
+  std::vector<HostImage> images;
+  std::vector<Block> blocks;
+  for (const auto& o : outs) images.emplace_back(ch, o, false);
+  for (const auto& img : images) blocks.push_back(blockOf(img));
+  Block& mine = blocks[ch.rank()];
+  if (mine.bytes > 0 && mine.data != in.data()) std::memmove(mine.data, in.data(), mine.bytes);
+  host::allgather(pg, ch, blocks);
+  for (auto& img : images) img.copyOut();
+}
+
 void runUnevenReduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                             const std::vector<at::Tensor>& ins, const Reduction& red) {
   const int64_t widest = widestBlock(ins);
@@ -157,6 +175,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::broadcast(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   const std::string ctx = prefix() + " all_reduce";
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse) {
+    return sparseAllreduce(ctx, tensors[0], opts);
+  }
   checkSingle(ctx, tensors);
   const at::Tensor user = tensors[0];
   at::Tensor t = reducibleView(ctx, user, "the tensor", opts.reduceOp);
@@ -168,6 +189,78 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduce(std::vector<at::Tensor
                  [t, red](PeerMemory& pm, GroupChannel& ch, DeviceContext& ctx) {
                    return pm.allreduce(ch, t, red, ctx);
                  });
+}
+
+// Sparse COO all_reduce, as gloo does it and DDP needs for sparse gradients (an
+// nn.Embedding(sparse=True)): every rank's indices and values are gathered, blocks of
+// each rank's count of nonzeros, and the sum is their concatenation, coalesced. Three
+// all_gathers: the ranks' shapes and counts, then the indices, then the values. Every
+// rank concatenates in rank order, so all get the same result, bit for bit. Bytes per
+// rank: all ranks' nonzeros (indices and values), which pays where they are few against
+// the dense tensor. Missing entries are zeros, so only SUM and its scaled forms apply.
+c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::sparseAllreduce(
+    const std::string& ctx, const at::Tensor& t, const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), ctx, ": the tensor is on ", t.device(),
+                    "; tdx handles cpu and cuda tensors. Move it with .cpu() or .cuda()");
+  const auto kind = opts.reduceOp.op_;
+  TORCH_CHECK_VALUE(kind == c10d::ReduceOp::SUM || kind == c10d::ReduceOp::AVG ||
+                        kind == c10d::ReduceOp::PREMUL_SUM,
+                    ctx, ": a sparse tensor is reduced with SUM, AVG or PREMUL_SUM only (its "
+                    "missing entries are zeros, which MIN, MAX, PRODUCT and the bitwise ops "
+                    "would take part in); convert it with .to_dense() for ",
+                    opts.reduceOp.op_);
+  const Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type(), size_);
+  const std::string what = "all_reduce (sparse)";
+  auto body = [this, t, red, ctx](GroupChannel& ch) {
+    const int n = ch.size();
+    at::Tensor local = t.is_cpu() ? t : t.cpu();
+    const int64_t sparseDim = local.sparse_dim();
+    at::Tensor indices = local._indices().t().contiguous();  // [nnz, sparse_dim]
+    at::Tensor values = local._values().contiguous().clone();  // scaled below
+    const kernels::Load load = red.load(n);
+    if (load.scales) load(values.data_ptr(), values.data_ptr(), values.nbytes());
+    // Shapes and counts: [nnz, dtype, sparse_dim, sizes...]; a rank of another
+    // dimension count sends a block of another size, which the transfer refuses.
+    std::vector<int64_t> meta = {local._nnz(), static_cast<int64_t>(local.scalar_type()),
+                                 sparseDim};
+    for (const auto s : local.sizes()) meta.push_back(s);
+    const auto i64 = at::TensorOptions().dtype(at::kLong);
+    at::Tensor mine = at::tensor(meta, i64);
+    std::vector<at::Tensor> metas;
+    for (int r = 0; r < n; ++r) metas.push_back(at::empty_like(mine));
+    runAllgatherList(*this, ch, metas, mine);
+    std::vector<at::Tensor> idx, val;
+    for (int r = 0; r < n; ++r) {
+      const auto* m = metas[r].data_ptr<int64_t>();
+      const bool same = std::equal(meta.begin() + 1, meta.end(), m + 1);
+      TORCH_CHECK_VALUE(
+          same, ctx, ": rank ", r, " passed a sparse tensor ",
+          c10::toString(static_cast<at::ScalarType>(m[1])),
+          c10::IntArrayRef(m + 3, meta.size() - 3), " with sparse_dim ", m[2],
+          " but this rank's is ", local.scalar_type(), local.sizes(), " with sparse_dim ",
+          sparseDim, "; every rank must pass a tensor of the same dtype, size and sparse_dim");
+      auto idxShape = std::vector<int64_t>{m[0], sparseDim};
+      auto valShape = values.sizes().vec();
+      valShape[0] = m[0];
+      idx.push_back(at::empty(idxShape, i64));
+      val.push_back(at::empty(valShape, values.options()));
+    }
+    runAllgatherList(*this, ch, idx, indices);
+    runAllgatherList(*this, ch, val, values);
+    at::Tensor sum = at::sparse_coo_tensor(at::cat(idx).t(), at::cat(val), local.sizes(),
+                                           values.options().layout(at::kSparse))
+                         .coalesce();
+    if (load.divisor > 1) {
+      at::Tensor v = sum._values();  // coalesce made it contiguous and its own
+      load.finish(v.data_ptr(), v.nbytes());
+    }
+    t.copy_(t.is_cpu() ? sum : sum.to(t.device()));
+  };
+  noteFingerprint(-1, &red);
+  OpLimits limits;
+  limits.collective = algorithms::Collective::Allgather;  // what its messages are
+  return enqueue(OpType::ALLREDUCE, what, {t}, {t}, body, nullptr, /*writesOutputs=*/false,
+                 limits);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allreduceInto(
@@ -259,21 +352,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
   // The output list, the same on every rank, is what ranks must agree on.
   OpLimits limits;
   limits.fingerprintInputs = false;
-  return enqueue(OpType::ALLGATHER, "all_gather", outs, {input}, [this, input, outs](GroupChannel& ch) {
-    if (!evenBlocks(outs)) {
-      runUnevenAllgather(*this, ch, outs, input);
-      return;
-    }
-    HostImage in(ch, input, true);
-    std::vector<HostImage> images;
-    std::vector<Block> blocks;
-    for (const auto& o : outs) images.emplace_back(ch, o, false);
-    for (const auto& img : images) blocks.push_back(blockOf(img));
-    Block& mine = blocks[ch.rank()];
-    if (mine.bytes > 0 && mine.data != in.data()) std::memmove(mine.data, in.data(), mine.bytes);
-    host::allgather(*this, ch, blocks);
-    for (auto& img : images) img.copyOut();
-  }, nullptr, true, limits);
+  return enqueue(OpType::ALLGATHER, "all_gather", outs, {input},
+                 [this, input, outs](GroupChannel& ch) { runAllgatherList(*this, ch, outs, input); },
+                 nullptr, true, limits);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::_allgather_base(

@@ -280,6 +280,8 @@ class ProcessGroupTDX : public c10d::Backend {
   // Root (-1: none) and reduce op (null: none) of the next enqueue() on this thread: the
   // detail code of its tags, and its fingerprint when fingerprints are checked.
   void noteFingerprint(int root, const Reduction* red) const;
+  c10::intrusive_ptr<c10d::Work> sparseAllreduce(const std::string& ctx, const at::Tensor& t,
+                                                 const c10d::AllreduceOptions& opts);
   void stopWorker(const std::string& reason);
   void shutdownLocked();
   // Shutdown's goodbye: tell every live peer this rank is done with the group and, when

@@ -38,7 +38,8 @@ static std::string shapeOf(const at::Tensor& t) {
 void checkTensor(const std::string& ctx, const at::Tensor& t, const std::string& name) {
   TORCH_CHECK_VALUE(t.defined(), ctx, ": ", name, " is an undefined tensor; pass a real tensor");
   TORCH_CHECK_TYPE(t.layout() == at::kStrided, ctx, ": ", name, " has layout ", t.layout(),
-                   "; tdx supports dense (strided) tensors only. Convert with .to_dense()");
+                   "; this op takes dense (strided) tensors only (all_reduce also takes sparse "
+                   "COO ones). Convert with .to_dense()");
   TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), ctx, ": ", name, " is on ", t.device(),
                     "; tdx handles cpu and cuda tensors. Move it with .cpu() or .cuda()");
 }
