@@ -194,3 +194,22 @@ def test_split_sizes_that_overflow_int64_are_refused() -> None:
     for rank, msg in enumerate(run_ranks(_huge_splits, 2, timeout=60,
                                          env={"TDX_ALGO": "alltoall:pairwise"})):
         assert "input split sizes sum to more than the 3 rows" in msg, (rank, msg)
+
+
+def _profiled(rank: int, n: int) -> list[str]:
+    t = torch.ones(4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        dist.all_reduce(t)
+        dist.all_gather_into_tensor(torch.empty(4 * n), t)
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+    return sorted({e.name for e in prof.events() if e.name.startswith("tdx:")})
+
+
+def test_profiler_events_carry_the_backend_name() -> None:
+    """Named as gloo names its own ("gloo:all_reduce"), so a trace tells backends apart."""
+    got = run_ranks(_profiled, 2, timeout=60)
+    assert got[0] == ["tdx:all_gather_into_tensor", "tdx:all_reduce", "tdx:send"], got
+    assert got[1] == ["tdx:all_gather_into_tensor", "tdx:all_reduce", "tdx:recv"], got

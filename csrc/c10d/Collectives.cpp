@@ -353,7 +353,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
   OpLimits limits;
   limits.fingerprintInputs = false;
   return enqueue(OpType::ALLGATHER, "all_gather", outs, {input},
-                 [this, input, outs](GroupChannel& ch) { runAllgatherList(*this, ch, outs, input); },
+                 [this, input, outs](GroupChannel& ch) {
+                   runAllgatherList(*this, ch, outs, input);
+                 },
                  nullptr, true, limits);
 }
 

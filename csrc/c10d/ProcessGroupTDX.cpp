@@ -739,8 +739,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::enqueue(
   const uint64_t seq = ++seq_;
   const std::chrono::milliseconds limit =
       limits.timeout.count() > 0 ? std::min(limits.timeout, kLongestTimeout) : timeout();
+  // Profiler events are named as other backends name theirs ("gloo:all_reduce"); the
+  // record function copies the title.
+  const std::string title = "tdx:" + what;
   auto work = c10::make_intrusive<WorkTDX>(type, describe(what.c_str(), seq, inputs), seq,
-                                           outputs, limit, what.c_str(), inputs);
+                                           outputs, limit, title.c_str(), inputs);
   work->setRunningOp(runningOp_);
   // Each op ahead of this one (and this one) ends within the group timeout of its start,
   // so a wait without a timeout of its own is still bounded: by that sum, plus a margin.
@@ -1900,8 +1903,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::pointToPoint(bool isSend, at::Te
   const std::string what = desc.str();
   auto work = c10::make_intrusive<WorkTDX>(
       isSend ? c10d::OpType::SEND : (peer < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
-      what, seq_.load(), std::vector<at::Tensor>{t}, timeout(), op,
-      std::vector<at::Tensor>{t});
+      what, seq_.load(), std::vector<at::Tensor>{t}, timeout(),
+      ("tdx:" + std::string(op)).c_str(), std::vector<at::Tensor>{t});
   // In the flight record beside the collectives (sequence 0: point-to-point ops have
   // none), so a hang or failure in one leaves evidence of it too.
   const char* opName = isSend ? "send" : (peer < 0 ? "recv_any_source" : "recv");
