@@ -176,8 +176,10 @@ def test_an_own_entry_of_another_size_is_refused_at_the_call() -> None:
     output (reduce_scatter): a different size there is an error on that rank, at the call."""
     for rank, msgs in enumerate(run_ranks(_own_entry_wrong, 3, timeout=60)):
         assert len(msgs) == 3, (rank, msgs)
-        assert "all_gather" in msgs[0] and f"output tensor {rank}" in msgs[0], (rank, msgs)
-        assert "reduce_scatter" in msgs[1] and f"input_list[{rank}]" in msgs[1], (rank, msgs)
+        assert "all_gather" in msgs[0] and f"output tensor {rank} (this rank's own entry) " \
+            "has 4 elements but the input has 3" in msgs[0], (rank, msgs)
+        assert "reduce_scatter" in msgs[1] and f"input_list[{rank}] (this rank's own entry) " \
+            "has 4 elements but the output has 3" in msgs[1], (rank, msgs)
         assert msgs[2] == "[3.0, 3.0]", (rank, msgs)
 
 

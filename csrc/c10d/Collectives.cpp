@@ -64,6 +64,16 @@ void runReduceScatterInto(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tenso
   out.copyOut();
 }
 
+// A list op's entry for this rank, which must match its input (all_gather) or output
+// (reduce_scatter) where the other entries may differ in size by rank.
+void checkOwnEntry(const std::string& ctx, const at::Tensor& entry, const std::string& name,
+                   const at::Tensor& ref, const std::string& refName) {
+  TORCH_CHECK_VALUE(entry.numel() == ref.numel(), ctx, ": ", name, " (this rank's own entry) has ",
+                    entry.numel(), " elements but ", refName, " has ", ref.numel(),
+                    "; this rank's entry must have the size of ", refName,
+                    " (the other entries, one per rank, may differ)");
+}
+
 // Uneven blocks: all_gather and reduce_scatter over lists whose entries differ in size
 // by rank (as gloo and NCCL accept). Every rank passes the same list, so every rank pads
 // each block to the same largest one, and the algorithms, which move equal blocks, run
@@ -203,27 +213,41 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::sparseAllreduce(
   TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), ctx, ": the tensor is on ", t.device(),
                     "; tdx handles cpu and cuda tensors. Move it with .cpu() or .cuda()");
   const auto kind = opts.reduceOp.op_;
-  TORCH_CHECK_VALUE(kind == c10d::ReduceOp::SUM || kind == c10d::ReduceOp::AVG ||
-                        kind == c10d::ReduceOp::PREMUL_SUM,
-                    ctx, ": a sparse tensor is reduced with SUM, AVG or PREMUL_SUM only (its "
-                    "missing entries are zeros, which MIN, MAX, PRODUCT and the bitwise ops "
-                    "would take part in); convert it with .to_dense() for ",
-                    opts.reduceOp.op_);
+  if (kind != c10d::ReduceOp::SUM && kind != c10d::ReduceOp::AVG &&
+      kind != c10d::ReduceOp::PREMUL_SUM) {
+    const char* name = kind == c10d::ReduceOp::MIN       ? "MIN"
+                       : kind == c10d::ReduceOp::MAX     ? "MAX"
+                       : kind == c10d::ReduceOp::PRODUCT ? "PRODUCT"
+                       : kind == c10d::ReduceOp::BAND    ? "BAND"
+                       : kind == c10d::ReduceOp::BOR     ? "BOR"
+                       : kind == c10d::ReduceOp::BXOR    ? "BXOR"
+                                                         : "this reduce op";
+    TORCH_CHECK_VALUE(false, ctx, ": a sparse tensor is reduced with SUM, AVG or PREMUL_SUM "
+                      "only (its missing entries are zeros, which MIN, MAX, PRODUCT and the "
+                      "bitwise ops would take part in); convert it with .to_dense() for ", name);
+  }
   const Reduction red = makeReduction(ctx, opts.reduceOp, t.scalar_type(), size_);
   const std::string what = "all_reduce (sparse)";
   auto body = [this, t, red, ctx](GroupChannel& ch) {
     const int n = ch.size();
-    at::Tensor local = t.is_cpu() ? t : t.cpu();
+    // Each rank's duplicates summed first, as its dense twin would hold them: the scale
+    // (PREMUL_SUM, float16 AVG) then applies to each rank's share, and the ranks' shares
+    // meet in rank order, as gloo adds them. Fewer bytes to send, too.
+    at::Tensor local = (t.is_cpu() ? t : t.cpu()).coalesce();
     const int64_t sparseDim = local.sparse_dim();
     at::Tensor indices = local._indices().t().contiguous();  // [nnz, sparse_dim]
     at::Tensor values = local._values().contiguous().clone();  // scaled below
     const kernels::Load load = red.load(n);
     if (load.scales) load(values.data_ptr(), values.data_ptr(), values.nbytes());
-    // Shapes and counts: [nnz, dtype, sparse_dim, sizes...]; a rank of another
-    // dimension count sends a block of another size, which the transfer refuses.
+    // Shapes and counts, a fixed length whatever the dimensions: [nnz, dtype, sparse_dim,
+    // dims, a hash of all sizes, the first kShownDims sizes (zeros past the last)].
+    constexpr size_t kShownDims = 8, kHead = 5;
+    const auto sizes = local.sizes();
     std::vector<int64_t> meta = {local._nnz(), static_cast<int64_t>(local.scalar_type()),
-                                 sparseDim};
-    for (const auto s : local.sizes()) meta.push_back(s);
+                                 sparseDim, static_cast<int64_t>(sizes.size()),
+                                 static_cast<int64_t>(c10::hash<std::vector<int64_t>>()(
+                                     sizes.vec()))};
+    for (size_t d = 0; d < kShownDims; ++d) meta.push_back(d < sizes.size() ? sizes[d] : 0);
     const auto i64 = at::TensorOptions().dtype(at::kLong);
     at::Tensor mine = at::tensor(meta, i64);
     std::vector<at::Tensor> metas;
@@ -233,12 +257,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::sparseAllreduce(
     for (int r = 0; r < n; ++r) {
       const auto* m = metas[r].data_ptr<int64_t>();
       const bool same = std::equal(meta.begin() + 1, meta.end(), m + 1);
-      TORCH_CHECK_VALUE(
-          same, ctx, ": rank ", r, " passed a sparse tensor ",
-          c10::toString(static_cast<at::ScalarType>(m[1])),
-          c10::IntArrayRef(m + 3, meta.size() - 3), " with sparse_dim ", m[2],
-          " but this rank's is ", local.scalar_type(), local.sizes(), " with sparse_dim ",
-          sparseDim, "; every rank must pass a tensor of the same dtype, size and sparse_dim");
+      if (!same) {
+        const size_t shown = std::min<size_t>(static_cast<size_t>(m[3]), kShownDims);
+        TORCH_CHECK_VALUE(
+            false, ctx, ": rank ", r, " passed a sparse tensor ",
+            c10::toString(static_cast<at::ScalarType>(m[1])), c10::IntArrayRef(m + kHead, shown),
+            static_cast<size_t>(m[3]) > kShownDims ? " (first dims)" : "", " with sparse_dim ",
+            m[2], " but this rank's is ", local.scalar_type(), sizes, " with sparse_dim ",
+            sparseDim, "; every rank must pass a tensor of the same dtype, size and sparse_dim");
+      }
       auto idxShape = std::vector<int64_t>{m[0], sparseDim};
       auto valShape = values.sizes().vec();
       valShape[0] = m[0];
@@ -343,10 +370,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::allgather(
   checkListSize(ctx, outputs[0].size(), size_, "the output list");
   at::Tensor input = inputs[0];
   for (int r = 0; r < size_; ++r) {
-    // Entries may differ in size by rank (uneven blocks); this rank's is its input's.
-    checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r),
-                    r == rank_);
+    checkSameLayout(ctx, input, outputs[0][r], "output tensor " + std::to_string(r), false);
   }
+  // Entries may differ in size by rank (uneven blocks); this rank's is its input's.
+  checkOwnEntry(ctx, outputs[0][rank_], "output tensor " + std::to_string(rank_), input,
+                "the input");
   checkEntriesDisjoint(ctx, outputs[0], "the output list");
   std::vector<at::Tensor> outs = outputs[0];
   // The output list, the same on every rank, is what ranks must agree on.
@@ -574,8 +602,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::reduce_scatter(
   at::Tensor output = outputs[0];
   for (int r = 0; r < size_; ++r) {
     const std::string name = "input_list[" + std::to_string(r) + "]";
+    checkSameLayout(ctx, output, inputs[0][r], name, false, "the output");
     // Blocks may differ in size by rank (uneven blocks); this rank's is its output's.
-    checkSameLayout(ctx, output, inputs[0][r], name, r == rank_, "the output");
+    if (r == rank_) checkOwnEntry(ctx, inputs[0][r], name, output, "the output");
     // The output may be this rank's own input (in place), never part of another's: that
     // one is still read after the output is written.
     if (r == rank_) {
