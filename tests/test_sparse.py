@@ -105,6 +105,25 @@ def test_duplicate_indices_are_summed_within_a_rank_first() -> None:
         assert got == [[1.0, 0.0], [2, 0]], got
 
 
+def _other_dims(rank: int, n: int) -> str:
+    shape = (3, 3) if rank == 0 else (3, 3, 2)
+    idx = torch.zeros(len(shape), 1, dtype=torch.long)
+    t = torch.sparse_coo_tensor(idx, torch.ones(1), shape, check_invariants=True)
+    try:
+        dist.all_reduce(t)
+        return "no error"
+    except dist.DistBackendError as e:
+        return str(e)
+
+
+def test_ranks_of_another_dimension_count_are_named_with_their_shapes() -> None:
+    """The exchanged shape records have one length whatever the dimensions, so the
+    error compares the tensors, not the sizes of an internal message."""
+    for msg in run_ranks(_other_dims, 2, timeout=60):
+        assert "passed a sparse tensor Float[3, 3" in msg, msg
+        assert "Float[3, 3, 2] with sparse_dim 3" in msg, msg
+
+
 def _refused(rank: int, n: int) -> list[str]:
     msgs = []
     try:
