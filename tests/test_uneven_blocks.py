@@ -25,8 +25,9 @@ def _sizes(n: int) -> list[int]:
 
 
 def _block(origin: int, owner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rank `origin`'s contribution to rank `owner`'s block: values that identify both,
-    small enough that a product over 8 ranks stays exact in every dtype tested."""
+    """Rank `origin`'s contribution to rank `owner`'s block: values 1 to 4 that depend
+    on both (a product over 8 ranks wraps in uint8 and rounds in bfloat16; _close
+    allows for each)."""
     v = (torch.arange(numel, dtype=torch.float64) % 3) + 1 + ((origin + 2 * owner) % 2)
     return v.to(dtype)
 
