@@ -94,21 +94,19 @@ int64_t widestBlock(const std::vector<at::Tensor>& ts) {
 // A flat host tensor for the op's transfers, which the channel keeps alive past the op's
 // end where a failed transfer could still touch it.
 at::Tensor paddedImage(GroupChannel& ch, const at::Tensor& like, int64_t numel) {
-  at::Tensor t = at::zeros({numel}, like.options().device(at::kCPU));
+  at::Tensor t = at::empty({numel}, like.options().device(at::kCPU));
   ch.keep(std::make_shared<at::Tensor>(t), t.nbytes());
   return t;
 }
 
+// The even all_gather_into_tensor over a padded image, this rank's block of it as input.
 void runUnevenAllgather(ProcessGroupTDX& pg, GroupChannel& ch,
                         const std::vector<at::Tensor>& outs, const at::Tensor& input) {
   const int64_t widest = widestBlock(outs);
   at::Tensor padded = paddedImage(ch, input, widest * ch.size());
-  padded.narrow(0, widest * ch.rank(), input.numel()).copy_(input.reshape(-1));
-  const size_t block = static_cast<size_t>(widest) * padded.element_size();
-  char* base = static_cast<char*>(padded.data_ptr());
-  std::vector<Block> blocks;
-  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
-  host::allgather(pg, ch, blocks);
+  at::Tensor mine = padded.narrow(0, widest * ch.rank(), widest);
+  mine.narrow(0, 0, input.numel()).copy_(input.reshape(-1));
+  runAllgatherInto(pg, ch, padded, mine);
   for (int r = 0; r < ch.size(); ++r) {
     outs[r].copy_(padded.narrow(0, widest * r, outs[r].numel()).view(outs[r].sizes()));
   }
@@ -132,22 +130,19 @@ void runAllgatherList(ProcessGroupTDX& pg, GroupChannel& ch, const std::vector<a
   for (auto& img : images) img.copyOut();
 }
 
+// The even reduce_scatter_tensor over a padded image of the input list.
 void runUnevenReduceScatter(ProcessGroupTDX& pg, GroupChannel& ch, const at::Tensor& output,
                             const std::vector<at::Tensor>& ins, const Reduction& red) {
   const int64_t widest = widestBlock(ins);
-  // Zeros past each block's end: the padding is reduced too, and must stay finite.
   at::Tensor padded = paddedImage(ch, output, widest * ch.size());
   for (int r = 0; r < ch.size(); ++r) {
-    padded.narrow(0, widest * r, ins[r].numel()).copy_(ins[r].reshape(-1));
+    const int64_t k = ins[r].numel();
+    padded.narrow(0, widest * r, k).copy_(ins[r].reshape(-1));
+    // Zeros past the block's end: the padding is reduced too, and must stay finite.
+    padded.narrow(0, widest * r + k, widest - k).zero_();
   }
   at::Tensor result = paddedImage(ch, output, widest);
-  const size_t block = static_cast<size_t>(widest) * padded.element_size();
-  char* base = static_cast<char*>(padded.data_ptr());
-  std::vector<Block> blocks;
-  for (int r = 0; r < ch.size(); ++r) blocks.push_back(Block{base + r * block, block});
-  ch.setOpDetail(red.detail.c_str(), detailCode(&red, -1));
-  host::reduceScatter(pg, ch, blocks, static_cast<char*>(result.data_ptr()),
-                      output.element_size(), red.fn, red.load(ch.size()));
+  runReduceScatterInto(pg, ch, result, padded, red);
   output.copy_(result.narrow(0, 0, output.numel()).view(output.sizes()));
 }
 
@@ -236,9 +231,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTDX::sparseAllreduce(
     at::Tensor local = (t.is_cpu() ? t : t.cpu()).coalesce();
     const int64_t sparseDim = local.sparse_dim();
     at::Tensor indices = local._indices().t().contiguous();  // [nnz, sparse_dim]
-    at::Tensor values = local._values().contiguous().clone();  // scaled below
+    at::Tensor values = local._values().contiguous();
     const kernels::Load load = red.load(n);
-    if (load.scales) load(values.data_ptr(), values.data_ptr(), values.nbytes());
+    if (load.scales) {  // into a copy: the values may be the caller's
+      values = values.clone();
+      load(values.data_ptr(), values.data_ptr(), values.nbytes());
+    }
     // Shapes and counts, a fixed length whatever the dimensions: [nnz, dtype, sparse_dim,
     // dims, a hash of all sizes, the first kShownDims sizes (zeros past the last)].
     constexpr size_t kShownDims = 8, kHead = 5;
