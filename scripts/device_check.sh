@@ -3,7 +3,7 @@
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
 #   TDX_STAGES="build smoke failures destroyprobe cuda cpubench threads membw calibrate
-#               autocheck bench cpu"
+#               autocheck bench sparse cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). Stages run in the order given; build, when named, runs first.
 #     failures: the CUDA failure-path tests; destroyprobe: scripts/destroy_probe.py, a
@@ -18,7 +18,8 @@
 #     fitted to this host at 2 ranks (all_reduce, with the thread exponent at the
 #     default thread count), into $OUT/calibration.json, which the later bench stages
 #     then load (the cpu stage's tests keep to the defaults); autocheck: tdx's automatic choice against every fixed CPU all_reduce
-#     algorithm at 2 and 4 ranks.
+#     algorithm at 2 and 4 ranks; sparse: `bench sparse` (all_reduce of sparse embedding
+#     gradients, tdx and gloo, checked) on the CPU at 4 ranks and on CUDA at 2.
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds
 #                           after the script starts (default 3600)
@@ -38,7 +39,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench cpu"
+KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse cpu"
 STAGES=${TDX_STAGES:-$KNOWN}
 for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
   [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
@@ -190,6 +191,18 @@ stage_bench() {
     timeout "$(limit 150)" $PY -m torchdist_ext.bench --device cuda --world $w --backends tdx,gloo \
       ${TDX_BENCH_ARGS:--b 4K -e 256M -f 4 -n 20 -w 5} --json "$OUT/bench_cuda_w$w.json" 2>&1 \
       | tee "$OUT/bench_cuda_w$w.txt" | tail -30
+  done
+}
+
+stage_sparse() {
+  local dev w
+  for dev in cpu cuda; do
+    w=$([ $dev = cpu ] && echo 4 || echo 2)
+    [ "$(limit 90)" -gt 30 ] || break
+    timeout "$(limit 90)" $PY -m torchdist_ext.bench sparse --device $dev --world $w \
+      --rows 1M --dim 64 --lookups 1K,8K,64K --json "$OUT/sparse_${dev}_w$w.json" 2>&1 \
+      | tee "$OUT/sparse_${dev}_w$w.txt" | tail -12
+    pack
   done
 }
 

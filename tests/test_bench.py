@@ -58,6 +58,49 @@ def test_bench_all_ops_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture
     assert "tdx vs gloo" in out and "# Wrong elements : 0 OK" in out
 
 
+def test_sparse_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``bench sparse``: one spawn of 3 ranks, lookups 1, a prime and more than the table
+    has rows, both backends checked; the rows of each result are the union of the
+    ranks' lookups."""
+    from torchdist_ext.bench import sparse
+
+    path = tmp_path / "sparse.json"
+    argv = ["sparse", "--world", "3", "--rows", "97", "--dim", "3", "--lookups", "1,37,300",
+            "-n", "2", "-w", "1", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capfd.readouterr().out
+    doc = json.loads(path.read_text())
+    opts = sparse.SparseOptions(world=3, rows=97, dim=3, lookups=(1, 37, 300))
+    for lookups in (1, 37, 300):
+        union = set()
+        for r in range(3):
+            union |= set(sparse._gradient(r, opts, lookups, torch.device("cpu"))
+                         ._indices()[0].tolist())
+        for b in ("tdx", "gloo"):
+            row = doc["backends"][b]["sizes"][str(lookups)]
+            assert row["wrong"] == 0 and row["us"] > 0, (b, lookups, row)
+            assert row["result_rows"] == len(union), (b, lookups, row)
+    assert all(doc["backends"][b]["dense_us"] > 0 for b in ("tdx", "gloo"))
+    assert "97 x 3 float32 table's gradient" in out and "tdx/gloo" in out, out
+
+
+def test_sparse_bench_checker_counts_wrong_elements() -> None:
+    from torchdist_ext.bench import sparse
+
+    opts = sparse.SparseOptions(rows=50, dim=4, lookups=(20,))
+    ref = sparse._reference(2, opts, 20)
+    good = ref.to(torch.float32).to_sparse()
+    assert sparse._wrong(good, ref, torch.float32, 2, 20, 50) == 0
+    bad = good.to_dense()
+    bad[3, 1] += 0.5
+    bad[7, 2] = float("nan")
+    assert sparse._wrong(bad.to_sparse(), ref, torch.float32, 2, 20, 50) == 2
+    # A dense result, or one of another shape, is wrong everywhere.
+    assert sparse._wrong(bad, ref, torch.float32, 2, 20, 50) == ref.numel()
+    assert sparse._wrong(good.to_dense()[:10].to_sparse(), ref, torch.float32, 2, 20,
+                         50) == ref.numel()
+
+
 def test_bench_detects_wrong_results(tmp_path: Path) -> None:
     """The test hook spoils one element per checked output; the rows must count it.
 
@@ -759,6 +802,20 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
                                  "reduce_scatter, reduce"),
     (["tune", "--out", "/dev/null/cal.json"], "/dev/null is not a directory"),
     (["tune", "--json", "/nonexistent-dir/t.json", "--dry-run"], "does not exist"),
+    (["sparse", "--backends", "tdx,nccl"], "backends (--backends) take tdx and/or gloo, not "
+                                           "'tdx,nccl'"),
+    (["sparse", "--backends", "tdx,tdx"], "a backend is named twice"),
+    (["sparse", "--dim", "0"], "needs at least one row and one column, not 262144 x 0"),
+    (["sparse", "--lookups", "16,0"], "lookups (--lookups) must be counts of at least 1, "
+                                      "not 16,0"),
+    (["sparse", "--lookups", "many"], "not a size: 'many'"),
+    (["sparse", "-d", "int64"], "dtype (-d) must be one of float32, float64, float16, "
+                                "bfloat16 (an embedding's gradient), not int64"),
+    (["sparse", "-d", "bogus"], "not a torch dtype: 'bogus'"),
+    (["sparse", "-n", "0"], "iters (-n) must be at least 1"),
+    (["sparse", "--timeout", "nan"], "timeout (--timeout) must be a number of seconds > 0"),
+    (["sparse", "--json", "/nonexistent-dir/s.json"], "directory /nonexistent-dir does not "
+                                                      "exist"),
 ])
 def test_bad_arguments_are_refused_before_measuring(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -816,6 +873,8 @@ def test_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_me
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "--device cuda: no CUDA device is visible" in _refused(["--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible" in _refused(
+        ["sparse", "--device", "cuda"], capsys)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         bench.run(Options(device="cuda", world=2))  # the Python entry point, before spawning
 

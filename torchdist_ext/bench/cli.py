@@ -1,5 +1,6 @@
 """Command line: ``python -m torchdist_ext.bench --help``; ``python -m torchdist_ext.bench
-calibrate --help`` for the cost-model calibration, ``... tune --help`` for measured rules."""
+calibrate --help`` for the cost-model calibration, ``... tune --help`` for measured rules,
+``... sparse --help`` for sparse all_reduce."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Under torchrun (RANK and WORLD_SIZE set) the ranks come from the environment "
                "and --world is ignored. 'python -m torchdist_ext.bench calibrate --help': "
                "fit tdx's cost model to this machine; 'python -m torchdist_ext.bench tune "
-               "--help': record the fastest algorithm per size where the model misjudges.",
+               "--help': record the fastest algorithm per size where the model misjudges; "
+               "'python -m torchdist_ext.bench sparse --help': all_reduce of sparse "
+               "embedding gradients.",
     )
     p.add_argument("--op", default="all_reduce",
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
@@ -129,9 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 when every op ran and every checked element was right (and, with
     ``--check-auto=strict``, auto never lost), 1 otherwise: a wrong element, an op that
     failed (a skip, such as a pinned algorithm that cannot run a size, is not a failure)
-    or a sweep with no rows. ``calibrate`` (or ``tune``) as the first argument runs
-    :func:`torchdist_ext.bench.calibrate.main` (:func:`torchdist_ext.bench.tune.main`) on
-    the rest."""
+    or a sweep with no rows. ``calibrate``, ``tune`` or ``sparse`` as the first argument
+    runs that module's ``main`` (:mod:`torchdist_ext.bench.calibrate`, ``.tune``,
+    ``.sparse``) on the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "tune":
         from . import tune
@@ -141,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import calibrate
 
         return calibrate.main(argv[1:])
+    if argv and argv[0] == "sparse":
+        from . import sparse
+
+        return sparse.main(argv[1:])
     opts = options_from_args(argv)
     try:
         rows = run(opts)
