@@ -487,6 +487,47 @@ def test_ranks_that_disagree_on_the_root_fail_on_the_message_path() -> None:
     texts = [r[name] for r in results for name in ("reduce", "gather")]
     assert any("with another root than this rank" in t for t in texts), texts
 
+def _alone_with_another_root(rank: int, n: int) -> dict:
+    """Without DETAIL, on messages, 3 ranks, a 60 s group timeout: rank 0 alone names
+    itself the root of a broadcast, then of a scatter, each on a group of its own."""
+    import datetime
+
+    root = 0 if rank == 0 else 1
+    cases = {
+        "broadcast": lambda g: dist.broadcast(torch.full((16,), float(rank)), root, group=g),
+        "scatter": lambda g: dist.scatter(torch.empty(16),
+                                          [torch.full((16,), float(r)) for r in range(n)]
+                                          if rank == root else None, root, group=g),
+    }
+    out: dict = {}
+    for name, call in cases.items():
+        g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+        _record(out, name, lambda: call(g))
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_a_rank_alone_with_another_root_fails_long_before_the_timeout() -> None:
+    """A broadcast root that alone names itself waits on a send nobody takes, and the
+    ranks that wait for it wait on a send of their own to it or on their true root, which
+    waits on it: no two ranks each send the other their message. The stalled ranks'
+    announcements in the store carry the root they named, so one of them sees the other
+    root within seconds (before, every rank waited out the group timeout, 60 s here)."""
+    results = run_ranks(_alone_with_another_root, 3, timeout=150, env={"TDX_SHM": "0"})
+    for name in ("broadcast", "scatter"):
+        texts = [r[name] for r in results]
+        for rank, r in enumerate(results):
+            if name == "scatter" and rank == 2 and r[name] == "no error":
+                continue  # it took its chunk from the root it named, which then failed
+            assert r[name].startswith("DistBackendError"), (rank, name, r[name])
+            assert r[name + " seconds"] < 15, (rank, name, r)
+        # Scatter's root and a rank that believes it is one each send the other their
+        # message: that check names the root first. A broadcast needs the store's.
+        assert any(f"runs this op ({name}) with root" in t and "where this rank names root"
+                   in t or name == "scatter" and "with another root than this rank" in t
+                   for t in texts), texts
+
+
 def _roots_disagree(rank: int, n: int) -> dict:
     """Without DETAIL, in the windows: both ranks believe they are the root of a
     broadcast or a scatter, or both believe the other is the root of a gather or a

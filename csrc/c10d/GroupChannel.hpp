@@ -119,6 +119,10 @@ class GroupChannel final : public algorithms::Channel {
     detailCode_ = code;
     root_ = root;
   }
+  // The running op's root (-1: it has none), as setDetailCode() gave it.
+  int root() const {
+    return root_;
+  }
   // The op's first send to each peer completes only once the peer has taken it
   // (Transport::isend's `acknowledged`), for ops whose messages go one way between two
   // ranks (toward a root or away from it): a rank that alone names another root then

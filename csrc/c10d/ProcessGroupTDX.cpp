@@ -1329,7 +1329,8 @@ ProcessGroupTDX::Selected ProcessGroupTDX::select(algorithms::Collective c, doub
   };
   // The lambdas below hold `this` and at most the channel: two pointers, which
   // std::function keeps without allocating.
-  choice_ = WayChoice{part, wayOf(choice.algorithm), false, Clock::now() + kStoreCheckGrace};
+  choice_ = WayChoice{part, wayOf(choice.algorithm), false, Clock::now() + kStoreCheckGrace,
+                      ch.root()};
   if (choice.algorithm->link != algorithms::Link::Net) {
     // A rank that never comes to set the window up may run the op on messages. (Only
     // read if this call sets it up.)
@@ -1478,6 +1479,22 @@ void throwIfOtherWayBefore(int peer, uint64_t part, uint16_t theirs, uint16_t mi
       " may still be waiting in it). " + kChoseApart);
 }
 
+// Throws when rank `peer`, which runs this op as `way` as this rank does, named root
+// `theirs` where this rank names `mine` (-1: the op has none). On messages a rank that
+// alone names another root waits on a send nobody takes, and the rank it waits for may
+// wait on one of its own to it: without this, each would wait out the timeout.
+void throwIfOtherRoot(int peer, int theirs, int mine, uint16_t way) {
+  if (theirs < 0 || mine < 0 || theirs == mine) return;
+  const auto& all = algorithms::Registry::get().all();
+  const std::string op = way >= 1 && way <= all.size()
+                             ? algorithms::collectiveCallName(all[way - 1].collective)
+                             : std::string("this op");
+  throw std::runtime_error("collective mismatch: rank " + std::to_string(peer) +
+                           " runs this op (" + op + ") with root " + std::to_string(theirs) +
+                           " where this rank names root " + std::to_string(mine) +
+                           ". Every rank must pass the same root");
+}
+
 } // namespace
 
 void ProcessGroupTDX::checkMessagesFrom(const GroupChannel& ch, int peer) {
@@ -1529,7 +1546,7 @@ void ProcessGroupTDX::announceRefusal(uint64_t part) {
                  key = wayKeys() + std::to_string(rank_),
                  part] {
       try {
-        writeWay(*read, *store, key, part, kRefusedWay);
+        writeWay(*read, *store, key, part, kRefusedWay, -1);
       } catch (const std::exception&) {
         // Peers then wait out their deadline, as before.
       }
@@ -1538,13 +1555,14 @@ void ProcessGroupTDX::announceRefusal(uint64_t part) {
 }
 
 void ProcessGroupTDX::writeWay(WayRead& read, c10d::Store& store, const std::string& key,
-                               uint64_t part, uint16_t way) {
+                               uint64_t part, uint16_t way, int root) {
   // Writers are threads of their own, which may run in any order: a later part's way
   // must never be overwritten by an earlier one's (an op refused, then the next op's
   // announcement), or a real mismatch of the later op would go unseen.
   std::lock_guard<std::mutex> lock(read.writeMu);
   if (part < read.written) return;
-  store.set(key, bytesOf(std::to_string(part) + " " + std::to_string(way)));
+  store.set(key, bytesOf(std::to_string(part) + " " + std::to_string(way) + " " +
+                         std::to_string(root)));
   read.written = part;
 }
 
@@ -1588,9 +1606,11 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
       const int about = wayRead_->peer;
       const uint64_t theirPart = wayRead_->part;
       const uint16_t theirs = wayRead_->way;
+      const int theirRoot = wayRead_->root;
       lock.unlock();
       if (theirPart == choice_.part) {
         throwIfOtherWay(about, theirs, choice_.way);
+        throwIfOtherRoot(about, theirRoot, choice_.root, theirs);
       } else if (storeAnnounces(theirPart >> 8)) {
         // (Not the op that failed to make the window: it ran a fallback after announcing
         // a provisional choice.)
@@ -1608,19 +1628,24 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
   // that stops answering, or another thread's wait on the same client, can hold it),
   // and this thread must go on watching its op. The next check reads what it found.
   std::thread([read = wayRead_, store = store_, base, announce, rank = rank_, peer,
-               part = choice_.part, way = choice_.way] {
+               part = choice_.part, way = choice_.way, root = choice_.root] {
     uint64_t foundPart = 0;
     uint16_t found = 0;
+    int foundRoot = -1;
     try {
-      if (announce) writeWay(*read, *store, base + std::to_string(rank), part, way);
+      if (announce) writeWay(*read, *store, base + std::to_string(rank), part, way, root);
       const std::string key = base + std::to_string(peer);
       if (store->check({key})) {
         const auto v = store->get(key);
-        const std::string text(v.begin(), v.end());
-        const auto space = text.find(' ');
-        if (space != std::string::npos) {
-          foundPart = std::stoull(text.substr(0, space));
-          found = static_cast<uint16_t>(std::stoul(text.substr(space + 1)));
+        // "<part> <way> <root>", as writeWay() wrote it.
+        std::istringstream in(std::string(v.begin(), v.end()));
+        uint64_t p = 0;
+        unsigned w = 0;
+        int r = -1;
+        if (in >> p >> w >> r && w <= 0xffff) {
+          foundPart = p;
+          found = static_cast<uint16_t>(w);
+          foundRoot = r;
         }
       }
     } catch (const std::exception&) {
@@ -1632,6 +1657,7 @@ void ProcessGroupTDX::checkPeerWayInStore(int peer) {
       read->part = foundPart;
       read->peer = peer;
       read->way = found;
+      read->root = foundRoot;
     }
   }).detach();
 }

@@ -304,6 +304,7 @@ class ProcessGroupTDX : public c10d::Backend {
     uint16_t way = 0;  // the algorithm's index in the registry plus one
     bool announced = false;  // in the store
     std::chrono::steady_clock::time_point storeCheckAt;  // the next store check
+    int root = -1;  // the op's root (-1: none), announced in the store with the way
   };
   WayChoice choice_;
   // checkMessagesFrom's two looks: a peer's message for the op must still be waiting at
@@ -320,13 +321,14 @@ class ProcessGroupTDX : public c10d::Backend {
     uint64_t part = 0;
     int peer = -1;
     uint16_t way = 0;  // what `peer` announced for `part` (0: nothing)
+    int root = -1;     // and the root it named (-1: none)
     std::mutex writeMu;  // orders this rank's writes of its own key
     uint64_t written = 0;  // the latest part whose way this rank wrote
   };
   std::shared_ptr<WayRead> wayRead_ = std::make_shared<WayRead>();
   // Writes this rank's way for `part` under `key`, unless a later part's is written.
   static void writeWay(WayRead& read, c10d::Store& store, const std::string& key,
-                       uint64_t part, uint16_t way);
+                       uint64_t part, uint16_t way, int root);
   uint64_t windowTriedSeq_ = 0;  // the op that tried to make the window (storeAnnounces)
   // This rank's latest choices (part, way), for peers that announce an earlier part.
   struct PastWay {
