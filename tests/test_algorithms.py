@@ -751,10 +751,12 @@ def test_a_rank_that_skipped_an_op_is_caught_at_the_next_window_op() -> None:
             assert isinstance(res[i], str) or res[i] == [10.0 * i + q for q in range(3)], \
                 (rank, res)
     # Rank 0's second op meets the others' first: all three say so, naming both numbers.
+    # Ranks 1 and 2 may instead read rank 0's refusal of op #1 in the store first (their
+    # window set-up stalled past the store check's grace), and rank 0 their notice of it.
     for rank, i in ((0, 2), (1, 1), (2, 1)):
         msg = results[rank][i]
-        assert "op #1" in msg and "op #2" in msg and "skipped on only some ranks" in msg, \
-            (rank, msg)
+        assert ("op #1" in msg and "op #2" in msg and "skipped on only some ranks" in msg
+                or "rank 0 refused" in msg), (rank, msg)
 
 
 def _refused_mid_coalesced(rank: int, n: int) -> dict:

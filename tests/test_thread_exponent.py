@@ -179,10 +179,11 @@ def test_calibrate_fits_the_exponent_with_several_threads(tmp_path: Path) -> Non
     median = statistics.median(p["exponent"] for p in data["thread_points"])
     assert data["thread_exponent"] == pytest.approx(min(1.0, max(0.0, median)), abs=1e-12)
     assert data["previous_thread_exponent"] == 0.5
-    # A size whose time this noisy host put below its steps' share drops out; 16 MiB,
-    # milliseconds of copying, never does.
+    # A size whose time this noisy host put below its steps' share drops out. On a
+    # loaded host that can be 16 MiB too: a 4 KiB op that waits milliseconds for the
+    # scheduler makes the fitted per-step cost outweigh its copying.
     sizes = {p["size"] for p in data["thread_points"]}
-    assert 16 * MiB in sizes and sizes <= {4 * MiB, 16 * MiB}, data["thread_points"]
+    assert sizes and sizes <= {4 * MiB, 16 * MiB}, data["thread_points"]
     assert all(p["threads"] == 2 and p["ways"] == 2 for p in data["thread_points"])
     assert "# threads: a window all_reduce pass over T threads runs" in proc.stdout
     saved = calibration.load(out)
