@@ -2365,7 +2365,19 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
   std::string why = brokenReason();
   if (why.empty() && fault_->happened.load()) why = fault_->read();
   const uint64_t words[Goodbyes::kWords] = {goodbyeToken(), seq_.load(), listens ? 1u : 0u};
-  why = why.substr(0, Goodbyes::kBytes - sizeof(words));
+  // The goodbye stays within UCX's eager-short size over shared memory (92 bytes with
+  // its default 128-byte FIFO entries). A longer one is copied into a buffer of the
+  // receiver's that the sender maps on first use; a broken peer that already stopped its
+  // transport (it listens for goodbyes a moment only) has freed that buffer, and UCX then
+  // logs a failed shmat. The reason keeps its gist: this group's prefix goes (the
+  // receiver names the rank), and the peers had the whole of it in the failure notice.
+  if (!why.empty() && why.front() == '[') {
+    const auto end = why.find("] ");
+    if (end != std::string::npos) why.erase(0, end + 2);
+  }
+  constexpr size_t kReasonBytes = 64;
+  static_assert(sizeof(words) + kReasonBytes <= 92 && kReasonBytes <= Goodbyes::kBytes - 24);
+  if (why.size() > kReasonBytes) why = why.substr(0, kReasonBytes - 3) + "...";
   auto message = std::make_shared<std::string>(sizeof(words) + why.size(), '\0');
   std::memcpy(message->data(), words, sizeof(words));
   std::memcpy(message->data() + sizeof(words), why.data(), why.size());
