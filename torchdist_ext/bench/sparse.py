@@ -43,6 +43,7 @@ import torchdist_ext  # noqa: F401 - registers the tdx backend
 
 from . import report, runner
 from .core import dtype_name, parse_dtype, parse_size
+from .cli import _size
 from .runner import LaunchError, agree_across_ranks, is_lead, launched, torchrun_group
 
 __all__ = ["SparseOptions", "build_parser", "main", "run", "table_lines"]
@@ -303,13 +304,6 @@ def _counts(text: str) -> tuple[int, ...]:
     return values
 
 
-def _count(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchdist_ext.bench sparse",
@@ -318,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Under torchrun the ranks come from the environment and --world is ignored.")
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--rows", type=_count, default=1 << 18,
+    p.add_argument("--rows", type=_size, default=1 << 18,
                    help="rows of the table (num_embeddings; K/M suffixes; default 256K)")
     p.add_argument("--dim", type=int, default=64, help="columns (embedding_dim; default 64)")
     p.add_argument("--lookups", type=_counts, default=(1 << 10, 1 << 12, 1 << 14, 1 << 16),
