@@ -824,17 +824,21 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
 # Launch
 # ---------------------------------------------------------------------------------------
 
-def _spawn_child(rank: int, world: int, store_path: str, opts: Options, results: Any) -> None:
+def _spawn_child(rank: int, world: int, store_path: str, opts: Any, results: Any,
+                 main: Callable[[int, int, Any], Any] = rank_main) -> None:
+    """One spawned rank: a gloo default group on the run's FileStore (the bench's own
+    side channel), then ``main(rank, world, opts)``, whose result rank 0 reports.
+    Other benchmarks pass their ``main`` with functools.partial."""
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         store = dist.FileStore(store_path, world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=opts.timeout))
         try:
-            rows = rank_main(rank, world, opts)
+            value = main(rank, world, opts)
         finally:
             dist.destroy_process_group()
-        results.put((rank, True, rows if rank == 0 else None))
+        results.put((rank, True, value if rank == 0 else None))
     except BaseException:  # report everything, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
 
@@ -845,7 +849,7 @@ _TEARDOWN_SLACK_S = 30.0
 _LEAD_SLACK_S = 300.0
 
 
-def _spawn(opts: Options, child: Callable[..., None] = _spawn_child) -> list[dict[str, Any]]:
+def _spawn(opts: Any, child: Callable[..., None] = _spawn_child) -> Any:
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="tdx-bench-")
     results = ctx.Queue()

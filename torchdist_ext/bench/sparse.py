@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import os
 import socket
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -183,12 +182,15 @@ def _backend_rows(opts: SparseOptions, group: Any, world: int, rank: int,
     return out
 
 
-def rank_main(rank: int, world: int, opts: SparseOptions, local_rank: int) -> dict[str, Any]:
+def rank_main(rank: int, world: int, opts: SparseOptions,
+              local_rank: int | None = None) -> dict[str, Any]:
     """One rank of a run inside an initialised default gloo group: every backend's
-    results (on rank 0, with the ``#wrong`` counts)."""
+    results (on rank 0, with the ``#wrong`` counts). ``local_rank`` picks the GPU
+    (the rank itself when not given, as for ranks the bench spawns on one host)."""
     device = torch.device("cpu")
     if opts.device == "cuda":
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        local = rank if local_rank is None else local_rank
+        device = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(device)
     problem = None
     if is_lead() and opts.json_path:
@@ -214,22 +216,6 @@ def rank_main(rank: int, world: int, opts: SparseOptions, local_rank: int) -> di
     return data
 
 
-def _spawn_child(rank: int, world: int, store_path: str, opts: SparseOptions,
-                 results: Any) -> None:
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=opts.timeout))
-        try:
-            data = rank_main(rank, world, opts, rank)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, data if rank == 0 else None))
-    except BaseException:  # report everything, KeyboardInterrupt included
-        results.put((rank, False, traceback.format_exc()))
-
-
 def run(opts: SparseOptions) -> dict[str, Any]:
     """Measure; rank 0's results (every rank's under torchrun, ``#wrong`` on rank 0)."""
     if opts.device == "cuda" and not torch.cuda.is_available():
@@ -241,7 +227,7 @@ def run(opts: SparseOptions) -> dict[str, Any]:
             return rank_main(rank, world, opts, int(os.environ.get("LOCAL_RANK", rank)))
     if opts.json_path and (why := report.unwritable(opts.json_path, "--json")):
         raise LaunchError(why)
-    return runner._spawn(opts, _spawn_child)
+    return runner._spawn(opts, functools.partial(runner._spawn_child, main=rank_main))
 
 
 def _bytes_text(b: float) -> str:
