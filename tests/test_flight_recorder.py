@@ -175,6 +175,10 @@ def _logged_table(rank: int, n: int, log_dir: str, dump_dir: str) -> dict:
         else:
             dist.all_reduce(t)
     if rank == 0:
+        # Rank 1 queues its four ops before rank 0 posts the one that exposes the
+        # mismatch, so a busy host cannot fail the group before rank 1's last three are
+        # queued (calls on a failed group are refused, which changes the record).
+        time.sleep(0.5)
         works = [dist.all_reduce(t, async_op=True)]
     else:
         works = [dist.broadcast(t, src=0, async_op=True)]
