@@ -1031,6 +1031,10 @@ void sendNotice(transport::Transport& transport, const std::vector<int>& endpoin
                 const std::vector<bool>& departed = {}) {
   // Kept by the sends' completions; a notice receive holds 1024 bytes.
   auto message = std::make_shared<std::string>(text.substr(0, 1000));
+  // A failure is often the death of a peer that the shared-memory windows saw before the
+  // transport did: a notice to it would be its first message over UCX's shared memory,
+  // whose segment died with it (UCX logs "shmat failed").
+  transport.noteExitedPeers();
   for (size_t q = 0; q < endpoints.size(); ++q) {
     if (static_cast<int>(q) == self || transport.endpointFailed(endpoints[q])) continue;
     // A member that shut the group down has no notice receive posted any more: the

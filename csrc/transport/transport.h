@@ -184,6 +184,12 @@ class Transport {
 
   // True once the endpoint's peer has been reported lost.
   virtual bool endpointFailed(int endpoint) const = 0;
+  // Reports now, instead of at the progress thread's next look, the peers on this host
+  // whose process has exited, so that endpointFailed() covers them. For a caller that
+  // learnt of an exit another way and is about to message the other peers: the first
+  // message to a dead peer over shared memory maps a segment that died with it, and UCX
+  // logs the failure.
+  virtual void noteExitedPeers() = 0;
   // How many endpoints have been reported lost so far: one atomic load, so per-op
   // checks look at individual endpoints only after it changes.
   virtual uint64_t failedEndpoints() const = 0;

@@ -995,7 +995,7 @@ void UcxTransport::wake() {
   if (sleeping_.load(std::memory_order_acquire)) ucp_worker_signal(worker_);
 }
 
-void UcxTransport::checkWatched() {
+void UcxTransport::noteExitedPeers() {
   for (int id : watch_.exited()) {
     int64_t pid = 0;
     {
@@ -1004,6 +1004,10 @@ void UcxTransport::checkWatched() {
     }
     failEndpoint(id, "process " + std::to_string(pid) + " on this host exited");
   }
+}
+
+void UcxTransport::checkWatched() {
+  noteExitedPeers();
   sweepLostReceives();
   std::vector<int> closed;
   {

@@ -96,6 +96,7 @@ class UcxTransport final : public Transport {
   void cancel(Request& request, const std::string& reason) override;
   void abandon(Request& request, const std::string& reason) override;
   bool endpointFailed(int endpoint) const override;
+  void noteExitedPeers() override;
   uint64_t failedEndpoints() const override {
     return failedEndpoints_.load(std::memory_order_acquire);
   }
