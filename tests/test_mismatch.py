@@ -491,6 +491,7 @@ def test_ranks_that_disagree_on_the_root_fail_on_the_message_path() -> None:
     texts = [r[name] for r in results for name in ("reduce", "gather")]
     assert any("with another root than this rank" in t for t in texts), texts
 
+
 def _alone_with_another_root(rank: int, n: int) -> dict:
     """Without DETAIL, on messages, 3 ranks, a 60 s group timeout: rank 0 alone names
     itself the root of a broadcast, then of a scatter, each on a group of its own."""
@@ -530,6 +531,63 @@ def test_a_rank_alone_with_another_root_fails_long_before_the_timeout() -> None:
         assert any(f"runs this op ({name}) with root" in t and "where this rank names root"
                    in t or name == "scatter" and "with another root than this rank" in t
                    for t in texts), texts
+
+
+# (name, op, the rank that alone names root 16 where the others name root 0, the
+# broadcast algorithm pinned)
+_SIXTEEN_APART = (("broadcast, root 16 alone", "broadcast", 16, "tree"),
+                  ("broadcast, leaf names 16", "broadcast", 0, "tree"),
+                  ("chain broadcast, root 16 alone", "broadcast", 16, "chain"),
+                  ("scatter, root 16 alone", "scatter", 16, "auto"),
+                  ("scatter, leaf names 16", "scatter", 5, "auto"))
+
+
+def _roots_sixteen_apart(rank: int, n: int) -> dict:
+    """Without DETAIL, on messages, 18 ranks: one rank names root 16 where the others name
+    root 0. The tags' 4-bit code of roots 0 and 16 is the same, so the tags alone cannot
+    tell the two calls apart. Each case on a group of its own; the value a rank ended
+    with is kept."""
+    import datetime
+
+    out: dict = {}
+    for name, op, odd, algorithm in _SIXTEEN_APART:
+        root = 16 if rank == odd else 0
+        torchdist_ext.set_algorithm("broadcast", algorithm)
+        g = dist.new_group(backend="tdx", timeout=datetime.timedelta(seconds=60))
+        got = torch.full((16,), -1.0)
+        if op == "broadcast":
+            got.fill_(float(rank))
+            _record(out, name, lambda: dist.broadcast(got, root, group=g))
+        else:
+            parts = ([torch.full((16,), float(100 * rank + i)) for i in range(n)]
+                     if rank == root else None)
+            _record(out, name, lambda: dist.scatter(got, parts, root, group=g))
+        out[name + " value"] = got[0].item()
+        dist.destroy_process_group(g)
+    torchdist_ext.set_algorithm("broadcast", "auto")
+    return out
+
+
+def test_ranks_whose_roots_are_16_apart_never_return_the_other_roots_data() -> None:
+    """Every rank either returns the true root's data (root 0's: a broadcast's 0, a
+    scatter's chunk i for rank i), which ranks fed by root 0 alone may do, or raises
+    within seconds; some rank names the mismatch. The odd rank's first message goes
+    with acknowledgement and no rank takes it (a tree's goes to a rank whose parent
+    under root 0 is another rank, a chain's carries another step), so the odd rank
+    stalls and the store's announcements, which carry the whole root, show the two
+    roots."""
+    results = run_ranks(_roots_sixteen_apart, 18, timeout=240, env={"TDX_SHM": "0"})
+    for name, op, odd, _ in _SIXTEEN_APART:
+        texts = [r[name] for r in results]
+        for rank, r in enumerate(results):
+            if r[name] == "no error":
+                assert rank != odd, (name, rank, r)
+                expected = 0.0 if op == "broadcast" else float(rank)
+                assert r[name + " value"] == expected, (name, rank, r[name + " value"])
+            else:
+                assert r[name].startswith("DistBackendError"), (name, rank, r[name])
+            assert r[name + " seconds"] < 15, (name, rank, r[name + " seconds"])
+        assert any("collective mismatch" in t for t in texts), (name, texts)
 
 
 def _roots_disagree(rank: int, n: int) -> dict:
