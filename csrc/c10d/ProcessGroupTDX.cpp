@@ -2379,8 +2379,10 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
     const auto end = why.find("] ");
     if (end != std::string::npos) why.erase(0, end + 2);
   }
+  constexpr size_t kEagerShortBytes = 92;
   constexpr size_t kReasonBytes = 64;
-  static_assert(sizeof(words) + kReasonBytes <= 92 && kReasonBytes <= Goodbyes::kBytes - 24);
+  static_assert(sizeof(words) + kReasonBytes <= kEagerShortBytes &&
+                sizeof(words) + kReasonBytes <= Goodbyes::kBytes);
   if (why.size() > kReasonBytes) why = why.substr(0, kReasonBytes - 3) + "...";
   auto message = std::make_shared<std::string>(sizeof(words) + why.size(), '\0');
   std::memcpy(message->data(), words, sizeof(words));
@@ -2408,6 +2410,9 @@ void ProcessGroupTDX::sayGoodbye(bool awaitPeers) {
       if (it != rankOf.end()) opPosted[it->second] = true;
     }
   }
+  // As for a failure notice: a member whose exit the transport has not seen yet would
+  // get this goodbye as its first message over shared memory that died with it.
+  transport_->noteExitedPeers();
   for (int q = 0; q < size_; ++q) {
     if (q == rank_ || endpoints_[q] < 0 || transport_->endpointFailed(endpoints_[q])) continue;
     // A member gone without listening for goodbyes hears none (Goodbyes::listened).
