@@ -9,17 +9,10 @@ import sys
 from typing import Sequence
 
 from . import report
-from .core import ALL_OPS, KNOWN_BACKENDS, OPS, REDOPS, Options, parse_size, sizes_for
+from .core import ALL_OPS, KNOWN_BACKENDS, OPS, REDOPS, Options, size_arg, sizes_for
 from .runner import LaunchError, launch_problem, launched, planned_world, run
 
 __all__ = ["build_parser", "main", "options_from_args"]
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="tensor device; with cuda rank r uses cuda:(r %% device_count)")
-    p.add_argument("-b", "--minbytes", type=_size, default=1 << 10,
+    p.add_argument("-b", "--minbytes", type=size_arg, default=1 << 10,
                    help="smallest size, K/M/G suffixes allowed (default 1K)")
-    p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20,
+    p.add_argument("-e", "--maxbytes", type=size_arg, default=64 << 20,
                    help="largest size (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=2,
                    help="multiply the size by this between rows (default 2)")

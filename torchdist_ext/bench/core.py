@@ -7,6 +7,7 @@ collectives themselves.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from dataclasses import dataclass, field
@@ -66,6 +67,14 @@ def parse_size(text: str | int) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (expected a number with an optional K, M or G)")
     return int(float(m.group(1)) * _SUFFIX[m.group(2).lower()])
+
+
+def size_arg(text: str) -> int:
+    """:func:`parse_size` as an argparse ``type``: a bad size is a usage error."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

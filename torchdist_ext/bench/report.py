@@ -424,6 +424,14 @@ def plot_unwritable(path: str) -> str | None:
     return None
 
 
+def bytes_text(b: float) -> str:
+    """A byte count for a table cell: "1.5 MiB", "300 B"."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{int(b)} B"
+
+
 def write_json(path: str, data: Any) -> None:
     """Write ``data`` to ``path`` as indented JSON (``--json`` of the bench, calibrate and
     tune); an OSError when it cannot. The bench writes ``{"meta": {...}, "rows": [...]}``."""

@@ -824,6 +824,25 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
 # Launch
 # ---------------------------------------------------------------------------------------
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_per_call(call: Callable[[int], Any], n: int, device: torch.device) -> float:
+    """Seconds per call of ``call(i)`` for i < n, the largest over the ranks of the default
+    group (the benchmarks' gloo side channel), after a barrier there."""
+    dist.barrier()
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(n):
+        call(i)
+    _sync(device)
+    took = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took.item())
+
+
 def _spawn_child(rank: int, world: int, store_path: str, opts: Any, results: Any,
                  main: Callable[[int, int, Any], Any] = rank_main) -> None:
     """One spawned rank: a gloo default group on the run's FileStore (the bench's own

@@ -31,7 +31,6 @@ import math
 import os
 import socket
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -41,9 +40,9 @@ import torch.distributed as dist
 import torchdist_ext  # noqa: F401 - registers the tdx backend
 
 from . import report, runner
-from .core import dtype_name, parse_dtype, parse_size
-from .cli import _size
-from .runner import LaunchError, agree_across_ranks, is_lead, launched, torchrun_group
+from .core import dtype_name, parse_dtype, parse_size, size_arg
+from .runner import LaunchError, agree_across_ranks, is_lead, launched, time_per_call, \
+    torchrun_group
 
 __all__ = ["SparseOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -135,24 +134,6 @@ def _wrong(got: torch.Tensor, ref: torch.Tensor) -> int:
     return int((~((dense - ref[0]).abs() <= ref[1])).sum())  # NaN counts as wrong
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(call: Any, n: int, device: torch.device) -> float:
-    """Seconds per call of ``call(i)`` for i < n, the largest over the ranks."""
-    dist.barrier()
-    _sync(device)
-    start = time.perf_counter()
-    for i in range(n):
-        call(i)
-    _sync(device)
-    took = torch.tensor([(time.perf_counter() - start) / n], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the default (gloo) group
-    return float(took.item())
-
-
 def _backend_rows(opts: SparseOptions, group: Any, world: int, rank: int,
                   device: torch.device) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": {}, "dense_us": None}
@@ -165,8 +146,9 @@ def _backend_rows(opts: SparseOptions, group: Any, world: int, rank: int,
         first = copies[0]
         for i in range(opts.warmup):
             dist.all_reduce(copies[1 + i], group=group)
-        t = _timed(lambda i: dist.all_reduce(copies[1 + opts.warmup + i], group=group),
-                   opts.iters, device)
+        t = time_per_call(
+            lambda i: dist.all_reduce(copies[1 + opts.warmup + i], group=group),
+            opts.iters, device)
         wrong = None
         if rank == 0:
             wrong = _wrong(first, _reference(world, opts, lookups))
@@ -177,8 +159,8 @@ def _backend_rows(opts: SparseOptions, group: Any, world: int, rank: int,
         table = torch.zeros(opts.rows, opts.dim, dtype=opts.dtype, device=device)
         for _ in range(opts.warmup):
             dist.all_reduce(table, group=group)
-        out["dense_us"] = _timed(lambda i: dist.all_reduce(table, group=group), opts.iters,
-                                 device) * 1e6
+        out["dense_us"] = time_per_call(lambda i: dist.all_reduce(table, group=group),
+                                        opts.iters, device) * 1e6
     return out
 
 
@@ -230,13 +212,6 @@ def run(opts: SparseOptions) -> dict[str, Any]:
     return runner._spawn(opts, functools.partial(runner._spawn_child, main=rank_main))
 
 
-def _bytes_text(b: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= scale:
-            return f"{b / scale:.1f} {unit}"
-    return f"{int(b)} B"
-
-
 def table_lines(data: dict[str, Any]) -> list[str]:
     """The text table of a run's results."""
     o = data["options"]
@@ -244,7 +219,7 @@ def table_lines(data: dict[str, Any]) -> list[str]:
     elem = torch.empty(0, dtype=dtype).element_size()
     dense_bytes = o["rows"] * o["dim"] * elem
     lines = [f"# sparse all_reduce (SUM) of a {o['rows']} x {o['dim']} {dtype_name(dtype)} table's "
-             f"gradient ({_bytes_text(dense_bytes)} dense), {data['world']} rank(s), "
+             f"gradient ({report.bytes_text(dense_bytes)} dense), {data['world']} rank(s), "
              f"{o['device']}, {data['host']}, {data['date']}",
              f"# time: the largest over the ranks of the mean of {o['iters']} ops, in us"]
     names = list(data["backends"])
@@ -264,7 +239,7 @@ def table_lines(data: dict[str, Any]) -> list[str]:
         sizes = {n: data["backends"][n]["sizes"][lookups] for n in ok}
         rows_out = next(iter(sizes.values()))["result_rows"] if sizes else 0
         sent = lookups * (8 + o["dim"] * elem)
-        line = f"{lookups:>9} {_bytes_text(sent):>11} {rows_out:>9}"
+        line = f"{lookups:>9} {report.bytes_text(sent):>11} {rows_out:>9}"
         for n in ok:
             s = sizes[n]
             dense = data["backends"][n]["dense_us"]
@@ -298,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Under torchrun the ranks come from the environment and --world is ignored.")
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--rows", type=_size, default=1 << 18,
+    p.add_argument("--rows", type=size_arg, default=1 << 18,
                    help="rows of the table (num_embeddings; K/M suffixes; default 256K)")
     p.add_argument("--dim", type=int, default=64, help="columns (embedding_dim; default 64)")
     p.add_argument("--lookups", type=_counts, default=(1 << 10, 1 << 12, 1 << 14, 1 << 16),
