@@ -1,0 +1,289 @@
+"""Compressed all_reduce over any torch.distributed group.
+
+Int8 and Sign run in two phases, as a ring all_reduce does, so each rank sends and
+receives about ``2 (n - 1) / n`` of the compressed tensor whatever the world size:
+
+1. the tensor (plus this rank's error feedback) is cut into ``n`` chunks, each is
+   encoded, and one ``all_to_all_single`` gives rank ``r`` every rank's chunk ``r``;
+2. rank ``r`` decodes and sums its chunks in rank order (AVG divides here), encodes the
+   sum (plus its own second error-feedback term) once, and ``all_gather_into_tensor``
+   gives every rank every sum.
+
+Every rank decodes the same bytes the same way, so the result is identical on every
+rank, bit for bit, and the same on any backend. TopK's selections do not add up
+chunk-wise, so it gathers every rank's selection and sums them in rank order.
+
+Each payload row starts with 16 bytes: a word naming the method and working dtype, and
+the element count. A rank that finds another rank's row different raises, naming both,
+rather than decode bytes it would misread. Rows of different lengths are the backend's
+size mismatch error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+import torch.distributed as dist
+
+from .codecs import Int8, Method, Sign, TopK, as_dtype, describe_word
+
+__all__ = ["ErrorFeedback", "all_reduce"]
+
+_HEADER = 16
+_OP = "torchdist_ext.compression.all_reduce"
+# torch 2.14 renamed all_gather_into_tensor (which warns there); older releases lack the
+# new name.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class ErrorFeedback:
+    """What compression left out on this rank, per tensor stream, added to the next call
+    with the same ``key``. Keep one per model or optimizer; a key names one tensor (a
+    DDP bucket, a parameter's gradient) whose size stays the same from call to call."""
+
+    def __init__(self) -> None:
+        self._residuals: dict[Hashable, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def residual(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What the calls under ``key`` have lost so far on this rank, as two flat tensors
+        (None before the first call): what this rank's own tensor lost when it was
+        encoded, and what the chunk of the sum this rank encodes for the others lost
+        (Int8 and Sign, whose rank ``r`` encodes the sum's ``r``-th chunk; None for
+        TopK). Added to the next call, they make the results of ``T`` calls sum to
+        ``T`` exact sums less what is held here."""
+        return self._residuals.get((key, "sent")), self._residuals.get((key, "owned"))
+
+    def clear(self) -> None:
+        """Forget every residual (after loading a checkpoint, say)."""
+        self._residuals.clear()
+
+    def _take(self, key: tuple[Hashable, str], like: torch.Tensor, resize: str,
+              ) -> torch.Tensor:
+        """The residual for ``key`` (the user's key and the part) shaped as ``like``
+        (zeros the first time). ``resize`` says what to do when the stored one has
+        another size: "raise" or "reset"."""
+        old = self._residuals.get(key)
+        if old is not None and old.numel() == like.numel():
+            return old.to(device=like.device, dtype=like.dtype)
+        if old is not None and resize == "raise":
+            raise ValueError(
+                f"{_OP}: rank {_rank_text(None)}: the error feedback under key {key[0]!r} "
+                f"holds {old.numel()} elements and this call's needs {like.numel()}; "
+                "give each tensor a key of its own (key=...) or clear() the state")
+        return torch.zeros_like(like)
+
+    def _put(self, key: Hashable, residual: torch.Tensor) -> None:
+        # An overflowed block keeps nothing: a NaN residual would poison every later step.
+        self._residuals[key] = residual.masked_fill_(~torch.isfinite(residual), 0)
+
+
+def all_reduce(tensor: torch.Tensor, method: Method, op: Any = dist.ReduceOp.SUM,
+               group: Any = None, state: ErrorFeedback | None = None,
+               key: Hashable = "default", async_op: bool = False) -> Any:
+    """Sum (or average) ``tensor`` across ``group`` through ``method``'s compression,
+    in place. With ``state``, what compression loses this call is added to the next
+    call with the same ``key`` (error feedback), so it is delayed rather than lost.
+
+    ``tensor`` is a floating-point tensor (float32, float64, float16 or bfloat16; the
+    codecs work in float64 for float64 and in float32 otherwise) of the same size on
+    every rank, and every rank passes the same ``method``. ``op`` is SUM or AVG. The
+    result is the same on every rank. With ``async_op=True`` it returns a
+    ``torch.futures.Future`` whose value is ``tensor`` once reduced; otherwise None.
+    """
+    average = _check(tensor, method, op)
+    if state is not None and not isinstance(state, ErrorFeedback):
+        raise TypeError(f"{_OP}: rank {_rank_text(group)}: state must be an "
+                        f"ErrorFeedback or None, not {type(state).__name__}")
+    return _reduce(tensor, method, group, average, state, key, "raise", async_op)
+
+
+# Each op is a first collective, issued at the call, and the rest (decode, the second
+# collective where there is one, the copy back), run once it completes. A synchronous
+# call waits and runs the rest itself, so a backend's error reaches the caller as its
+# own exception (a DistBackendError naming the peer); an asynchronous one chains the rest
+# on the first op's future, where torch wraps an error in a RuntimeError.
+Rest = Callable[[], torch.Tensor]
+
+
+def _reduce(tensor: torch.Tensor, method: Method, group: Any, average: bool,
+            state: ErrorFeedback | None, key: Hashable, resize: str, async_op: bool,
+            ) -> torch.futures.Future | None:
+    """The op, in place: a future whose value is ``tensor`` when ``async_op``, else
+    None once it is done."""
+    flat = tensor.detach().reshape(-1)
+    wdtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+    x = flat.to(wdtype, copy=True)
+    if state is not None:
+        x += state._take((key, "sent"), x, resize)
+    n = dist.get_world_size(group)
+    if isinstance(method, TopK):
+        work, rest = _topk(x, method, group, n, state, key)
+    else:
+        work, rest = _two_phase(x, method, group, n, average and n > 1, state, key, resize)
+
+    def finish() -> torch.Tensor:
+        out = rest()
+        if isinstance(method, TopK) and average and n > 1:
+            out /= n
+        if tensor.numel():
+            tensor.copy_(out.reshape(tensor.shape))
+        return tensor
+
+    if not async_op:
+        work.wait()
+        finish()
+        return None
+
+    def chained(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()  # raises the first op's error
+        return finish()
+
+    return work.get_future().then(chained)
+
+
+def _two_phase(x: torch.Tensor, method: Int8 | Sign, group: Any, n: int, divide: bool,
+               state: ErrorFeedback | None, key: Hashable, resize: str,
+               ) -> tuple[Any, Rest]:
+    numel, wdtype = x.numel(), x.dtype
+    unit = method.unit
+    length = -(-numel // (n * unit)) * unit if numel else 0
+    rows = torch.zeros(n, length, dtype=wdtype, device=x.device)
+    rows.view(-1)[:numel] = x
+    word = method.word(wdtype)
+    valid = [max(0, min(length, numel - r * length)) for r in range(n)]
+    payload, decoded = method.encode(rows, valid) if length else (
+        torch.empty(n, 0, dtype=torch.uint8, device=x.device), rows)
+    if state is not None:
+        state._put((key, "sent"), (rows - decoded).reshape(-1)[:numel])
+    send = _with_header(payload, word, numel)
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+    def second() -> torch.Tensor:
+        me = dist.get_rank(group)
+        _check_headers(recv, word, numel, group, "its chunks")
+        if not length:
+            return x
+        total = method.decode(recv[:, _HEADER:], length, wdtype).sum(0)
+        if divide:
+            total /= n
+        if state is not None:
+            total += state._take((key, "owned"), total, resize)
+        # Padding past the tensor's end stays zero, so it sways no block's scale, and
+        # keeps no residual.
+        mine = valid[me]
+        total[mine:] = 0
+        payload2, decoded2 = method.encode(total.reshape(1, length), [mine])
+        if state is not None:
+            lost = total - decoded2.reshape(-1)
+            lost[mine:] = 0
+            state._put((key, "owned"), lost)
+        send2 = _with_header(payload2, word, numel)
+        gathered = torch.empty(n, send2.shape[1], dtype=torch.uint8, device=x.device)
+        _all_gather(gathered, send2, group=group)
+        _check_headers(gathered, word, numel, group, "the reduced chunks")
+        return method.decode(gathered[:, _HEADER:], length, wdtype).reshape(-1)[:numel]
+
+    return work, second
+
+
+def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedback | None,
+          key: Hashable) -> tuple[Any, Rest]:
+    numel, wdtype = x.numel(), x.dtype
+    word = method.word(wdtype)
+    k = method.k(numel)
+    idx_dtype = method.index_dtype(numel)
+    if k:
+        idx = x.abs().topk(k, sorted=False).indices
+        vals = x[idx]
+    else:
+        idx = torch.empty(0, dtype=torch.long, device=x.device)
+        vals = x[:0]
+    if state is not None:
+        residual = x.clone()
+        residual[idx] = 0
+        state._put((key, "sent"), residual)
+    payload = torch.cat([vals.view(torch.uint8), idx.to(idx_dtype).view(torch.uint8)])
+    send = _with_header(payload.reshape(1, -1), word, numel)
+    gathered = torch.empty(n, send.shape[1], dtype=torch.uint8, device=x.device)
+    work = _all_gather(gathered, send, group=group, async_op=True)
+    vbytes = k * vals.element_size()
+
+    def total() -> torch.Tensor:
+        _check_headers(gathered, word, numel, group, "its selection")
+        out = torch.zeros(numel, dtype=wdtype, device=x.device)
+        body = gathered[:, _HEADER:]
+        for r in range(n):  # one rank at a time: no index repeats within a rank's selection
+            v = as_dtype(body[r, :vbytes], wdtype)
+            i = as_dtype(body[r, vbytes:], idx_dtype).long()
+            out.index_add_(0, i, v)
+        return out
+
+    return work, total
+
+
+def _with_header(payload: torch.Tensor, word: int, numel: int) -> torch.Tensor:
+    rows = payload.shape[0]
+    head = torch.tensor([[_signed(word), numel]], dtype=torch.int64, device=payload.device)
+    return torch.cat([head.expand(rows, 2).contiguous().view(torch.uint8), payload], dim=1)
+
+
+def _check_headers(rows: torch.Tensor, word: int, numel: int, group: Any,
+                   what: str) -> None:
+    heads = as_dtype(rows[:, :_HEADER], torch.int64).reshape(-1, 2).cpu()
+    for r in range(heads.shape[0]):
+        theirs, count = _unsigned(int(heads[r, 0])), int(heads[r, 1])
+        if theirs != word or count != numel:
+            raise RuntimeError(
+                f"{_OP}: rank {_rank_text(group)} received {what} from group rank {r}, "
+                f"which compresses {count} elements with {describe_word(theirs)}, where "
+                f"this rank compresses {numel} with {describe_word(word)}; every rank must "
+                "pass the same method and a tensor of the same size and working dtype "
+                "(float64, or any other float)")
+
+
+def _check(tensor: Any, method: Any, op: Any) -> bool:
+    """Refuses what the op cannot do, naming it; returns whether op is AVG."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{_OP}: rank {_rank_text(None)}: tensor must be a torch.Tensor, "
+                        f"not {type(tensor).__name__}")
+    if not isinstance(method, (Int8, Sign, TopK)):
+        raise TypeError(f"{_OP}: rank {_rank_text(None)}: method must be Int8(...), "
+                        f"Sign(...) or TopK(...), not {method!r}")
+    if tensor.layout != torch.strided or not tensor.is_floating_point():
+        raise TypeError(
+            f"{_OP}: rank {_rank_text(None)}: cannot compress a tensor of dtype "
+            f"{tensor.dtype} and layout {tensor.layout}; pass a dense float32, float64, "
+            "float16 or bfloat16 tensor, or use dist.all_reduce")
+    if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise TypeError(f"{_OP}: rank {_rank_text(None)}: cannot compress {tensor.dtype}; "
+                        "pass float32, float64, float16 or bfloat16")
+    if op == dist.ReduceOp.SUM:
+        return False
+    if op == dist.ReduceOp.AVG:
+        return True
+    raise ValueError(f"{_OP}: rank {_rank_text(None)}: op must be ReduceOp.SUM or "
+                     f"ReduceOp.AVG, not {op}; compression sums, and a minimum or product "
+                     "of approximations has no error bound: use dist.all_reduce")
+
+
+def _rank_text(group: Any) -> str:
+    if not dist.is_initialized():
+        return "?"
+    g = dist.get_rank()
+    if group is None:
+        return str(g)
+    return f"{dist.get_rank(group)} of its group (global rank {g})"
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def _unsigned(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
