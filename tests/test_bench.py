@@ -84,6 +84,39 @@ def test_sparse_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[
     assert "97 x 3 float32 table's gradient" in out and "tdx/gloo" in out, out
 
 
+def test_compressed_bench_tdx_and_gloo(tmp_path: Path,
+                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """``bench compressed``: 3 ranks, a size of one element and one not divisible by the
+    blocks, each method against exact on both backends; the errors are the codecs'."""
+    from torchdist_ext.bench import compressed
+
+    path = tmp_path / "compressed.json"
+    argv = ["compressed", "--world", "3", "--sizes", "4,40004", "--block", "64",
+            "--ratio", "0.5", "-n", "2", "-w", "1", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capfd.readouterr().out
+    doc = json.loads(path.read_text())
+    for b in ("tdx", "gloo"):
+        for size in ("4", "40004"):
+            row = doc["backends"][b][size]
+            assert set(row) == {"exact", "int8", "sign", "topk"}, row
+            assert all(cell["us"] > 0 for cell in row.values()), row
+            assert row["exact"]["error"] == 0.0
+            # Int8: two encodings, each within 1/254 of its largest element, relative
+            # to the sum's largest (the ranks' data are alike in size).
+            if size == "4":  # one element: each method sends it whole
+                assert all(cell["error"] < 1e-6 for cell in row.values()), row
+            else:
+                assert 0 < row["int8"]["error"] < 3 * 3 / 254, row
+                assert row["topk"]["error"] < 1.0 and row["sign"]["error"] < 3.0, row
+    opts = compressed.CompressedOptions(world=3, block=64, ratio=0.5)
+    # int8 at 3 ranks: 2 phases x 2 peers x (16 + 3392 values + 53 scales x 4) bytes
+    assert compressed.sent_bytes("int8", opts.method("int8"), 10001, 3) == 4 * (16 + 3392
+                                                                               + 53 * 4)
+    assert compressed.sent_bytes("exact", None, 10001, 3) == 2 * 2 * 3334 * 4
+    assert "Int8(block=64)" in out and "TopK(ratio=0.5)" in out and "vs exact" in out, out
+
+
 def test_sparse_bench_checker_counts_wrong_elements() -> None:
     from torchdist_ext.bench import sparse
 
@@ -817,6 +850,16 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["sparse", "--timeout", "nan"], "timeout (--timeout) must be a number of seconds > 0"),
     (["sparse", "--json", "/nonexistent-dir/s.json"], "directory /nonexistent-dir does not "
                                                       "exist"),
+    (["compressed", "--backends", "nccl"], "backends (--backends) take tdx and/or gloo"),
+    (["compressed", "--methods", "int8,fp8"], "methods (--methods) take int8, sign and/or "
+                                              "topk, each once, not 'int8,fp8'"),
+    (["compressed", "--sizes", "6"], "sizes (--sizes) must be byte counts of float32"),
+    (["compressed", "--sizes", "lots"], "not a size: 'lots'"),
+    (["compressed", "--block", "0"], "block must be an int from 1 to 2**24"),
+    (["compressed", "--ratio", "2"], "ratio must be a number in (0, 1]"),
+    (["compressed", "--world", "0"], "world (--world) must be at least 1"),
+    (["compressed", "-n", "0"], "iters (-n) must be at least 1"),
+    (["compressed", "--json", "/nonexistent-dir/c.json"], "directory /nonexistent-dir"),
 ])
 def test_bad_arguments_are_refused_before_measuring(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -876,6 +919,8 @@ def test_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_me
     assert "--device cuda: no CUDA device is visible" in _refused(["--device", "cuda"], capsys)
     assert "--device cuda: no CUDA device is visible" in _refused(
         ["sparse", "--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible" in _refused(
+        ["compressed", "--device", "cuda"], capsys)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         bench.run(Options(device="cuda", world=2))  # the Python entry point, before spawning
 

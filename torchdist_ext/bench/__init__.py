@@ -38,6 +38,10 @@ Usage::
     # (see torchdist_ext.bench.tune); for hosts whose ranks outnumber their CPUs
     python -m torchdist_ext.bench tune --world 4
 
+    # compressed all_reduce (torchdist_ext.compression) against exact, per method
+    # (see torchdist_ext.bench.compressed)
+    python -m torchdist_ext.bench compressed --world 2
+
 Backends: ``tdx``, ``gloo``, ``nccl``, and ``tdx:<algorithm>`` (``torchdist_ext.algorithms()``
 lists them per collective): tdx with that algorithm pinned (``set_algorithm``, on every
 rank, right before the label's rows; the previous choice, normally auto, comes back right

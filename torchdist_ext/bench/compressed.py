@@ -1,0 +1,282 @@
+"""``python -m torchdist_ext.bench compressed``: compressed all_reduce against exact.
+
+Per size and backend, the time of an exact ``dist.all_reduce`` (SUM) of a float32 tensor
+stands next to the time of ``torchdist_ext.compression.all_reduce`` of it with each
+method, with error feedback on as training keeps it. Columns: the bytes each rank sends
+per op (exact: a ring's ``2 (n - 1) / n`` of the tensor), the error of the first result
+(the largest difference from a float64 sum of every rank's tensor, over the sum's
+largest element; the same on every backend), and per backend the time per op in µs (the
+largest over the ranks of the mean over ``--iters`` ops, after ``--warmup``) and the
+exact op's time over it (above 1: compression pays).
+
+Every backend under test gets its own group in the same processes. Usage::
+
+    python -m torchdist_ext.bench compressed                        # tdx and gloo, 2 ranks
+    python -m torchdist_ext.bench compressed --world 4 --sizes 1M,16M --methods int8,sign
+    TDX_SHM=0 UCX_TLS=tcp python -m torchdist_ext.bench compressed  # as across hosts
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import math
+import os
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import compression as tc
+from . import report, runner
+from .core import size_arg
+from .runner import LaunchError, agree_across_ranks, is_lead, launched, time_per_call, \
+    torchrun_group
+
+__all__ = ["CompressedOptions", "build_parser", "main", "run", "table_lines"]
+
+_BACKENDS = ("tdx", "gloo")
+_METHODS = ("int8", "sign", "topk")
+
+
+@dataclass(frozen=True)
+class CompressedOptions:
+    """One run: ``world`` spawned ranks (ignored under torchrun); each of ``sizes``
+    (bytes of float32) reduced exactly and with each of ``methods`` on each backend."""
+
+    world: int = 2
+    backends: tuple[str, ...] = _BACKENDS
+    methods: tuple[str, ...] = _METHODS
+    sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 24)
+    block: int = 256
+    ratio: float = 0.01
+    device: str = "cpu"
+    iters: int = 10
+    warmup: int = 2
+    timeout: float = 300.0
+    json_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.backends or any(b not in _BACKENDS for b in self.backends) \
+                or len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends (--backends) take tdx and/or gloo, each once, not "
+                             f"{','.join(self.backends)!r}")
+        if not self.methods or any(m not in _METHODS for m in self.methods) \
+                or len(set(self.methods)) != len(self.methods):
+            raise ValueError(f"methods (--methods) take int8, sign and/or topk, each once, "
+                             f"not {','.join(self.methods)!r}")
+        if self.world < 1:
+            raise ValueError(f"world (--world) must be at least 1, not {self.world}")
+        if not self.sizes or any(s < 4 or s % 4 for s in self.sizes):
+            raise ValueError(f"sizes (--sizes) must be byte counts of float32 tensors (4 or "
+                             f"more, multiples of 4), not {','.join(map(str, self.sizes))}")
+        tc.Int8(block=self.block)  # their own checks name the fix
+        tc.TopK(ratio=self.ratio)
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device (--device) must be cpu or cuda, not {self.device!r}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"iters (-n) must be at least 1 and warmup (-w) at least 0, "
+                             f"not {self.iters} and {self.warmup}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout (--timeout) must be a number of seconds > 0, not "
+                             f"{self.timeout}")
+
+    def method(self, name: str) -> tc.Method:
+        return {"int8": tc.Int8(self.block), "sign": tc.Sign(self.block),
+                "topk": tc.TopK(self.ratio)}[name]
+
+
+def _tensor(rank: int, count: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7919 * rank + count)
+    return torch.randn(count, generator=gen, dtype=torch.float64).float().to(device)
+
+
+def sent_bytes(name: str, method: tc.Method | None, count: int, world: int) -> int:
+    """Bytes one rank sends per op of ``count`` float32 elements: a ring's share for the
+    exact op (``name`` "exact"), the encoded rows and their headers for the methods."""
+    if world == 1:
+        return 0
+    if method is None:
+        return 2 * (world - 1) * -(-count // world) * 4
+    if isinstance(method, tc.TopK):
+        k = method.k(count)
+        return (world - 1) * (16 + k * (4 + torch.empty(
+            0, dtype=method.index_dtype(count)).element_size()))
+    length = -(-count // (world * method.unit)) * method.unit
+    return 2 * (world - 1) * (16 + method.nbytes(length, torch.float32))
+
+
+def _backend_rows(opts: CompressedOptions, group: Any, world: int, rank: int,
+                  device: torch.device) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for nbytes in opts.sizes:
+        count = nbytes // 4
+        row: dict[str, Any] = {}
+        t = _tensor(rank, count, device)
+        for _ in range(opts.warmup):
+            dist.all_reduce(t, group=group)
+        # The tensor's values grow by the world each op: the time does not depend on them.
+        row["exact"] = {"us": time_per_call(lambda i: dist.all_reduce(t, group=group),
+                                            opts.iters, device) * 1e6, "error": 0.0}
+        for name in opts.methods:
+            method = opts.method(name)
+            first = _tensor(rank, count, device)
+            state = tc.ErrorFeedback()
+            tc.all_reduce(first, method, group=group, state=state)
+            error = None
+            if rank == 0:
+                want = sum(_tensor(r, count, torch.device("cpu")).double()
+                           for r in range(world))
+                scale = float(want.abs().max()) or 1.0
+                error = float((first.double().cpu() - want).abs().max()) / scale
+            x = _tensor(rank, count, device)
+            for _ in range(opts.warmup):
+                tc.all_reduce(x.clone(), method, group=group, state=state)
+            copies = [x.clone() for _ in range(opts.iters)]
+            us = time_per_call(lambda i: tc.all_reduce(copies[i], method, group=group,
+                                                       state=state),
+                               opts.iters, device) * 1e6
+            row[name] = {"us": us, "error": error}
+        out[str(nbytes)] = row
+    return out
+
+
+def rank_main(rank: int, world: int, opts: CompressedOptions,
+              local_rank: int | None = None) -> dict[str, Any]:
+    """One rank of a run inside an initialised default gloo group: every backend's
+    results (errors on rank 0)."""
+    device = torch.device("cpu")
+    if opts.device == "cuda":
+        local = rank if local_rank is None else local_rank
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    problem = None
+    if is_lead() and opts.json_path:
+        problem = report.unwritable(opts.json_path, "--json")
+    if why := agree_across_ranks(problem):
+        raise LaunchError(why)
+    data: dict[str, Any] = {
+        "bench": "compressed all_reduce", "world": world,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "options": asdict(opts), "backends": {},
+    }
+    for backend in opts.backends:
+        group = dist.new_group(backend=backend)
+        try:
+            data["backends"][backend] = _backend_rows(opts, group, world, rank, device)
+        finally:
+            dist.destroy_process_group(group)
+    return data
+
+
+def run(opts: CompressedOptions) -> dict[str, Any]:
+    """Measure; rank 0's results (every rank's under torchrun, errors on rank 0)."""
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda: no CUDA device is visible to this process; use "
+                          "--device cpu")
+    if launched():
+        with torchrun_group(opts.timeout):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            return rank_main(rank, world, opts, int(os.environ.get("LOCAL_RANK", rank)))
+    if opts.json_path and (why := report.unwritable(opts.json_path, "--json")):
+        raise LaunchError(why)
+    return runner._spawn(opts, functools.partial(runner._spawn_child, main=rank_main))
+
+
+def table_lines(data: dict[str, Any]) -> list[str]:
+    """The text table of a run's results."""
+    o = data["options"]
+    world = data["world"]
+    opts = CompressedOptions(**{**o, "backends": tuple(o["backends"]),
+                                "methods": tuple(o["methods"]), "sizes": tuple(o["sizes"])})
+    names = list(data["backends"])
+    lines = [f"# all_reduce (SUM) of float32, exact and compressed (error feedback on), "
+             f"{world} rank(s), {o['device']}, {data['host']}, {data['date']}",
+             f"# time: the largest over the ranks of the mean of {o['iters']} ops, in us; "
+             f"vs exact: the exact op's time over this one's (above 1: compression pays)"]
+    head = f"{'size':>10} {'method':>18} {'sent/rank':>11} {'error':>9}"
+    for n in names:
+        head += f" {n + ' us':>13} {'vs exact':>9}"
+    lines.append(head)
+    for nbytes in o["sizes"]:
+        count = nbytes // 4
+        for name in ("exact", *o["methods"]):
+            method = None if name == "exact" else opts.method(name)
+            first = data["backends"][names[0]][str(nbytes)][name]
+            err = first["error"]
+            line = (f"{report.bytes_text(nbytes):>10} {str(method or 'exact'):>18} "
+                    f"{report.bytes_text(sent_bytes(name, method, count, world)):>11} "
+                    f"{'-' if err is None else f'{err:.2e}':>9}")
+            for n in names:
+                cell = data["backends"][n][str(nbytes)]
+                us = cell[name]["us"]
+                line += f" {us:>13.1f} {cell['exact']['us'] / us:>8.2f}x"
+            lines.append(line)
+    return lines
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(size_arg(x) for x in _names(text))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchdist_ext.bench compressed",
+        description="Time torchdist_ext.compression.all_reduce against an exact all_reduce, "
+                    "several backends side by side.",
+        epilog="Under torchrun the ranks come from the environment and --world is ignored.")
+    p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
+    p.add_argument("--methods", default="int8,sign,topk",
+                   help="int8, sign and/or topk (default all)")
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--sizes", type=_sizes, default=(1 << 16, 1 << 20, 1 << 24),
+                   help="comma-separated tensor sizes in bytes, K/M suffixes "
+                        "(default 64K,1M,16M)")
+    p.add_argument("--block", type=int, default=256,
+                   help="elements per scale for int8 and sign (default 256)")
+    p.add_argument("--ratio", type=float, default=0.01,
+                   help="share of elements topk sends (default 0.01)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("-n", "--iters", type=int, default=10, help="timed ops (default 10)")
+    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed ops (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 when every op ran (a backend that fails raises)."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        opts = CompressedOptions(world=a.world, backends=_names(a.backends),
+                                 methods=_names(a.methods), sizes=a.sizes, block=a.block,
+                                 ratio=a.ratio, device=a.device, iters=a.iters,
+                                 warmup=a.warmup, timeout=a.timeout, json_path=a.json_path)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        data = run(opts)
+    except LaunchError as exc:
+        parser.error(str(exc))
+    if not is_lead():
+        return 0
+    for line in table_lines(data):
+        print(line)
+    if opts.json_path:
+        report.write_json(opts.json_path, data)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
