@@ -104,6 +104,7 @@ c10::intrusive_ptr<tdx::ProcessGroupTDX> createBackend(
 } // namespace
 
 void bindAlgorithms(py::module& m);  // bindings_algorithms.cpp
+void bindCompression(py::module& m);  // bindings_compression.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tdx: a UCX-based torch.distributed backend";
@@ -173,6 +174,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
   bindAlgorithms(m);
+  bindCompression(m);
   m.def("ucx_version", [] { return std::string(ucp_get_version_string()); });
   // The CPUs this process may use (affinity mask, capped by a cgroup v2 quota), as tdx
   // counts them when it judges whether ranks outnumber them.

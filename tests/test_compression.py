@@ -90,6 +90,53 @@ def test_a_block_with_inf_or_nan_decodes_to_nan_and_spares_the_others(codec) -> 
     assert torch.isfinite(got[0, 2 * b:]).all()
 
 
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("codec", [tc.Int8(block=1), tc.Int8(block=7), tc.Int8(block=256),
+                                   tc.Sign(block=1), tc.Sign(block=5), tc.Sign(block=64)])
+def test_the_cpu_kernels_encode_and_decode_as_the_torch_codec_does(codec,
+                                                                    wdtype: torch.dtype):
+    """The one-pass CPU kernels against the torch-op codec (the CUDA path): the same
+    payload (Sign's scales to rounding: their sums add in another order), the same
+    residuals and the same decoded values, written into rows spaced apart as the
+    header leaves them."""
+    length = codec.unit * 6
+    g = torch.Generator().manual_seed(codec.block)
+    rows = torch.randn(4, length, generator=g, dtype=wdtype)
+    rows[1] *= 1e-30 if wdtype == torch.float32 else 1e-300  # tiny scales
+    rows[2, :codec.block] = 0
+    rows[2, codec.block + 1] = math.inf
+    rows[2, -1] = math.nan
+    if codec.block >= 7:  # ties: a block whose scale is 1, holding halves
+        rows[3, :7] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5])
+    valid = [length, length - 3, length, 2]
+    nbytes = codec.nbytes(length, wdtype)
+    out = torch.full((4, nbytes + 5), 7, dtype=torch.uint8)[:, 5:]
+    lost = codec.encode_into(rows, valid, out, want_lost=True)
+    payload, decoded = codec.encode(rows, valid)
+    want_lost = (rows - decoded).masked_fill(~torch.isfinite(rows - decoded), 0)
+    if isinstance(codec, tc.Int8):
+        assert torch.equal(out, payload)
+        assert torch.equal(lost, want_lost)
+        if codec.block >= 7:
+            assert out[3, :7].view(torch.int8).tolist() == [127, 2, -4, 0, 0, 2, 126]
+    else:
+        nbits = length // 8
+        assert torch.equal(out[:, :nbits], payload[:, :nbits])
+        got_scale = tc.codecs.as_dtype(out[:, nbits:], wdtype)
+        want_scale = tc.codecs.as_dtype(payload[:, nbits:], wdtype)
+        assert torch.equal(got_scale.isnan(), want_scale.isnan())
+        assert torch.allclose(got_scale.nan_to_num(), want_scale.nan_to_num(), rtol=1e-6,
+                              atol=0)
+        biggest = rows[torch.isfinite(rows)].abs().max()
+        assert torch.allclose(lost, want_lost, rtol=1e-5, atol=1e-6 * biggest)
+    back = codec.decode_rows(out, length, wdtype)
+    ref = codec.decode(out, length, wdtype)  # the torch decoder, on the kernel's bytes
+    assert torch.equal(back.isnan(), ref.isnan())
+    assert torch.equal(back.nan_to_num(), ref.nan_to_num())
+    total = codec.decode_sum(out[[0, 1, 3]], length, wdtype)
+    assert torch.allclose(total, ref[0] + ref[1] + ref[3], rtol=1e-6, atol=0)
+
+
 def test_bad_method_parameters_are_refused_naming_the_fix() -> None:
     for make, text in [(lambda: tc.Int8(block=0), "block must be an int"),
                        (lambda: tc.Sign(block=2.5), "block must be an int"),

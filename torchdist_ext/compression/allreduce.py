@@ -116,14 +116,15 @@ def _reduce(tensor: torch.Tensor, method: Method, group: Any, average: bool,
     None once it is done."""
     flat = tensor.detach().reshape(-1)
     wdtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-    x = flat.to(wdtype, copy=True)
-    if state is not None:
-        x += state._take((key, "sent"), x, resize)
     n = dist.get_world_size(group)
     if isinstance(method, TopK):
+        x = flat.to(wdtype, copy=True)
+        if state is not None:
+            x += state._take((key, "sent"), x, resize)
         work, rest = _topk(x, method, group, n, state, key)
     else:
-        work, rest = _two_phase(x, method, group, n, average and n > 1, state, key, resize)
+        work, rest = _two_phase(flat, wdtype, method, group, n, average and n > 1, state,
+                                key, resize)
 
     def finish() -> torch.Tensor:
         out = rest()
@@ -145,21 +146,26 @@ def _reduce(tensor: torch.Tensor, method: Method, group: Any, average: bool,
     return work.get_future().then(chained)
 
 
-def _two_phase(x: torch.Tensor, method: Int8 | Sign, group: Any, n: int, divide: bool,
-               state: ErrorFeedback | None, key: Hashable, resize: str,
-               ) -> tuple[Any, Rest]:
-    numel, wdtype = x.numel(), x.dtype
+def _two_phase(flat: torch.Tensor, wdtype: torch.dtype, method: Int8 | Sign, group: Any,
+               n: int, divide: bool, state: ErrorFeedback | None, key: Hashable,
+               resize: str) -> tuple[Any, Rest]:
+    numel, device = flat.numel(), flat.device
     unit = method.unit
     length = -(-numel // (n * unit)) * unit if numel else 0
-    rows = torch.zeros(n, length, dtype=wdtype, device=x.device)
-    rows.view(-1)[:numel] = x
+    # The tensor (and its residual) in n rows of `length`, zeros after its end.
+    rows = torch.empty(n, length, dtype=wdtype, device=device)
+    padded = rows.view(-1)
+    padded[:numel].copy_(flat)
+    padded[numel:].zero_()
+    if state is not None:
+        padded[:numel] += state._take((key, "sent"), padded[:numel], resize)
     word = method.word(wdtype)
     valid = [max(0, min(length, numel - r * length)) for r in range(n)]
-    payload, decoded = method.encode(rows, valid) if length else (
-        torch.empty(n, 0, dtype=torch.uint8, device=x.device), rows)
+    send = _payload_rows(n, method.nbytes(length, wdtype), word, numel, device)
+    lost = method.encode_into(rows, valid, send[:, _HEADER:], state is not None) \
+        if length else torch.zeros_like(rows)
     if state is not None:
-        state._put((key, "sent"), (rows - decoded).reshape(-1)[:numel])
-    send = _with_header(payload, word, numel)
+        state._put((key, "sent"), lost.reshape(-1)[:numel])
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
@@ -167,8 +173,8 @@ def _two_phase(x: torch.Tensor, method: Int8 | Sign, group: Any, n: int, divide:
         me = dist.get_rank(group)
         _check_headers(recv, word, numel, group, "its chunks")
         if not length:
-            return x
-        total = method.decode(recv[:, _HEADER:], length, wdtype).sum(0)
+            return padded
+        total = method.decode_sum(recv[:, _HEADER:], length, wdtype)
         if divide:
             total /= n
         if state is not None:
@@ -177,16 +183,16 @@ def _two_phase(x: torch.Tensor, method: Int8 | Sign, group: Any, n: int, divide:
         # keeps no residual.
         mine = valid[me]
         total[mine:] = 0
-        payload2, decoded2 = method.encode(total.reshape(1, length), [mine])
+        send2 = _payload_rows(1, send.shape[1] - _HEADER, word, numel, device)
+        lost2 = method.encode_into(total.reshape(1, length), [mine], send2[:, _HEADER:],
+                                   state is not None)
         if state is not None:
-            lost = total - decoded2.reshape(-1)
-            lost[mine:] = 0
-            state._put((key, "owned"), lost)
-        send2 = _with_header(payload2, word, numel)
-        gathered = torch.empty(n, send2.shape[1], dtype=torch.uint8, device=x.device)
+            state._put((key, "owned"), lost2.reshape(-1))
+        gathered = torch.empty(n, send2.shape[1], dtype=torch.uint8, device=device)
         _all_gather(gathered, send2, group=group)
         _check_headers(gathered, word, numel, group, "the reduced chunks")
-        return method.decode(gathered[:, _HEADER:], length, wdtype).reshape(-1)[:numel]
+        out = method.decode_rows(gathered[:, _HEADER:], length, wdtype)
+        return out.reshape(-1)[:numel]
 
     return work, second
 
@@ -207,11 +213,13 @@ def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedbac
         residual = x.clone()
         residual[idx] = 0
         state._put((key, "sent"), residual)
-    payload = torch.cat([vals.view(torch.uint8), idx.to(idx_dtype).view(torch.uint8)])
-    send = _with_header(payload.reshape(1, -1), word, numel)
+    vbytes = k * vals.element_size()
+    send = _payload_rows(1, vbytes + k * idx.new_empty(0, dtype=idx_dtype).element_size(),
+                         word, numel, x.device)
+    send[0, _HEADER:_HEADER + vbytes] = vals.view(torch.uint8)
+    send[0, _HEADER + vbytes:] = idx.to(idx_dtype).view(torch.uint8)
     gathered = torch.empty(n, send.shape[1], dtype=torch.uint8, device=x.device)
     work = _all_gather(gathered, send, group=group, async_op=True)
-    vbytes = k * vals.element_size()
 
     def total() -> torch.Tensor:
         _check_headers(gathered, word, numel, group, "its selection")
@@ -226,10 +234,13 @@ def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedbac
     return work, total
 
 
-def _with_header(payload: torch.Tensor, word: int, numel: int) -> torch.Tensor:
-    rows = payload.shape[0]
-    head = torch.tensor([[_signed(word), numel]], dtype=torch.int64, device=payload.device)
-    return torch.cat([head.expand(rows, 2).contiguous().view(torch.uint8), payload], dim=1)
+def _payload_rows(rows: int, nbytes: int, word: int, numel: int,
+                  device: torch.device) -> torch.Tensor:
+    """``rows`` uint8 rows of the header and ``nbytes`` for the codec to fill."""
+    out = torch.empty(rows, _HEADER + nbytes, dtype=torch.uint8, device=device)
+    head = torch.tensor([_signed(word), numel], dtype=torch.int64)
+    out[:, :_HEADER] = head.view(torch.uint8).to(device)
+    return out
 
 
 def _check_headers(rows: torch.Tensor, word: int, numel: int, group: Any,

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _C
+
 __all__ = ["Int8", "Sign", "TopK", "Method", "as_dtype", "describe_word"]
 
 # Method kinds in the header word (bits 56..63); the parameter is in bits 0..31 and the
@@ -38,14 +40,71 @@ def _check_block(block: object, name: str) -> None:
                          f"{block!r}; 256 is a good default")
 
 
+class _BlockCodec:
+    """What Int8 and Sign share: encoding into payload rows and decoding them, through
+    the extension's one-pass CPU kernels (csrc/kernels/quantize_cpu.cpp) for CPU tensors
+    and through ``encode``/``decode``, the same codec in torch ops, elsewhere (CUDA).
+    Int8's two paths give the same bits; Sign's scales may differ in the last bit (their
+    sums add in another order), which no rank sees: each payload is decoded as sent."""
+
+    block: int
+    kernel = ""
+
+    def encode(self, rows: torch.Tensor, valid: list[int],
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def decode(self, payload: torch.Tensor, length: int, wdtype: torch.dtype,
+               ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_into(self, rows: torch.Tensor, valid: list[int], out: torch.Tensor,
+                    want_lost: bool) -> torch.Tensor | None:
+        """Encodes ``rows`` into ``out`` (uint8, a row each, as ``nbytes`` says); returns
+        what each element lost (0 in blocks that are not finite) when ``want_lost``."""
+        if rows.device.type == "cpu":
+            lost = torch.empty_like(rows) if want_lost else None
+            _C._codec_encode(self.kernel, rows, self.block, valid, out, lost)
+            return lost
+        payload, decoded = self.encode(rows, valid)
+        out.copy_(payload)
+        if not want_lost:
+            return None
+        lost = rows - decoded
+        return lost.masked_fill_(~torch.isfinite(lost), 0)
+
+    def decode_rows(self, payload: torch.Tensor, length: int, wdtype: torch.dtype,
+                    ) -> torch.Tensor:
+        """The ``(rows, length)`` values that ``payload``'s rows encode."""
+        if payload.device.type == "cpu":
+            out = torch.empty(payload.shape[0], length, dtype=wdtype)
+            _C._codec_decode(self.kernel, payload, length, self.block, out, False)
+            return out
+        return self.decode(payload, length, wdtype)
+
+    def decode_sum(self, payload: torch.Tensor, length: int, wdtype: torch.dtype,
+                   ) -> torch.Tensor:
+        """The sum of the values ``payload``'s rows encode, added in row order."""
+        if payload.device.type == "cpu":
+            out = torch.empty(length, dtype=wdtype)
+            _C._codec_decode(self.kernel, payload, length, self.block, out, True)
+            return out
+        rows = self.decode(payload, length, wdtype)
+        total = rows[0].clone()
+        for r in range(1, rows.shape[0]):
+            total += rows[r]
+        return total
+
+
 @dataclass(frozen=True)
-class Int8:
+class Int8(_BlockCodec):
     """Block-scaled int8: each block of ``block`` elements travels as int8 values ``q``
     and one scale ``s = max|x| / 127``, and decodes as ``q * s``. The error of each
     element is at most ``s / 2``, that is ``max|x| / 254`` over its block. Bytes per
     element: ``1 + itemsize / block`` (about 1.02 at the default, a quarter of float32)."""
 
     block: int = 256
+    kernel = "int8"
 
     def __post_init__(self) -> None:
         _check_block(self.block, "Int8")
@@ -60,7 +119,9 @@ class Int8:
     def nbytes(self, length: int, wdtype: torch.dtype) -> int:
         return length + (length // self.block) * _itemsize(wdtype)
 
-    def encode(self, rows: torch.Tensor, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, rows: torch.Tensor, valid: list[int],
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Torch ops: the payload rows and what they decode to."""
         n, length = rows.shape
         blocks = rows.reshape(-1, self.block)
         amax = blocks.abs().amax(1, keepdim=True)
@@ -83,7 +144,7 @@ class Int8:
 
 
 @dataclass(frozen=True)
-class Sign:
+class Sign(_BlockCodec):
     """One bit per element with a scale per block (signSGD with a scale): each block of
     ``block`` elements travels as its signs and ``s = mean|x|`` and decodes as ``+s`` or
     ``-s``, the nearest such vector to the block. Lossy well beyond int8: use it with
@@ -91,6 +152,7 @@ class Sign:
     ``1/8 + itemsize / block`` (about 0.14 at the default, 1/29 of float32)."""
 
     block: int = 256
+    kernel = "sign"
 
     def __post_init__(self) -> None:
         _check_block(self.block, "Sign")
@@ -105,7 +167,9 @@ class Sign:
     def nbytes(self, length: int, wdtype: torch.dtype) -> int:
         return length // 8 + (length // self.block) * _itemsize(wdtype)
 
-    def encode(self, rows: torch.Tensor, valid: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, rows: torch.Tensor, valid: list[int],
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Torch ops: the payload rows and what they decode to."""
         n, length = rows.shape
         blocks = rows.reshape(-1, self.block)
         # The mean over the block's elements of the tensor, not over the zeros that pad
