@@ -15,7 +15,6 @@ gloo, nccl) through its all_to_all and all_gather; the result is the same on eve
 rank. See README, "Compressed all_reduce".
 """
 
-from . import codecs
 from .allreduce import ErrorFeedback, all_reduce
 from .codecs import Int8, Method, Sign, TopK
 from .hooks import CompressionState, ddp_comm_hook
