@@ -77,8 +77,9 @@ class ErrorFeedback:
         return torch.zeros_like(like)
 
     def _put(self, key: Hashable, residual: torch.Tensor) -> None:
-        # An overflowed block keeps nothing: a NaN residual would poison every later step.
-        self._residuals[key] = residual.masked_fill_(~torch.isfinite(residual), 0)
+        # The codecs leave 0 where a block was not finite: a NaN residual would poison
+        # every later step.
+        self._residuals[key] = residual
 
 
 def all_reduce(tensor: torch.Tensor, method: Method, op: Any = dist.ReduceOp.SUM,
@@ -212,7 +213,8 @@ def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedbac
     if state is not None:
         residual = x.clone()
         residual[idx] = 0
-        state._put((key, "sent"), residual)
+        # An infinity or a NaN left out of the selection is dropped, not kept.
+        state._put((key, "sent"), residual.nan_to_num_(0.0, 0.0, 0.0))
     vbytes = k * vals.element_size()
     send = _payload_rows(1, vbytes + k * idx.new_empty(0, dtype=idx_dtype).element_size(),
                          word, numel, x.device)
