@@ -44,6 +44,10 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residuals: dict[Hashable, torch.Tensor] = {}
+        # Per key, the op's buffers, kept from call to call: a fresh tensor of tens of
+        # MiB is fresh pages from the kernel, whose faults cost more than the codec's
+        # passes over them. The residuals live in them too.
+        self._spaces: dict[Hashable, dict[str, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self._residuals)
@@ -54,12 +58,17 @@ class ErrorFeedback:
         encoded, and what the chunk of the sum this rank encodes for the others lost
         (Int8 and Sign, whose rank ``r`` encodes the sum's ``r``-th chunk; None for
         TopK). Added to the next call, they make the results of ``T`` calls sum to
-        ``T`` exact sums less what is held here."""
+        ``T`` exact sums less what is held here. They are the state's own memory,
+        which the next call under ``key`` overwrites: clone them to keep them."""
         return self._residuals.get((key, "sent")), self._residuals.get((key, "owned"))
 
     def clear(self) -> None:
         """Forget every residual (after loading a checkpoint, say)."""
         self._residuals.clear()
+        self._spaces.clear()
+
+    def _space(self, key: Hashable) -> dict[str, torch.Tensor]:
+        return self._spaces.setdefault(key, {})
 
     def _take(self, key: tuple[Hashable, str], like: torch.Tensor, resize: str,
               ) -> torch.Tensor:
@@ -68,7 +77,8 @@ class ErrorFeedback:
         another size: "raise" or "reset"."""
         old = self._residuals.get(key)
         if old is not None and old.numel() == like.numel():
-            return old.to(device=like.device, dtype=like.dtype)
+            return old if old.device == like.device and old.dtype == like.dtype \
+                else old.to(device=like.device, dtype=like.dtype)
         if old is not None and resize == "raise":
             raise ValueError(
                 f"{_OP}: rank {_rank_text(None)}: the error feedback under key {key[0]!r} "
@@ -147,27 +157,48 @@ def _reduce(tensor: torch.Tensor, method: Method, group: Any, average: bool,
     return work.get_future().then(chained)
 
 
+def _buffer(space: dict[str, torch.Tensor] | None, name: str, shape: tuple[int, ...],
+            dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor: ``space``'s own ``name`` when it has that shape, dtype and
+    device (it is then reused), a new one (kept there) otherwise."""
+    old = None if space is None else space.get(name)
+    if old is not None and old.shape == shape and old.dtype == dtype \
+            and old.device == device:
+        return old
+    new = torch.empty(shape, dtype=dtype, device=device)
+    if space is not None:
+        space[name] = new
+    return new
+
+
 def _two_phase(flat: torch.Tensor, wdtype: torch.dtype, method: Int8 | Sign, group: Any,
                n: int, divide: bool, state: ErrorFeedback | None, key: Hashable,
                resize: str) -> tuple[Any, Rest]:
     numel, device = flat.numel(), flat.device
     unit = method.unit
     length = -(-numel // (n * unit)) * unit if numel else 0
+    nbytes = _HEADER + method.nbytes(length, wdtype)
+    space = None if state is None else state._space(key)
     # The tensor (and its residual) in n rows of `length`, zeros after its end.
-    rows = torch.empty(n, length, dtype=wdtype, device=device)
+    rows = _buffer(space, "rows", (n, length), wdtype, device)
     padded = rows.view(-1)
     padded[:numel].copy_(flat)
     padded[numel:].zero_()
+    lost = None
     if state is not None:
         padded[:numel] += state._take((key, "sent"), padded[:numel], resize)
+        # Written only after the residual above has been added in: it may be the same
+        # memory.
+        lost = _buffer(space, "lost", (n, length), wdtype, device)
     word = method.word(wdtype)
     valid = [max(0, min(length, numel - r * length)) for r in range(n)]
-    send = _payload_rows(n, method.nbytes(length, wdtype), word, numel, device)
-    lost = method.encode_into(rows, valid, send[:, _HEADER:], state is not None) \
-        if length else torch.zeros_like(rows)
-    if state is not None:
-        state._put((key, "sent"), lost.reshape(-1)[:numel])
-    recv = torch.empty_like(send)
+    send = _payload_rows(_buffer(space, "send", (n, nbytes), torch.uint8, device), word,
+                         numel)
+    if length:
+        method.encode_into(rows, valid, send[:, _HEADER:], lost)
+    if lost is not None:
+        state._put((key, "sent"), lost.view(-1)[:numel])
+    recv = _buffer(space, "recv", (n, nbytes), torch.uint8, device)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
 
     def second() -> torch.Tensor:
@@ -175,25 +206,30 @@ def _two_phase(flat: torch.Tensor, wdtype: torch.dtype, method: Int8 | Sign, gro
         _check_headers(recv, word, numel, group, "its chunks")
         if not length:
             return padded
-        total = method.decode_sum(recv[:, _HEADER:], length, wdtype)
+        total = method.decode_sum(recv[:, _HEADER:], length, wdtype,
+                                  out=_buffer(space, "total", (length,), wdtype, device))
         if divide:
             total /= n
+        lost2 = None
         if state is not None:
             total += state._take((key, "owned"), total, resize)
+            lost2 = _buffer(space, "lost2", (1, length), wdtype, device)
         # Padding past the tensor's end stays zero, so it sways no block's scale, and
         # keeps no residual.
         mine = valid[me]
         total[mine:] = 0
-        send2 = _payload_rows(1, send.shape[1] - _HEADER, word, numel, device)
-        lost2 = method.encode_into(total.reshape(1, length), [mine], send2[:, _HEADER:],
-                                   state is not None)
-        if state is not None:
-            state._put((key, "owned"), lost2.reshape(-1))
-        gathered = torch.empty(n, send2.shape[1], dtype=torch.uint8, device=device)
+        send2 = _payload_rows(_buffer(space, "send2", (1, nbytes), torch.uint8, device),
+                              word, numel)
+        method.encode_into(total.view(1, length), [mine], send2[:, _HEADER:], lost2)
+        if lost2 is not None:
+            lost2[0, mine:] = 0
+            state._put((key, "owned"), lost2.view(-1))
+        gathered = _buffer(space, "gathered", (n, nbytes), torch.uint8, device)
         _all_gather(gathered, send2, group=group)
         _check_headers(gathered, word, numel, group, "the reduced chunks")
-        out = method.decode_rows(gathered[:, _HEADER:], length, wdtype)
-        return out.reshape(-1)[:numel]
+        out = method.decode_rows(gathered[:, _HEADER:], length, wdtype,
+                                 out=_buffer(space, "out", (n, length), wdtype, device))
+        return out.view(-1)[:numel]
 
     return work, second
 
@@ -216,8 +252,9 @@ def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedbac
         # An infinity or a NaN left out of the selection is dropped, not kept.
         state._put((key, "sent"), residual.nan_to_num_(0.0, 0.0, 0.0))
     vbytes = k * vals.element_size()
-    send = _payload_rows(1, vbytes + k * idx.new_empty(0, dtype=idx_dtype).element_size(),
-                         word, numel, x.device)
+    ibytes = k * torch.empty(0, dtype=idx_dtype).element_size()
+    send = _payload_rows(torch.empty(1, _HEADER + vbytes + ibytes, dtype=torch.uint8,
+                                     device=x.device), word, numel)
     send[0, _HEADER:_HEADER + vbytes] = vals.view(torch.uint8)
     send[0, _HEADER + vbytes:] = idx.to(idx_dtype).view(torch.uint8)
     gathered = torch.empty(n, send.shape[1], dtype=torch.uint8, device=x.device)
@@ -236,12 +273,11 @@ def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedbac
     return work, total
 
 
-def _payload_rows(rows: int, nbytes: int, word: int, numel: int,
-                  device: torch.device) -> torch.Tensor:
-    """``rows`` uint8 rows of the header and ``nbytes`` for the codec to fill."""
-    out = torch.empty(rows, _HEADER + nbytes, dtype=torch.uint8, device=device)
+def _payload_rows(out: torch.Tensor, word: int, numel: int) -> torch.Tensor:
+    """``out`` (uint8 rows) with the header written at the start of each row, the rest
+    for the codec to fill."""
     head = torch.tensor([_signed(word), numel], dtype=torch.int64)
-    out[:, :_HEADER] = head.view(torch.uint8).to(device)
+    out[:, :_HEADER] = head.view(torch.uint8).to(out.device)
     return out
 
 

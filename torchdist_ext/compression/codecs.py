@@ -59,41 +59,45 @@ class _BlockCodec:
         raise NotImplementedError
 
     def encode_into(self, rows: torch.Tensor, valid: list[int], out: torch.Tensor,
-                    want_lost: bool) -> torch.Tensor | None:
-        """Encodes ``rows`` into ``out`` (uint8, a row each, as ``nbytes`` says); returns
-        what each element lost (0 in blocks that are not finite) when ``want_lost``."""
+                    lost: torch.Tensor | None) -> None:
+        """Encodes ``rows`` into ``out`` (uint8, a row each, as ``nbytes`` says), and
+        into ``lost`` (rows' shape, when given) what each element lost: 0 in blocks that
+        are not finite. ``lost`` may be the memory ``rows`` was summed from."""
         if rows.device.type == "cpu":
-            lost = torch.empty_like(rows) if want_lost else None
             _C._codec_encode(self.kernel, rows, self.block, valid, out, lost)
-            return lost
+            return
         payload, decoded = self.encode(rows, valid)
         out.copy_(payload)
-        if not want_lost:
-            return None
-        lost = rows - decoded
-        return lost.masked_fill_(~torch.isfinite(lost), 0)
+        if lost is not None:
+            torch.sub(rows, decoded, out=lost)
+            lost.masked_fill_(~torch.isfinite(lost), 0)
 
     def decode_rows(self, payload: torch.Tensor, length: int, wdtype: torch.dtype,
-                    ) -> torch.Tensor:
-        """The ``(rows, length)`` values that ``payload``'s rows encode."""
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``(rows, length)`` values that ``payload``'s rows encode (into ``out``
+        when given)."""
+        if out is None:
+            out = torch.empty(payload.shape[0], length, dtype=wdtype, device=payload.device)
         if payload.device.type == "cpu":
-            out = torch.empty(payload.shape[0], length, dtype=wdtype)
             _C._codec_decode(self.kernel, payload, length, self.block, out, False)
-            return out
-        return self.decode(payload, length, wdtype)
+        else:
+            out.copy_(self.decode(payload, length, wdtype))
+        return out
 
     def decode_sum(self, payload: torch.Tensor, length: int, wdtype: torch.dtype,
-                   ) -> torch.Tensor:
-        """The sum of the values ``payload``'s rows encode, added in row order."""
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of the values ``payload``'s rows encode, added in row order (into
+        ``out`` when given)."""
+        if out is None:
+            out = torch.empty(length, dtype=wdtype, device=payload.device)
         if payload.device.type == "cpu":
-            out = torch.empty(length, dtype=wdtype)
             _C._codec_decode(self.kernel, payload, length, self.block, out, True)
             return out
         rows = self.decode(payload, length, wdtype)
-        total = rows[0].clone()
+        out.copy_(rows[0])
         for r in range(1, rows.shape[0]):
-            total += rows[r]
-        return total
+            out += rows[r]
+        return out
 
 
 @dataclass(frozen=True)
