@@ -13,7 +13,7 @@ Every backend under test gets its own group in the same processes. Usage::
 
     python -m torchdist_ext.bench compressed                        # tdx and gloo, 2 ranks
     python -m torchdist_ext.bench compressed --world 4 --sizes 1M,16M --methods int8,sign
-    TDX_SHM=0 UCX_TLS=tcp python -m torchdist_ext.bench compressed  # as across hosts
+    TDX_SHM=0 TDX_UCX_PEER_ERRORS=1 python -m torchdist_ext.bench compressed  # over TCP
 """
 
 from __future__ import annotations
