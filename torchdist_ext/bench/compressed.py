@@ -19,13 +19,9 @@ Every backend under test gets its own group in the same processes. Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import math
-import os
-import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -34,8 +30,7 @@ import torch.distributed as dist
 from .. import compression as tc
 from . import report, runner
 from .core import size_arg
-from .runner import LaunchError, agree_across_ranks, is_lead, launched, time_per_call, \
-    torchrun_group
+from .runner import LaunchError, is_lead, time_per_call
 
 __all__ = ["CompressedOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -149,43 +144,16 @@ def rank_main(rank: int, world: int, opts: CompressedOptions,
               local_rank: int | None = None) -> dict[str, Any]:
     """One rank of a run inside an initialised default gloo group: every backend's
     results (errors on rank 0)."""
-    device = torch.device("cpu")
-    if opts.device == "cuda":
-        local = rank if local_rank is None else local_rank
-        device = torch.device("cuda", local % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    problem = None
-    if is_lead() and opts.json_path:
-        problem = report.unwritable(opts.json_path, "--json")
-    if why := agree_across_ranks(problem):
-        raise LaunchError(why)
-    data: dict[str, Any] = {
-        "bench": "compressed all_reduce", "world": world,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "options": asdict(opts), "backends": {},
-    }
-    for backend in opts.backends:
-        group = dist.new_group(backend=backend)
-        try:
-            data["backends"][backend] = _backend_rows(opts, group, world, rank, device)
-        finally:
-            dist.destroy_process_group(group)
+    device = runner.side_device(opts.device, rank, local_rank)
+    data = runner.side_report("compressed all_reduce", world, opts)
+    data["backends"] = runner.per_backend(
+        opts.backends, lambda group: _backend_rows(opts, group, world, rank, device))
     return data
 
 
 def run(opts: CompressedOptions) -> dict[str, Any]:
     """Measure; rank 0's results (every rank's under torchrun, errors on rank 0)."""
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise LaunchError("--device cuda: no CUDA device is visible to this process; use "
-                          "--device cpu")
-    if launched():
-        with torchrun_group(opts.timeout):
-            rank, world = dist.get_rank(), dist.get_world_size()
-            return rank_main(rank, world, opts, int(os.environ.get("LOCAL_RANK", rank)))
-    if opts.json_path and (why := report.unwritable(opts.json_path, "--json")):
-        raise LaunchError(why)
-    return runner._spawn(opts, functools.partial(runner._spawn_child, main=rank_main))
+    return runner.run_side(opts, rank_main)
 
 
 def table_lines(data: dict[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ previous choice (normally auto) right after it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import math
@@ -29,7 +30,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -823,6 +824,65 @@ def _rank_main(rank: int, world: int, opts: Options, local_rank: int | None,
 # ---------------------------------------------------------------------------------------
 # Launch
 # ---------------------------------------------------------------------------------------
+
+def side_device(device: str, rank: int, local_rank: int | None) -> torch.device:
+    """The device of a side bench's rank (``sparse``, ``compressed``): the CPU, or the GPU
+    that ``local_rank`` picks (the rank itself when not given, as for ranks the bench
+    spawns on one host), made current."""
+    if device != "cuda":
+        return torch.device("cpu")
+    local = rank if local_rank is None else local_rank
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def side_report(bench: str, world: int, opts: Any) -> dict[str, Any]:
+    """A side bench's report header, once every rank agrees that ``opts.json_path`` can
+    be written (the lead checks; all raise alike)."""
+    problem = None
+    if is_lead() and opts.json_path:
+        problem = report.unwritable(opts.json_path, "--json")
+    if why := agree_across_ranks(problem):
+        raise LaunchError(why)
+    return {
+        "bench": bench, "world": world,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "options": {k: (str(v) if isinstance(v, torch.dtype) else v)
+                    for k, v in dataclasses.asdict(opts).items()},
+        "backends": {},
+    }
+
+
+def per_backend(backends: Sequence[str], measure: Callable[[Any], Any]) -> dict[str, Any]:
+    """``measure(group)`` on a group of its own for each backend, by name. A failure stops
+    the run on every rank alike (each raises from the same op), with the rank's
+    traceback: a backend that cannot do this is the answer."""
+    out: dict[str, Any] = {}
+    for backend in backends:
+        group = dist.new_group(backend=backend)
+        try:
+            out[backend] = measure(group)
+        finally:
+            dist.destroy_process_group(group)
+    return out
+
+
+def run_side(opts: Any, rank_main: Callable[..., Any]) -> Any:
+    """A side bench's run: under torchrun, this process's rank; otherwise ``opts.world``
+    spawned ranks. Rank 0's results (every rank's under torchrun)."""
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        raise LaunchError("--device cuda: no CUDA device is visible to this process; use "
+                          "--device cpu")
+    if launched():
+        with torchrun_group(opts.timeout):
+            rank, world = dist.get_rank(), dist.get_world_size()
+            return rank_main(rank, world, opts, int(os.environ.get("LOCAL_RANK", rank)))
+    if opts.json_path and (why := report.unwritable(opts.json_path, "--json")):
+        raise LaunchError(why)
+    return _spawn(opts, functools.partial(_spawn_child, main=rank_main))
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -25,13 +25,9 @@ a gloo group times and checks. Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import math
-import os
-import socket
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -41,8 +37,7 @@ import torchdist_ext  # noqa: F401 - registers the tdx backend
 
 from . import report, runner
 from .core import dtype_name, parse_dtype, parse_size, size_arg
-from .runner import LaunchError, agree_across_ranks, is_lead, launched, time_per_call, \
-    torchrun_group
+from .runner import LaunchError, is_lead, time_per_call
 
 __all__ = ["SparseOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -169,47 +164,16 @@ def rank_main(rank: int, world: int, opts: SparseOptions,
     """One rank of a run inside an initialised default gloo group: every backend's
     results (on rank 0, with the ``#wrong`` counts). ``local_rank`` picks the GPU
     (the rank itself when not given, as for ranks the bench spawns on one host)."""
-    device = torch.device("cpu")
-    if opts.device == "cuda":
-        local = rank if local_rank is None else local_rank
-        device = torch.device("cuda", local % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    problem = None
-    if is_lead() and opts.json_path:
-        problem = report.unwritable(opts.json_path, "--json")
-    if why := agree_across_ranks(problem):
-        raise LaunchError(why)
-    data: dict[str, Any] = {
-        "bench": "sparse all_reduce", "world": world,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "options": {k: (str(v) if isinstance(v, torch.dtype) else v)
-                    for k, v in asdict(opts).items()},
-        "backends": {},
-    }
-    for backend in opts.backends:
-        # A failure stops the run on every rank alike (each raises from the same op),
-        # with the rank's traceback: a backend that cannot do this is the answer.
-        group = dist.new_group(backend=backend)
-        try:
-            data["backends"][backend] = _backend_rows(opts, group, world, rank, device)
-        finally:
-            dist.destroy_process_group(group)
+    device = runner.side_device(opts.device, rank, local_rank)
+    data = runner.side_report("sparse all_reduce", world, opts)
+    data["backends"] = runner.per_backend(
+        opts.backends, lambda group: _backend_rows(opts, group, world, rank, device))
     return data
 
 
 def run(opts: SparseOptions) -> dict[str, Any]:
     """Measure; rank 0's results (every rank's under torchrun, ``#wrong`` on rank 0)."""
-    if opts.device == "cuda" and not torch.cuda.is_available():
-        raise LaunchError("--device cuda: no CUDA device is visible to this process; use "
-                          "--device cpu")
-    if launched():
-        with torchrun_group(opts.timeout):
-            rank, world = dist.get_rank(), dist.get_world_size()
-            return rank_main(rank, world, opts, int(os.environ.get("LOCAL_RANK", rank)))
-    if opts.json_path and (why := report.unwritable(opts.json_path, "--json")):
-        raise LaunchError(why)
-    return runner._spawn(opts, functools.partial(runner._spawn_child, main=rank_main))
+    return runner.run_side(opts, rank_main)
 
 
 def table_lines(data: dict[str, Any]) -> list[str]:
