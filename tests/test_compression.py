@@ -261,6 +261,7 @@ def _feedback_identity(rank: int, n: int) -> list[str]:
                 t = g.clone()
                 tc.all_reduce(t, method, op=op, state=state, key="g")
                 total += t
+            assert len(state) == 1
             sent, owned = state.residual("g")
             lost = sent.clone()
             dist.all_reduce(lost)

@@ -50,7 +50,8 @@ class ErrorFeedback:
         self._spaces: dict[Hashable, dict[str, torch.Tensor]] = {}
 
     def __len__(self) -> int:
-        return len(self._residuals)
+        """How many keys hold a residual."""
+        return len({key for key, _ in self._residuals})
 
     def residual(self, key: Hashable) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """What the calls under ``key`` have lost so far on this rank, as two flat tensors
