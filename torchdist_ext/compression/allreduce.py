@@ -48,6 +48,7 @@ class ErrorFeedback:
         # MiB is fresh pages from the kernel, whose faults cost more than the codec's
         # passes over them. The residuals live in them too.
         self._spaces: dict[Hashable, dict[str, torch.Tensor]] = {}
+        self._layouts: dict[Hashable, tuple[int, int, int]] = {}
 
     def __len__(self) -> int:
         """How many keys hold a residual."""
@@ -67,6 +68,7 @@ class ErrorFeedback:
         """Forget every residual (after loading a checkpoint, say)."""
         self._residuals.clear()
         self._spaces.clear()
+        self._layouts.clear()
 
     def _space(self, key: Hashable) -> dict[str, torch.Tensor]:
         return self._spaces.setdefault(key, {})
@@ -105,6 +107,7 @@ def all_reduce(tensor: torch.Tensor, method: Method, op: Any = dist.ReduceOp.SUM
     every rank, and every rank passes the same ``method``. ``op`` is SUM or AVG. The
     result is the same on every rank. With ``async_op=True`` it returns a
     ``torch.futures.Future`` whose value is ``tensor`` once reduced; otherwise None.
+    Calls under one ``key`` of one ``state`` must not overlap: they share its buffers.
     """
     average = _check(tensor, method, op)
     if state is not None and not isinstance(state, ErrorFeedback):
@@ -213,7 +216,14 @@ def _two_phase(flat: torch.Tensor, wdtype: torch.dtype, method: Int8 | Sign, gro
             total /= n
         lost2 = None
         if state is not None:
-            total += state._take((key, "owned"), total, resize)
+            # The residual of the sum's chunk this rank encodes: it belongs to that chunk
+            # (world size, rank, length), and is dropped, never mixed in, when this call
+            # cuts the tensor otherwise (the same key on another group). Raising here,
+            # after the first collective, would leave the other ranks waiting.
+            if state._layouts.get(key) != (n, me, length):
+                state._residuals.pop((key, "owned"), None)
+                state._layouts[key] = (n, me, length)
+            total += state._take((key, "owned"), total, "reset")
             lost2 = _buffer(space, "lost2", (1, length), wdtype, device)
         # Padding past the tensor's end stays zero, so it sways no block's scale, and
         # keeps no residual.
