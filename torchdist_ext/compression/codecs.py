@@ -4,10 +4,10 @@ Each method is a frozen dataclass that says what it is (its parameters and the h
 word that names it on the wire) and encodes rows of equal length at once. The rows of a
 ``(rows, length)`` tensor in the working dtype (the first ``valid[r]`` elements of row
 ``r`` are the tensor's, the rest zeros that pad it) become the rows of a
-``(rows, nbytes)`` uint8 payload, and ``decode`` turns payload rows back into values.
-``encode`` also returns what the receiver will decode, so the sender's error feedback
-keeps exactly the part that was lost. Pure torch ops: the same code runs on CPU and
-CUDA tensors.
+``(rows, nbytes)`` uint8 payload, and decoding turns payload rows back into values.
+Encoding also gives what each element lost, which is what the receiver will not see, so
+the sender's error feedback keeps exactly that. CPU tensors go through the extension's
+one-pass kernels, other devices through the same codecs written in torch ops.
 
 A block that holds an infinity or a NaN decodes to NaN on every element (its scale is
 sent as NaN), so the sum is NaN there, as an uncompressed sum would be, and a loss
