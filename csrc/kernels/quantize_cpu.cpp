@@ -34,6 +34,37 @@ void storeScale(uint8_t* p, T v) {
   std::memcpy(p, &v, sizeof(T));
 }
 
+// max |x| over a block, and whether it held a NaN. In kLanes independent lanes, which the
+// compiler turns into vector max instructions: one running max in program order is a
+// chain it may not reorder (a NaN would make the order matter; here NaN is tracked on
+// its own, and the max of the other values does not depend on the order).
+constexpr int kLanes = 8;
+
+template <typename T>
+void blockMax(const T* x, int64_t block, T& amax, int& nan) {
+  int64_t i = 0;
+  if (block >= kLanes) {
+    T lane[kLanes] = {};
+    int bad[kLanes] = {};
+    for (; i + kLanes <= block; i += kLanes) {
+      for (int j = 0; j < kLanes; ++j) {
+        const T a = std::abs(x[i + j]);
+        lane[j] = a > lane[j] ? a : lane[j];
+        bad[j] |= a != a;
+      }
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      amax = lane[j] > amax ? lane[j] : amax;
+      nan |= bad[j];
+    }
+  }
+  for (; i < block; ++i) {
+    const T a = std::abs(x[i]);
+    amax = a > amax ? a : amax;
+    nan |= a != a;
+  }
+}
+
 template <typename T>
 void encodeInt8Row(const T* x, int64_t length, int64_t block, uint8_t* out, T* lost) {
   int8_t* q = reinterpret_cast<int8_t*>(out);
@@ -44,11 +75,7 @@ void encodeInt8Row(const T* x, int64_t length, int64_t block, uint8_t* out, T* l
     int8_t* qb = q + b * block;
     T amax = 0;
     int nan = 0;
-    for (int64_t i = 0; i < block; ++i) {
-      const T a = std::abs(xb[i]);
-      amax = a > amax ? a : amax;
-      nan |= a != a;
-    }
+    blockMax(xb, block, amax, nan);
     const bool finite = !nan && amax <= std::numeric_limits<T>::max();
     const T scale = amax / T(127);
     if (finite && scale > 0) {
