@@ -44,7 +44,7 @@ class CompressionState:
         self.steps = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        # DDP pickles a hook's state when the model is; a process group does not pickle.
+        # So that the state pickles (in a checkpoint, say): a process group does not.
         return {k: v for k, v in self.__dict__.items() if k != "group"}
 
     def __setstate__(self, values: dict[str, Any]) -> None:
