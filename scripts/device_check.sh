@@ -3,7 +3,7 @@
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
 #   TDX_STAGES="build smoke failures destroyprobe cuda cpubench threads membw calibrate
-#               autocheck bench sparse cpu"
+#               autocheck bench sparse compressed cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). Stages run in the order given; build, when named, runs first.
 #     failures: the CUDA failure-path tests; destroyprobe: scripts/destroy_probe.py, a
@@ -19,7 +19,9 @@
 #     default thread count), into $OUT/calibration.json, which the later bench stages
 #     then load (the cpu stage's tests keep to the defaults); autocheck: tdx's automatic choice against every fixed CPU all_reduce
 #     algorithm at 2 and 4 ranks; sparse: `bench sparse` (all_reduce of sparse embedding
-#     gradients, tdx and gloo, checked) on the CPU at 4 ranks and on CUDA at 2.
+#     gradients, tdx and gloo, checked) on the CPU at 4 ranks and on CUDA at 2;
+#     compressed: the compression codecs alone (scripts/codec_probe.py), then `bench
+#     compressed` on the CPU at 4 ranks (tdx and gloo) and on CUDA at 2 (tdx).
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds
 #                           after the script starts (default 3600)
@@ -39,7 +41,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse cpu"
+KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse compressed cpu"
 STAGES=${TDX_STAGES:-$KNOWN}
 for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
   [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
@@ -202,6 +204,23 @@ stage_sparse() {
     timeout "$(limit 90)" $PY -m torchdist_ext.bench sparse --device $dev --world $w \
       --rows 1M --dim 64 --lookups 1K,8K,64K --json "$OUT/sparse_${dev}_w$w.json" 2>&1 \
       | tee "$OUT/sparse_${dev}_w$w.txt" | tail -12
+    pack
+  done
+}
+
+stage_compressed() {
+  local dev w backends
+  [ "$(limit 60)" -gt 20 ] || return 0
+  OMP_NUM_THREADS=1 timeout "$(limit 60)" $PY scripts/codec_probe.py 2>&1 \
+    | tee "$OUT/codec_probe.txt"
+  for dev in cpu cuda; do
+    w=$([ $dev = cpu ] && echo 4 || echo 2)
+    backends=$([ $dev = cpu ] && echo tdx,gloo || echo tdx)
+    [ "$(limit 120)" -gt 30 ] || break
+    OMP_NUM_THREADS=1 timeout "$(limit 120)" $PY -m torchdist_ext.bench compressed \
+      --device $dev --world $w --backends $backends --sizes 1M,16M,64M \
+      --json "$OUT/compressed_${dev}_w$w.json" 2>&1 \
+      | tee "$OUT/compressed_${dev}_w$w.txt" | tail -16
     pack
   done
 }
