@@ -111,9 +111,9 @@ def test_compressed_bench_tdx_and_gloo(tmp_path: Path,
                 assert row["topk"]["error"] < 1.0 and row["sign"]["error"] < 3.0, row
     opts = compressed.CompressedOptions(world=3, block=64, ratio=0.5)
     # int8 at 3 ranks: 2 phases x 2 peers x (16 + 3392 values + 53 scales x 4) bytes
-    assert compressed.sent_bytes("int8", opts.method("int8"), 10001, 3) == 4 * (16 + 3392
+    assert compressed.sent_bytes(opts.method("int8"), 10001, 3) == 4 * (16 + 3392
                                                                                + 53 * 4)
-    assert compressed.sent_bytes("exact", None, 10001, 3) == 2 * 2 * 3334 * 4
+    assert compressed.sent_bytes(None, 10001, 3) == 2 * 2 * 3334 * 4
     assert "Int8(block=64)" in out and "TopK(ratio=0.5)" in out and "vs exact" in out, out
 
 

@@ -90,17 +90,16 @@ def _tensor(rank: int, count: int, device: torch.device) -> torch.Tensor:
     return torch.randn(count, generator=gen, dtype=torch.float64).float().to(device)
 
 
-def sent_bytes(name: str, method: tc.Method | None, count: int, world: int) -> int:
+def sent_bytes(method: tc.Method | None, count: int, world: int) -> int:
     """Bytes one rank sends per op of ``count`` float32 elements: a ring's share for the
-    exact op (``name`` "exact"), the encoded rows and their headers for the methods."""
+    exact op (``method`` None), the encoded rows and their headers for the methods."""
     if world == 1:
         return 0
     if method is None:
         return 2 * (world - 1) * -(-count // world) * 4
     if isinstance(method, tc.TopK):
         k = method.k(count)
-        return (world - 1) * (16 + k * (4 + torch.empty(
-            0, dtype=method.index_dtype(count)).element_size()))
+        return (world - 1) * (16 + k * (4 + method.index_dtype(count).itemsize))
     length = -(-count // (world * method.unit)) * method.unit
     return 2 * (world - 1) * (16 + method.nbytes(length, torch.float32))
 
@@ -140,20 +139,15 @@ def _backend_rows(opts: CompressedOptions, group: Any, world: int, rank: int,
     return out
 
 
-def rank_main(rank: int, world: int, opts: CompressedOptions,
-              local_rank: int | None = None) -> dict[str, Any]:
-    """One rank of a run inside an initialised default gloo group: every backend's
-    results (errors on rank 0)."""
-    device = runner.side_device(opts.device, rank, local_rank)
-    data = runner.side_report("compressed all_reduce", world, opts)
-    data["backends"] = runner.per_backend(
-        opts.backends, lambda group: _backend_rows(opts, group, world, rank, device))
-    return data
+def _rank_main(rank: int, world: int, opts: Any,
+               local_rank: int | None = None) -> dict[str, Any]:
+    """One rank of a run: every backend's results (errors on rank 0)."""
+    return runner.side_rank("compressed all_reduce", _backend_rows, rank, world, opts, local_rank)
 
 
 def run(opts: CompressedOptions) -> dict[str, Any]:
     """Measure; rank 0's results (every rank's under torchrun, errors on rank 0)."""
-    return runner.run_side(opts, rank_main)
+    return runner.run_side(opts, _rank_main)
 
 
 def table_lines(data: dict[str, Any]) -> list[str]:
@@ -178,7 +172,7 @@ def table_lines(data: dict[str, Any]) -> list[str]:
             first = data["backends"][names[0]][str(nbytes)][name]
             err = first["error"]
             line = (f"{report.bytes_text(nbytes):>10} {str(method or 'exact'):>18} "
-                    f"{report.bytes_text(sent_bytes(name, method, count, world)):>11} "
+                    f"{report.bytes_text(sent_bytes(method, count, world)):>11} "
                     f"{'-' if err is None else f'{err:.2e}':>9}")
             for n in names:
                 cell = data["backends"][n][str(nbytes)]

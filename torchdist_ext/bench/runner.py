@@ -869,6 +869,18 @@ def per_backend(backends: Sequence[str], measure: Callable[[Any], Any]) -> dict[
     return out
 
 
+def side_rank(bench: str, backend_rows: Callable[..., Any], rank: int, world: int,
+              opts: Any, local_rank: int | None = None) -> dict[str, Any]:
+    """One rank of a side bench inside an initialised default gloo group: the report,
+    with ``backend_rows(opts, group, world, rank, device)`` for each backend (pass it
+    bound with functools.partial, so that spawned ranks can unpickle it)."""
+    device = side_device(opts.device, rank, local_rank)
+    data = side_report(bench, world, opts)
+    data["backends"] = per_backend(
+        opts.backends, lambda group: backend_rows(opts, group, world, rank, device))
+    return data
+
+
 def run_side(opts: Any, rank_main: Callable[..., Any]) -> Any:
     """A side bench's run: under torchrun, this process's rank; otherwise ``opts.world``
     spawned ranks. Rank 0's results (every rank's under torchrun)."""

@@ -159,21 +159,15 @@ def _backend_rows(opts: SparseOptions, group: Any, world: int, rank: int,
     return out
 
 
-def rank_main(rank: int, world: int, opts: SparseOptions,
-              local_rank: int | None = None) -> dict[str, Any]:
-    """One rank of a run inside an initialised default gloo group: every backend's
-    results (on rank 0, with the ``#wrong`` counts). ``local_rank`` picks the GPU
-    (the rank itself when not given, as for ranks the bench spawns on one host)."""
-    device = runner.side_device(opts.device, rank, local_rank)
-    data = runner.side_report("sparse all_reduce", world, opts)
-    data["backends"] = runner.per_backend(
-        opts.backends, lambda group: _backend_rows(opts, group, world, rank, device))
-    return data
+def _rank_main(rank: int, world: int, opts: Any,
+               local_rank: int | None = None) -> dict[str, Any]:
+    """One rank of a run: every backend's results (on rank 0, with the ``#wrong`` counts)."""
+    return runner.side_rank("sparse all_reduce", _backend_rows, rank, world, opts, local_rank)
 
 
 def run(opts: SparseOptions) -> dict[str, Any]:
     """Measure; rank 0's results (every rank's under torchrun, ``#wrong`` on rank 0)."""
-    return runner.run_side(opts, rank_main)
+    return runner.run_side(opts, _rank_main)
 
 
 def table_lines(data: dict[str, Any]) -> list[str]:

@@ -263,7 +263,7 @@ def _topk(x: torch.Tensor, method: TopK, group: Any, n: int, state: ErrorFeedbac
         # An infinity or a NaN left out of the selection is dropped, not kept.
         state._put((key, "sent"), residual.nan_to_num_(0.0, 0.0, 0.0))
     vbytes = k * vals.element_size()
-    ibytes = k * torch.empty(0, dtype=idx_dtype).element_size()
+    ibytes = k * idx_dtype.itemsize
     send = _payload_rows(torch.empty(1, _HEADER + vbytes + ibytes, dtype=torch.uint8,
                                      device=x.device), word, numel)
     send[0, _HEADER:_HEADER + vbytes] = vals.view(torch.uint8)

@@ -48,7 +48,14 @@ class _BlockCodec:
     sums add in another order), which no rank sees: each payload is decoded as sent."""
 
     block: int
-    kernel = ""
+    kernel = ""  # the extension's name for it
+    _kind = 0  # the header word's method kind
+
+    def __post_init__(self) -> None:
+        _check_block(self.block, type(self).__name__)
+
+    def word(self, wdtype: torch.dtype) -> int:
+        return (self._kind << 56) | (_WDTYPES[wdtype] << 32) | self.block
 
     def encode(self, rows: torch.Tensor, valid: list[int],
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,19 +116,14 @@ class Int8(_BlockCodec):
 
     block: int = 256
     kernel = "int8"
-
-    def __post_init__(self) -> None:
-        _check_block(self.block, "Int8")
+    _kind = _INT8
 
     @property
     def unit(self) -> int:
         return self.block
 
-    def word(self, wdtype: torch.dtype) -> int:
-        return (_INT8 << 56) | (_WDTYPES[wdtype] << 32) | self.block
-
     def nbytes(self, length: int, wdtype: torch.dtype) -> int:
-        return length + (length // self.block) * _itemsize(wdtype)
+        return length + (length // self.block) * wdtype.itemsize
 
     def encode(self, rows: torch.Tensor, valid: list[int],
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,19 +159,14 @@ class Sign(_BlockCodec):
 
     block: int = 256
     kernel = "sign"
-
-    def __post_init__(self) -> None:
-        _check_block(self.block, "Sign")
+    _kind = _SIGN
 
     @property
     def unit(self) -> int:
         return math.lcm(self.block, 8)
 
-    def word(self, wdtype: torch.dtype) -> int:
-        return (_SIGN << 56) | (_WDTYPES[wdtype] << 32) | self.block
-
     def nbytes(self, length: int, wdtype: torch.dtype) -> int:
-        return length // 8 + (length // self.block) * _itemsize(wdtype)
+        return length // 8 + (length // self.block) * wdtype.itemsize
 
     def encode(self, rows: torch.Tensor, valid: list[int],
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +252,3 @@ def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bytes of ``raw`` (uint8, any strides) read as a flat tensor of ``dtype``: copied
     first, since a slice of a payload row need not be aligned or contiguous for the view."""
     return raw.reshape(-1).clone().view(dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .allreduce import ErrorFeedback, _reduce
 from .codecs import Int8, Method, Sign, TopK
@@ -60,17 +61,10 @@ def ddp_comm_hook(state: "CompressionState", bucket: dist.GradBucket,
     buf = bucket.buffer()
     last = bucket.is_last()
     if state.steps < state.warmup_steps:
-        fut = _exact_average(buf, state.group)
+        fut = default_hooks.allreduce_hook(state.group, bucket)
     else:
         fut = _reduce(buf, state.method, state.group, True, state.feedback,
                       bucket.index(), "reset", async_op=True)
     if last:
         state.steps += 1
     return fut
-
-
-def _exact_average(buf: torch.Tensor, group: Any) -> torch.futures.Future[torch.Tensor]:
-    # As DDP's default hook: divide, then sum (gloo has no AVG).
-    buf.div_(dist.get_world_size(group))
-    work = dist.all_reduce(buf, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
