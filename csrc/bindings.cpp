@@ -105,6 +105,7 @@ c10::intrusive_ptr<tdx::ProcessGroupTDX> createBackend(
 
 void bindAlgorithms(py::module& m);  // bindings_algorithms.cpp
 void bindCompression(py::module& m);  // bindings_compression.cpp
+void bindParallel(py::module& m);  // bindings_parallel.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tdx: a UCX-based torch.distributed backend";
@@ -175,6 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   bindAlgorithms(m);
   bindCompression(m);
+  bindParallel(m);
   m.def("ucx_version", [] { return std::string(ucp_get_version_string()); });
   // The CPUs this process may use (affinity mask, capped by a cgroup v2 quota), as tdx
   // counts them when it judges whether ranks outnumber them.

@@ -21,6 +21,8 @@ ALLOWED = {
     # The abstract transport, the tag layout and the host shared-memory window: no UCX.
     "algorithms": ("common/", "kernels/", "algorithms/", "transport/transport.h",
                    "transport/tag.h", "transport/peer_memory/host_window.h"),
+    # The strategies' cores: arithmetic on layouts and schedules, no torch, no transport.
+    "parallel": ("common/", "parallel/"),
 }
 TORCH = ("torch/", "ATen/", "c10/", "pybind11/")
 

@@ -1,0 +1,484 @@
+"""ZeRO stages 1 and 2: an optimizer whose state, and in stage 2 whose gradients, are
+sharded across the ranks of a group.
+
+Each rank keeps the optimizer state of 1/world of the parameters. The trainable
+parameters of each optimizer group and dtype are laid out in one flat buffer (the
+parameters become views of it), cut into buckets that split evenly across the ranks
+(``csrc/parallel/flat_layout.h``). Gradients are reduce-scattered bucket by bucket, so
+each rank receives the averaged gradient of exactly the elements it owns; the wrapped
+optimizer updates those, and an all_gather per bucket brings every rank's parameters up
+to date.
+
+- Stage 1 reduces the gradients in ``step()``, from ``param.grad``, which autograd fills as
+  usual: optimizer state is sharded, gradients are not.
+- Stage 2 reduces each bucket during the backward pass, as soon as its gradients (and those
+  of every bucket before it) are in, and drops ``param.grad``: a rank holds only its
+  shard of the gradients once a bucket has been sent.
+
+Use it in place of DDP, not with it: the optimizer does the gradient averaging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+
+__all__ = ["ZeroConfig", "ZeroOptimizer"]
+
+# torch 2.14 renamed the flat collectives (the old names warn there); older releases lack
+# the new names.
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+# Each parameter starts 16 bytes into its buffer's alignment, which the CPU and CUDA
+# kernels' vector loads like.
+_ALIGN_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """How a :class:`ZeroOptimizer` shards and communicates.
+
+    stage: 1 (optimizer state sharded) or 2 (gradients too, reduced during backward).
+    bucket_bytes: the largest bucket, in bytes; a parameter larger than that gets one of
+        its own. Smaller buckets start communicating earlier in stage 2, larger ones make
+        fewer collectives.
+    broadcast_params: copy the group's first rank's parameters to every rank when the
+        optimizer is made, so that replicas start equal (as DDP does).
+    """
+
+    stage: int = 2
+    bucket_bytes: int = 16 << 20
+    broadcast_params: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(f"ZeroConfig: stage must be 1 or 2, not {self.stage!r} (stage 3 "
+                             "shards the parameters too: use FSDP's fully_shard on tdx)")
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"ZeroConfig: bucket_bytes must be a positive int, not "
+                             f"{self.bucket_bytes!r}")
+
+
+class _Flat:
+    """The trainable parameters of one optimizer group, dtype and device: their flat buffer,
+    its layout, this rank's shard and the gradient of that shard."""
+
+    def __init__(self, group_index: int, params: list[torch.Tensor], world: int, rank: int,
+                 bucket_bytes: int) -> None:
+        self.group_index = group_index
+        # Gradients arrive roughly in reverse order of registration: lay the buckets out
+        # in that order so that the first ones fill first.
+        self.params = list(reversed(params))
+        first = self.params[0]
+        itemsize = first.dtype.itemsize
+        self.layout = _C._FlatLayout([p.numel() for p in self.params], world,
+                                     max(1, bucket_bytes // itemsize),
+                                     max(1, _ALIGN_BYTES // itemsize))
+        self.flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
+        self.slots = self.layout.params
+        self.buckets = self.layout.buckets
+        with torch.no_grad():
+            for p, s in zip(self.params, self.slots):
+                view = self.flat[s.offset:s.offset + s.numel]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+        self.rank = rank
+        self.shard = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=first.dtype,
+                                                    device=first.device))
+        self.grad: Optional[torch.Tensor] = None  # this rank's shard of the summed gradient
+        self.bucket_ids: list[int] = []  # per bucket, its place in the release order
+
+    def owned(self, b: Any) -> torch.Tensor:
+        """This rank's shard of bucket b, as a view of the flat buffer."""
+        lo = b.offset + self.rank * b.shard_numel
+        return self.flat[lo:lo + b.shard_numel]
+
+    def shard_view(self, t: torch.Tensor, b: Any) -> torch.Tensor:
+        return t[b.shard_offset:b.shard_offset + b.shard_numel]
+
+    def pull_shard(self) -> None:
+        with torch.no_grad():
+            for b in self.buckets:
+                self.shard_view(self.shard, b).copy_(self.owned(b))
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_class`` so that each rank of ``group`` keeps 1/world of its state.
+
+    ``params`` and ``defaults`` are what ``optimizer_class`` takes (an iterable of tensors,
+    or of parameter-group dicts). Every rank must build it over the same parameters, in the
+    same order, with the same shapes and dtypes, and run the same number of backward passes
+    between steps, each reaching its parameters in the same order (as DDP requires).
+
+    ``step()``, ``zero_grad()``, ``param_groups`` (learning-rate schedulers included),
+    ``state_dict()`` of this rank's shard and ``consolidated_state_dict()``, the state of
+    a plain ``optimizer_class`` over the same parameters, work as they do on torch's
+    optimizers. ``clip_grad_norm_`` clips by the norm of the whole, averaged gradient.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type, *,
+                 group: Optional[dist.ProcessGroup] = None,
+                 config: ZeroConfig = ZeroConfig(), **defaults: Any) -> None:
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer "
+                            f"subclass such as torch.optim.AdamW, not {optimizer_class!r}")
+        if not isinstance(config, ZeroConfig):
+            raise TypeError(f"ZeroOptimizer: config must be a ZeroConfig, not {config!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroOptimizer: torch.distributed is not initialized; call "
+                               "dist.init_process_group first")
+        self._group = group if group is not None else dist.group.WORLD
+        self._world = dist.get_world_size(self._group)
+        self._rank = dist.get_rank(self._group)
+        self._who = f"ZeroOptimizer (rank {self._rank} of {self._world})"
+        self._config = config
+        self._optimizer_class = optimizer_class
+        # The groups carry every option of optimizer_class, defaults filled in, as its own
+        # param_groups would: schedulers and state dicts see the same keys.
+        full = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults).defaults
+        super().__init__(params, dict(full))
+        self._check_params()
+
+        self._flats: list[_Flat] = []
+        for gi, g in enumerate(self.param_groups):
+            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            for p in g["params"]:
+                if p.requires_grad:
+                    by_kind.setdefault((p.dtype, p.device), []).append(p)
+            for kind_params in by_kind.values():
+                self._flats.append(_Flat(gi, kind_params, self._world, self._rank,
+                                         config.bucket_bytes))
+        self._order = self._release_order()
+        self._owner = {id(p): (f, i) for f in self._flats for i, p in enumerate(f.params)}
+
+        if config.broadcast_params:
+            self._broadcast_params()
+        for f in self._flats:
+            f.pull_shard()
+
+        inner_groups = []
+        for f in self._flats:
+            hyper = {k: v for k, v in self.param_groups[f.group_index].items() if k != "params"}
+            inner_groups.append({**hyper, "params": [f.shard]})
+        # None when no parameter is trainable: step() then only keeps the collectives.
+        self._inner = optimizer_class(inner_groups, **defaults) if inner_groups else None
+
+        self._pending: list[tuple[_Flat, Any, torch.Tensor, Any]] = []
+        self._reduced = False  # stage 1: the gradients of this step have been reduced
+        self._callback_queued = False
+        self._hooks = []
+        if config.stage == 2 and self._flats:
+            self._tracker = _C._BucketTracker(self._tracker_buckets())
+            self._index = {id(p): i for i, p in enumerate(self._tracker_params)}
+            for p in self._tracker_params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ----- set-up
+
+    def _check_params(self) -> None:
+        seen = set()
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                name = f"parameter {pi} of group {gi}"
+                if id(p) in seen:
+                    raise ValueError(f"{self._who}: {name} appears twice; pass each "
+                                     "parameter once")
+                seen.add(id(p))
+                if p.is_sparse or p.layout != torch.strided:
+                    raise ValueError(f"{self._who}: {name} is {p.layout}; ZeroOptimizer "
+                                     "shards dense parameters only")
+                if p.requires_grad and not (p.is_floating_point() or p.is_complex()):
+                    raise ValueError(f"{self._who}: {name} is {p.dtype}, which has no "
+                                     "gradient")
+                if p.requires_grad and p.is_complex():
+                    raise ValueError(f"{self._who}: {name} is {p.dtype}; view complex "
+                                     "parameters as real (torch.view_as_real) to shard them")
+
+    def _release_order(self) -> list[tuple[_Flat, Any]]:
+        """Every bucket of every flat buffer, in the order the ranks reduce them: by when
+        its last parameter's gradient is expected (reverse registration order overall)."""
+        position = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                position[id(p)] = len(position)
+        keyed = []
+        for f in self._flats:
+            for b in f.buckets:
+                # The bucket is complete once its earliest-registered parameter's gradient
+                # is in: that one comes last in a backward pass.
+                first = min(position[id(f.params[i])] for i in range(b.first_param, b.last_param))
+                keyed.append((-first, len(keyed), f, b))
+        keyed.sort(key=lambda k: (k[0], k[1]))
+        order = []
+        for n, (_, _, f, b) in enumerate(keyed):
+            f.bucket_ids.append(n)
+            order.append((f, b))
+        return order
+
+    def _tracker_buckets(self) -> list[int]:
+        number = {(id(f), b.offset): n for n, (f, b) in enumerate(self._order)}
+        self._tracker_params = []
+        out = []
+        for f in self._flats:
+            for p, s in zip(f.params, f.slots):
+                self._tracker_params.append(p)
+                out.append(number[(id(f), f.buckets[s.bucket].offset)])
+        return out
+
+    def _broadcast_params(self) -> None:
+        src = dist.get_global_rank(self._group, 0)
+        for f in self._flats:
+            dist.broadcast(f.flat, src=src, group=self._group)
+        with torch.no_grad():
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if not p.requires_grad:
+                        dist.broadcast(p.data, src=src, group=self._group)
+
+    # ----- gradients
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        for n in self._tracker.mark(self._index[id(p)]):
+            self._launch(*self._order[n], drop=True)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for n in self._tracker.finish():
+            self._launch(*self._order[n], drop=True)
+        self._settle()
+
+    def _launch(self, f: _Flat, b: Any, drop: bool) -> None:
+        """Starts bucket b's reduce_scatter from its parameters' gradients (None counts as
+        zero); ``drop`` frees them once copied."""
+        staged = torch.zeros(b.numel, dtype=f.flat.dtype, device=f.flat.device)
+        for i in range(b.first_param, b.last_param):
+            p, s = f.params[i], f.slots[i]
+            g = p.grad
+            if g is None:
+                continue
+            if g.layout != torch.strided:
+                raise RuntimeError(f"{self._who}: the gradient of a {tuple(p.shape)} "
+                                   f"parameter is {g.layout}; ZeroOptimizer reduces dense "
+                                   "gradients only (nn.Embedding(sparse=False))")
+            lo = s.offset - b.offset
+            staged[lo:lo + s.numel].copy_(g.reshape(-1))
+            if drop:
+                p.grad = None
+        out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
+        work = _reduce_scatter(out, staged, group=self._group, async_op=True)
+        self._pending.append((f, b, out, work))
+
+    def _settle(self) -> None:
+        """Waits for the reduce_scatters in flight and adds their averages to the shard
+        gradients."""
+        pending, self._pending = self._pending, []
+        for f, b, out, work in pending:
+            work.wait()
+            if f.grad is None:
+                f.grad = torch.zeros_like(f.shard)
+            f.shard_view(f.grad, b).add_(out, alpha=1.0 / self._world)
+
+    def _reduce_gradients(self) -> None:
+        if self._config.stage == 1 and not self._reduced:
+            for f, b in self._order:
+                self._launch(f, b, drop=False)
+            self._settle()
+            self._reduced = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the averaged gradient, as ``torch.nn.utils.clip_grad_norm_`` would on one
+        rank holding all of it; a collective: every rank calls it. Returns the total norm."""
+        self._reduce_gradients()
+        norm_type = float(norm_type)
+        device = self._flats[0].shard.device if self._flats else torch.device("cpu")
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for f in self._flats:
+            if f.grad is None:
+                continue
+            g = f.grad.to(device=device, dtype=torch.float64)
+            if norm_type == float("inf"):
+                local = torch.maximum(local, g.abs().max() if g.numel() else local)
+            else:
+                local += g.abs().pow(norm_type).sum()
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        dist.all_reduce(local, op=op, group=self._group)
+        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for f in self._flats:
+                if f.grad is not None:
+                    f.grad.mul_(coef)
+        return total
+
+    # ----- the optimizer
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._pending:  # a backward whose end-of-pass callback never ran
+            self._settle()
+        self._reduce_gradients()
+        if self._inner is not None:
+            for f, inner_group in zip(self._flats, self._inner.param_groups):
+                for k, v in self.param_groups[f.group_index].items():
+                    if k != "params":
+                        inner_group[k] = v
+                f.shard.grad = f.grad
+            self._inner.step()
+        works = [_all_gather(f.flat[b.offset:b.offset + b.numel],
+                                             f.shard_view(f.shard, b), group=self._group,
+                                             async_op=True)
+                 for f, b in self._order]
+        for w in works:
+            w.wait()
+        self._reduced = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+        for f in self._flats:
+            if set_to_none or f.grad is None:
+                f.grad = None
+            else:
+                f.grad.zero_()
+            f.shard.grad = None
+        self._reduced = False
+
+    # ----- state
+
+    def _fingerprint(self) -> list[str]:
+        return [f"group {f.group_index} {f.flat.dtype} {f.layout.describe()}"
+                for f in self._flats]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state; loadable only at the same rank, world
+        size and layout (``consolidated_state_dict`` is portable)."""
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"zero": {"rank": self._rank, "world_size": self._world,
+                         "stage": self._config.stage, "layout": self._fingerprint()},
+                "param_groups": hyper,
+                "inner": self._inner.state_dict() if self._inner is not None else None}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        meta = state_dict.get("zero") if isinstance(state_dict, dict) else None
+        if meta is None:
+            raise ValueError(f"{self._who}: load_state_dict takes what state_dict() "
+                             "returned; for a plain optimizer's state use "
+                             "load_consolidated_state_dict")
+        mine = {"rank": self._rank, "world_size": self._world, "layout": self._fingerprint()}
+        for k, v in mine.items():
+            if meta[k] != v:
+                raise ValueError(f"{self._who}: the state was saved with {k} {meta[k]!r}, "
+                                 f"not {v!r}; save consolidated_state_dict() to move state "
+                                 "between world sizes or models")
+        self._set_hyper(state_dict["param_groups"])
+        if self._inner is not None:
+            self._inner.load_state_dict(state_dict["inner"])
+
+    def _set_hyper(self, hyper: list[dict[str, Any]]) -> None:
+        if len(hyper) != len(self.param_groups):
+            raise ValueError(f"{self._who}: the state has {len(hyper)} parameter groups, "
+                             f"this optimizer {len(self.param_groups)}")
+        for g, h in zip(self.param_groups, hyper):
+            g.update({k: v for k, v in h.items() if k != "params"})
+
+    def _indices(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                out[id(p)] = len(out)
+        return out
+
+    @torch.no_grad()
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The state a plain ``optimizer_class`` over the same parameters would have, in its
+        ``state_dict()`` form, on every rank; a collective: every rank calls it."""
+        index = self._indices()
+        state: dict[int, dict[str, Any]] = defaultdict(dict)
+        inner_state = self._inner.state if self._inner is not None else {}
+        keys = sorted({k for f in self._flats for k in inner_state.get(f.shard, {})})
+        for f in self._flats:
+            mine = inner_state.get(f.shard, {})
+            for k in keys:
+                v = mine.get(k)
+                if isinstance(v, torch.Tensor) and v.shape == f.shard.shape:
+                    full = torch.empty_like(f.flat, dtype=v.dtype)
+                    works = [_all_gather(full[b.offset:b.offset + b.numel],
+                                                         f.shard_view(v, b), group=self._group,
+                                                         async_op=True)
+                             for b in f.buckets]
+                    for w in works:
+                        w.wait()
+                    for p, s in zip(f.params, f.slots):
+                        state[index[id(p)]][k] = full[s.offset:s.offset + s.numel] \
+                            .view_as(p).clone()
+                elif v is not None:
+                    for p in f.params:
+                        state[index[id(p)]][k] = v.clone() if isinstance(v, torch.Tensor) else v
+        groups = []
+        for g in self.param_groups:
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": [index[id(p)] for p in g["params"]]})
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    @torch.no_grad()
+    def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes this rank's shard of a plain optimizer's ``state_dict()`` over the same
+        parameters (or of ``consolidated_state_dict()``, at any world size)."""
+        self._set_hyper(state_dict["param_groups"])
+        if self._inner is None:
+            return
+        index = self._indices()
+        full_state = state_dict["state"]
+        for f in self._flats:
+            per_param = [full_state.get(index[id(p)], {}) for p in f.params]
+            keys = sorted({k for s in per_param for k in s})
+            shard_state: dict[str, Any] = {}
+            for k in keys:
+                values = [s.get(k) for s in per_param]
+                # Per element (exp_avg, momentum_buffer) when shaped as the parameters;
+                # otherwise one value for all (step).
+                if all(isinstance(v, torch.Tensor) and v.shape == p.shape
+                       for v, p in zip(values, f.params)) and any(p.dim() for p in f.params):
+                    full = torch.zeros_like(f.flat, dtype=values[0].dtype)
+                    for v, s in zip(values, f.slots):
+                        full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
+                    shard = torch.empty_like(f.shard, dtype=full.dtype)
+                    for b in f.buckets:
+                        lo = b.offset + self._rank * b.shard_numel
+                        f.shard_view(shard, b).copy_(full[lo:lo + b.shard_numel])
+                    shard_state[k] = shard
+                else:
+                    present = [v for v in values if v is not None]
+                    if present:
+                        v = present[0]
+                        shard_state[k] = v.clone().to(f.shard.device) \
+                            if isinstance(v, torch.Tensor) else v
+            self._inner.state[f.shard] = shard_state
+
+    def __repr__(self) -> str:
+        lines = [f"ZeroOptimizer(stage {self._config.stage}, {self._optimizer_class.__name__}, "
+                 f"rank {self._rank} of {self._world})"]
+        lines += ["  " + line for line in self._fingerprint()]
+        return "\n".join(lines)
