@@ -382,3 +382,62 @@ def test_bad_input_is_refused_naming_the_rank_and_the_fix() -> None:
 def test_zero_needs_an_initialized_group() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         ZeroOptimizer(_net().parameters(), torch.optim.SGD, lr=1)
+
+
+# ---- CUDA ----------------------------------------------------------------------------
+
+
+def _cuda_train(rank: int, world: int, stage: int) -> list[str]:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    fails = []
+    cpu_model, gpu_model = _net(), _net().cuda()
+    opts = [ZeroOptimizer(_groups(m), torch.optim.AdamW, config=ZeroConfig(stage=stage),
+                          lr=0.01) for m in (cpu_model, gpu_model)]
+    for micro in _data(world):
+        for m, opt in zip((cpu_model, gpu_model), opts):
+            opt.zero_grad()
+            for x, y in micro:
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+                dev = next(m.parameters()).device
+                (nn.functional.mse_loss(m(x.to(dev)), y.to(dev)) / MICRO).backward()
+            opt.step()
+    for (n, p), q in zip(cpu_model.named_parameters(), gpu_model.parameters()):
+        if not q.is_cuda or not torch.allclose(p, q.cpu(), rtol=1e-9, atol=1e-11):
+            fails.append(f"{n}: {(p - q.cpu()).abs().max()}")
+    return fails
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cuda_parameters_train_as_cpu_ones_do(stage: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert run_ranks(_cuda_train, 2, timeout=180, args=(stage,)) == [[], []]
+
+
+# ---- the example -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_zero_example_trains_under_torchrun(stage: int) -> None:
+    """examples/zero.py under torchrun (standalone, 2 ranks): exit 0, half the parameters'
+    state per rank, and a test accuracy above 95% after two epochs."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "zero.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "2", str(example), "--stage", str(stage), "--epochs", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    m = re.search(r"ZeRO stage (\d) on 2 ranks.* (\d+) parameters, Adam state for (\d+) of "
+                  r"them per rank", out)
+    assert m and int(m.group(1)) == stage, out[-4000:]
+    assert int(m.group(2)) // 2 <= int(m.group(3)) <= int(m.group(2)) // 2 + 64
+    accuracy = [float(a) for a in re.findall(r"test accuracy\s+([\d.]+)%", out)]
+    assert len(accuracy) == 2 and accuracy[-1] > 95.0, out[-4000:]

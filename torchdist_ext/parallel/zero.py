@@ -181,6 +181,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p in self._tracker_params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    @property
+    def shard_numel(self) -> int:
+        """Elements of parameters whose optimizer state this rank keeps, padding included:
+        about 1/world of the trainable parameters."""
+        return sum(f.layout.shard_numel for f in self._flats)
+
     # ----- set-up
 
     def _check_params(self) -> None:
