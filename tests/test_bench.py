@@ -117,6 +117,32 @@ def test_compressed_bench_tdx_and_gloo(tmp_path: Path,
     assert "Int8(block=64)" in out and "TopK(ratio=0.5)" in out and "vs exact" in out, out
 
 
+def test_zero_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``bench zero``: 3 ranks, each strategy on both backends; the bytes each rank holds
+    are what the strategies promise: ZeRO-1 a third of DDP's optimizer state (plus
+    padding), ZeRO-2 a third of its gradients as well."""
+    path = tmp_path / "zero.json"
+    argv = ["zero", "--world", "3", "--params", "3001", "--layers", "2", "--batch", "4",
+            "--bucket-bytes", "1K", "-n", "2", "-w", "1", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capfd.readouterr().out
+    doc = json.loads(path.read_text())
+    for b in ("tdx", "gloo"):
+        row = doc["backends"][b]["3001"]
+        assert set(row) == {"ddp", "zero1", "zero2"}, row
+        assert all(cell["ms"] > 0 for cell in row.values()), row
+        params = row["ddp"]["params"]
+        assert params == 2 * (38 * 38 + 38)  # width sqrt(3001 / 2) = 38
+        # Adam: exp_avg and exp_avg_sq per element, a float32 step per tensor.
+        assert row["ddp"]["state"] == 2 * 4 * params + 4 * 4
+        assert row["ddp"]["grads"] == 4 * params
+        for name in ("zero1", "zero2"):
+            assert 2 * 4 * params / 3 <= row[name]["state"] <= 2 * 4 * (params / 3 + 64), row
+        assert row["zero1"]["grads"] >= 4 * params, row  # gradients whole, and the shard
+        assert 4 * params / 3 <= row["zero2"]["grads"] <= 4 * (params / 3 + 64), row
+    assert "zero2" in out and "tdx ms" in out and "gloo ms" in out, out
+
+
 def test_sparse_bench_checker_counts_wrong_elements() -> None:
     from torchdist_ext.bench import sparse
 
@@ -860,6 +886,17 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["compressed", "--world", "0"], "world (--world) must be at least 1"),
     (["compressed", "-n", "0"], "iters (-n) must be at least 1"),
     (["compressed", "--json", "/nonexistent-dir/c.json"], "directory /nonexistent-dir"),
+    (["zero", "--backends", "nccl"], "backends (--backends) take tdx and/or gloo"),
+    (["zero", "--strategies", "ddp,zero3"], "strategies (--strategies) take ddp, zero1 "
+                                            "and/or zero2, each once, not 'ddp,zero3'"),
+    (["zero", "--params", "2", "--layers", "4"], "params (--params) must be parameter counts "
+                                                 "of at least one per layer (4), not 2"),
+    (["zero", "--params", "lots"], "not a size: 'lots'"),
+    (["zero", "--batch", "0"], "layers (--layers) and batch (--batch) must be at least 1"),
+    (["zero", "--bucket-bytes", "0"], "bucket_bytes must be a positive int"),
+    (["zero", "--world", "0"], "world (--world) must be at least 1"),
+    (["zero", "-n", "0"], "iters (-n) must be at least 1"),
+    (["zero", "--json", "/nonexistent-dir/z.json"], "directory /nonexistent-dir"),
 ])
 def test_bad_arguments_are_refused_before_measuring(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -921,6 +958,8 @@ def test_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_me
         ["sparse", "--device", "cuda"], capsys)
     assert "--device cuda: no CUDA device is visible" in _refused(
         ["compressed", "--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible" in _refused(
+        ["zero", "--device", "cuda"], capsys)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         bench.run(Options(device="cuda", world=2))  # the Python entry point, before spawning
 

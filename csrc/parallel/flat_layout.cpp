@@ -57,7 +57,8 @@ FlatLayout::FlatLayout(std::vector<int64_t> numels, int64_t worldSize, int64_t b
       used = 0;
     }
     const int64_t at = roundUp(used, align);
-    params_.push_back(ParamSlot{static_cast<int64_t>(buckets_.size()), open.offset + at, numels[i]});
+    params_.push_back(
+        ParamSlot{static_cast<int64_t>(buckets_.size()), open.offset + at, numels[i]});
     used = at + numels[i];
   }
   if (!numels.empty()) close(static_cast<int64_t>(numels.size()));

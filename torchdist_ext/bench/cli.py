@@ -1,7 +1,7 @@
 """Command line: ``python -m torchdist_ext.bench --help``; ``python -m torchdist_ext.bench
 calibrate --help`` for the cost-model calibration, ``... tune --help`` for measured rules,
 ``... sparse --help`` for sparse all_reduce, ``... compressed --help`` for compressed
-all_reduce."""
+all_reduce, ``... zero --help`` for a training step under DDP and ZeRO."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                "--help': record the fastest algorithm per size where the model misjudges; "
                "'python -m torchdist_ext.bench sparse --help': all_reduce of sparse "
                "embedding gradients; 'python -m torchdist_ext.bench compressed --help': "
-               "compressed all_reduce against exact.",
+               "compressed all_reduce against exact; 'python -m torchdist_ext.bench zero "
+               "--help': a training step under DDP, ZeRO-1 and ZeRO-2.",
     )
     p.add_argument("--op", default="all_reduce",
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
@@ -127,9 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 when every op ran and every checked element was right (and, with
     ``--check-auto=strict``, auto never lost), 1 otherwise: a wrong element, an op that
     failed (a skip, such as a pinned algorithm that cannot run a size, is not a failure)
-    or a sweep with no rows. ``calibrate``, ``tune``, ``sparse`` or ``compressed`` as the
+    or a sweep with no rows. ``calibrate``, ``tune``, ``sparse``, ``compressed`` or ``zero`` as the
     first argument runs that module's ``main`` (:mod:`torchdist_ext.bench.calibrate`,
-    ``.tune``, ``.sparse``, ``.compressed``) on the rest."""
+    ``.tune``, ``.sparse``, ``.compressed``, ``.zero``) on the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "tune":
         from . import tune
@@ -147,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import compressed
 
         return compressed.main(argv[1:])
+    if argv and argv[0] == "zero":
+        from . import zero
+
+        return zero.main(argv[1:])
     opts = options_from_args(argv)
     try:
         rows = run(opts)

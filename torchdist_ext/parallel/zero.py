@@ -187,6 +187,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         about 1/world of the trainable parameters."""
         return sum(f.layout.shard_numel for f in self._flats)
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now: ``state`` (the wrapped optimizer's tensors: its shard
+        of exp_avg, momentum and the like), ``grads`` (gradients: ``param.grad`` and the
+        reduced shard) and ``params`` (the flat buffers, padding included)."""
+        def nbytes(t: Any) -> int:
+            return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+        state = sum(nbytes(v) for st in (self._inner.state.values() if self._inner else ())
+                    for v in st.values())
+        grads = sum(nbytes(p.grad) for g in self.param_groups for p in g["params"])
+        grads += sum(nbytes(f.grad) for f in self._flats)
+        return {"state": state, "grads": grads,
+                "params": sum(nbytes(f.flat) for f in self._flats)}
+
     # ----- set-up
 
     def _check_params(self) -> None:

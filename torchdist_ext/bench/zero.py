@@ -1,0 +1,259 @@
+"""``python -m torchdist_ext.bench zero``: a training step under DDP, ZeRO-1 and ZeRO-2.
+
+Per model size and backend, the time of one step (forward, backward, Adam step) of an MLP
+of ``--layers`` square linear layers, each rank on a batch of its own, with the gradients
+averaged by torch's DistributedDataParallel (``ddp``) or by
+:class:`torchdist_ext.parallel.ZeroOptimizer` at stage 1 (``zero1``) or 2 (``zero2``);
+and what each rank holds after the backward pass: optimizer state and gradients, in
+bytes (counted from the tensors; the same on every backend). On CUDA, the peak of
+torch's allocator over the timed steps as well. Times are the largest over the ranks
+of the mean over ``--iters`` steps, after ``--warmup``.
+
+Usage::
+
+    python -m torchdist_ext.bench zero                          # tdx and gloo, 2 ranks
+    python -m torchdist_ext.bench zero --world 4 --params 4M,32M --strategies ddp,zero2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..parallel import ZeroConfig, ZeroOptimizer
+from . import report, runner
+from .core import size_arg
+from .runner import LaunchError, is_lead, time_per_call
+
+__all__ = ["ZeroBenchOptions", "build_parser", "main", "run", "table_lines"]
+
+_BACKENDS = ("tdx", "gloo")
+_STRATEGIES = ("ddp", "zero1", "zero2")
+
+
+@dataclass(frozen=True)
+class ZeroBenchOptions:
+    """One run: ``world`` spawned ranks (ignored under torchrun); for each of ``params``
+    (trainable float32 parameters, about), each strategy on each backend."""
+
+    world: int = 2
+    backends: tuple[str, ...] = _BACKENDS
+    strategies: tuple[str, ...] = _STRATEGIES
+    params: tuple[int, ...] = (1 << 20, 1 << 23)
+    layers: int = 4
+    batch: int = 32
+    bucket_bytes: int = 16 << 20
+    device: str = "cpu"
+    iters: int = 5
+    warmup: int = 2
+    timeout: float = 300.0
+    json_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.backends or any(b not in _BACKENDS for b in self.backends) \
+                or len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"backends (--backends) take tdx and/or gloo, each once, not "
+                             f"{','.join(self.backends)!r}")
+        if not self.strategies or any(s not in _STRATEGIES for s in self.strategies) \
+                or len(set(self.strategies)) != len(self.strategies):
+            raise ValueError(f"strategies (--strategies) take ddp, zero1 and/or zero2, each "
+                             f"once, not {','.join(self.strategies)!r}")
+        if self.world < 1:
+            raise ValueError(f"world (--world) must be at least 1, not {self.world}")
+        if self.layers < 1 or self.batch < 1:
+            raise ValueError(f"layers (--layers) and batch (--batch) must be at least 1, not "
+                             f"{self.layers} and {self.batch}")
+        if not self.params or any(p < self.layers for p in self.params):
+            raise ValueError(f"params (--params) must be parameter counts of at least one "
+                             f"per layer ({self.layers}), not "
+                             f"{','.join(map(str, self.params))}")
+        ZeroConfig(bucket_bytes=self.bucket_bytes)  # its own check names the fix
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device (--device) must be cpu or cuda, not {self.device!r}")
+        if self.iters < 1 or self.warmup < 0:
+            raise ValueError(f"iters (-n) must be at least 1 and warmup (-w) at least 0, "
+                             f"not {self.iters} and {self.warmup}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout (--timeout) must be a number of seconds > 0, not "
+                             f"{self.timeout}")
+
+    def width(self, params: int) -> int:
+        """The layers' width: ``layers`` square layers with biases hold about ``params``."""
+        return max(1, int(math.sqrt(params / self.layers)))
+
+
+def _model(opts: ZeroBenchOptions, params: int, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    w = opts.width(params)
+    layers: list[nn.Module] = []
+    for _ in range(opts.layers):
+        layers += [nn.Linear(w, w), nn.Tanh()]
+    return nn.Sequential(*layers).to(device)
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
+    """(the module to call, the optimizer, a function of the bytes held after backward)."""
+    if name == "ddp":
+        ddp = nn.parallel.DistributedDataParallel(
+            model, process_group=group, bucket_cap_mb=opts.bucket_bytes / 2 ** 20)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+        def held() -> dict[str, int]:
+            return {"state": _nbytes(v for st in opt.state.values() for v in st.values()),
+                    "grads": _nbytes(p.grad for p in model.parameters())}
+        return ddp, opt, held
+    stage = int(name[-1])
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, group=group,
+                        config=ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes), lr=1e-4)
+
+    def held() -> dict[str, int]:
+        mem = opt.memory()
+        return {"state": mem["state"], "grads": mem["grads"]}
+    return model, opt, held
+
+
+def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
+                  device: torch.device) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(rank)
+    for params in opts.params:
+        row: dict[str, Any] = {}
+        w = opts.width(params)
+        x = torch.randn(opts.batch, w, generator=gen).to(device)
+        for name in opts.strategies:
+            model = _model(opts, params, device)
+            module, opt, held = _strategy(name, model, group, opts)
+
+            def step(_: int) -> None:
+                opt.zero_grad(set_to_none=True)
+                module(x).square().mean().backward()
+                opt.step()
+
+            for i in range(opts.warmup):
+                step(i)
+            opt.zero_grad(set_to_none=True)
+            module(x).square().mean().backward()
+            cell = {"params": sum(p.numel() for p in model.parameters()), **held()}
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            cell["ms"] = time_per_call(step, opts.iters, device) * 1e3
+            if device.type == "cuda":
+                cell["peak"] = torch.cuda.max_memory_allocated(device)
+            row[name] = cell
+        out[str(params)] = row
+    return out
+
+
+def _rank_main(rank: int, world: int, opts: Any,
+               local_rank: int | None = None) -> dict[str, Any]:
+    """One rank of a run: every backend's results."""
+    return runner.side_rank("training step: ddp, zero1, zero2", _backend_rows, rank, world,
+                            opts, local_rank)
+
+
+def run(opts: ZeroBenchOptions) -> dict[str, Any]:
+    """Measure; rank 0's results (every rank's under torchrun)."""
+    return runner.run_side(opts, _rank_main)
+
+
+def table_lines(data: dict[str, Any]) -> list[str]:
+    """The text table of a run's results."""
+    o = data["options"]
+    names = list(data["backends"])
+    cuda = o["device"] == "cuda"
+    lines = [f"# one training step (forward, backward, Adam) of an MLP of {o['layers']} "
+             f"square layers, batch {o['batch']} per rank, {data['world']} rank(s), "
+             f"{o['device']}, {data['host']}, {data['date']}",
+             f"# time: the largest over the ranks of the mean of {o['iters']} steps, in ms; "
+             f"state, grads: bytes a rank holds after backward"
+             + ("; peak: torch's allocator over the steps" if cuda else "")]
+    head = f"{'params':>10} {'strategy':>9} {'state/rank':>11} {'grads/rank':>11}"
+    for n in names:
+        head += f" {n + ' ms':>10}" + (f" {n + ' peak':>11}" if cuda else "")
+    lines.append(head)
+    for params in o["params"]:
+        for name in o["strategies"]:
+            first = data["backends"][names[0]][str(params)][name]
+            line = (f"{first['params']:>10} {name:>9} {report.bytes_text(first['state']):>11} "
+                    f"{report.bytes_text(first['grads']):>11}")
+            for n in names:
+                cell = data["backends"][n][str(params)][name]
+                line += f" {cell['ms']:>10.2f}"
+                if cuda:
+                    line += f" {report.bytes_text(cell['peak']):>11}"
+            lines.append(line)
+    return lines
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(size_arg(x) for x in _names(text))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m torchdist_ext.bench zero",
+        description="Time a training step under DDP, ZeRO-1 and ZeRO-2 and count what each "
+                    "rank holds, several backends side by side.",
+        epilog="Under torchrun the ranks come from the environment and --world is ignored.")
+    p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
+    p.add_argument("--strategies", default="ddp,zero1,zero2",
+                   help="ddp, zero1 and/or zero2 (default all)")
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--params", type=_counts, default=(1 << 20, 1 << 23),
+                   help="comma-separated model sizes in parameters, K/M suffixes "
+                        "(default 1M,8M)")
+    p.add_argument("--layers", type=int, default=4, help="square linear layers (default 4)")
+    p.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
+    p.add_argument("--bucket-bytes", type=size_arg, default=16 << 20,
+                   help="bucket size of DDP and ZeRO, K/M suffixes (default 16M)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("-n", "--iters", type=int, default=5, help="timed steps (default 5)")
+    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed steps (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 when every step ran (a backend that fails raises)."""
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        opts = ZeroBenchOptions(world=a.world, backends=_names(a.backends),
+                                strategies=_names(a.strategies), params=a.params,
+                                layers=a.layers, batch=a.batch, bucket_bytes=a.bucket_bytes,
+                                device=a.device, iters=a.iters, warmup=a.warmup,
+                                timeout=a.timeout, json_path=a.json_path)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        data = run(opts)
+    except LaunchError as exc:
+        parser.error(str(exc))
+    if not is_lead():
+        return 0
+    for line in table_lines(data):
+        print(line)
+    if opts.json_path:
+        report.write_json(opts.json_path, data)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
