@@ -366,6 +366,14 @@ def _bad(rank: int, world: int) -> list[str]:
             "appears twice")
     refused(lambda: ZeroOptimizer([nn.Parameter(torch.zeros(2, dtype=torch.complex64))],
                                   torch.optim.SGD, lr=1), "complex", "view_as_real")
+    # Ranks that lay out other parameters, or run another stage, all raise, naming the
+    # others, before any bucket is reduced.
+    extra = [nn.Parameter(torch.zeros(3 + rank, dtype=torch.float64))]
+    refused(lambda: ZeroOptimizer(list(model.parameters()) + extra, torch.optim.SGD, lr=1),
+            f"ranks [{1 - rank}] lay their parameters out otherwise", "same ZeroConfig")
+    refused(lambda: ZeroOptimizer(model.parameters(), torch.optim.SGD,
+                                  config=ZeroConfig(stage=1 + rank), lr=1),
+            f"ranks [{1 - rank}] lay their parameters out otherwise", f"stage {1 + rank}")
     # The group still works afterwards: a whole step.
     opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     model(torch.randn(2, 7, dtype=torch.float64)).sum().backward()

@@ -21,6 +21,7 @@ Use it in place of DDP, not with it: the optimizer does the gradient averaging.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
@@ -157,7 +158,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._flats.append(_Flat(gi, kind_params, self._world, self._rank,
                                          config.bucket_bytes))
         self._order = self._release_order()
-        self._owner = {id(p): (f, i) for f in self._flats for i, p in enumerate(f.params)}
+        self._check_same_layout()
 
         if config.broadcast_params:
             self._broadcast_params()
@@ -221,6 +222,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if p.requires_grad and p.is_complex():
                     raise ValueError(f"{self._who}: {name} is {p.dtype}; view complex "
                                      "parameters as real (torch.view_as_real) to shard them")
+
+    def _check_same_layout(self) -> None:
+        """Ranks whose layouts differ would reduce buckets of different sizes into each
+        other: compare a hash of each rank's, once, and name the ranks that differ."""
+        text = f"stage {self._config.stage}\n" + "\n".join(
+            f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
+            for s, f in zip(self._fingerprint(), self._flats))
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little",
+                                signed=True)
+        device = self._flats[0].flat.device if self._flats else torch.device("cpu")
+        mine = torch.tensor([digest], dtype=torch.int64, device=device)
+        every = torch.empty(self._world, dtype=torch.int64, device=device)
+        _all_gather(every, mine, group=self._group)
+        every = every.tolist()
+        if len(set(every)) > 1:
+            others = [r for r, d in enumerate(every) if d != digest]
+            raise ValueError(
+                f"{self._who}: ranks {others} lay their parameters out otherwise than this "
+                f"rank, which has {self.shard_numel * self._world} elements in "
+                f"{len(self._flats)} flat buffer(s) at stage {self._config.stage}; every rank "
+                "must pass the same parameters, in the same order, with the same shapes, "
+                "dtypes, requires_grad and optimizer groups, and the same ZeroConfig")
 
     def _release_order(self) -> list[tuple[_Flat, Any]]:
         """Every bucket of every flat buffer, in the order the ranks reduce them: by when
