@@ -3,7 +3,7 @@
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
 #   TDX_STAGES="build smoke failures destroyprobe cuda cpubench threads membw calibrate
-#               autocheck bench sparse compressed cpu"
+#               autocheck bench sparse compressed zero cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). Stages run in the order given; build, when named, runs first.
 #     failures: the CUDA failure-path tests; destroyprobe: scripts/destroy_probe.py, a
@@ -22,6 +22,8 @@
 #     gradients, tdx and gloo, checked) on the CPU at 4 ranks and on CUDA at 2;
 #     compressed: the compression codecs alone (scripts/codec_probe.py), then `bench
 #     compressed` on the CPU at 4 ranks (tdx and gloo) and on CUDA at 2 (tdx).
+#   zero: `bench zero` (a training step under DDP, ZeRO-1 and ZeRO-2) on the CPU at 4 ranks
+#     (tdx and gloo) and on CUDA at 2 (tdx).
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds
 #                           after the script starts (default 3600)
@@ -41,7 +43,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse compressed cpu"
+KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse compressed zero cpu"
 STAGES=${TDX_STAGES:-$KNOWN}
 for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
   [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
@@ -221,6 +223,20 @@ stage_compressed() {
       --device $dev --world $w --backends $backends --sizes 1M,16M,64M \
       --json "$OUT/compressed_${dev}_w$w.json" 2>&1 \
       | tee "$OUT/compressed_${dev}_w$w.txt" | tail -16
+    pack
+  done
+}
+
+stage_zero() {
+  local dev w backends
+  for dev in cpu cuda; do
+    w=$([ $dev = cpu ] && echo 4 || echo 2)
+    backends=$([ $dev = cpu ] && echo tdx,gloo || echo tdx)
+    [ "$(limit 120)" -gt 30 ] || break
+    OMP_NUM_THREADS=1 timeout "$(limit 120)" $PY -m torchdist_ext.bench zero \
+      --device $dev --world $w --backends $backends --params 1M,16M \
+      --json "$OUT/zero_${dev}_w$w.json" 2>&1 \
+      | tee "$OUT/zero_${dev}_w$w.txt" | tail -10
     pack
   done
 }
