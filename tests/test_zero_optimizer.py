@@ -345,6 +345,42 @@ def test_consolidated_state_moves_between_world_sizes_and_plain_optimizers() -> 
     assert run_ranks(_resume, 3, timeout=120) == [[], [], []]
 
 
+def _no_zero_grad(rank: int, world: int) -> list[str]:
+    """Steps with no zero_grad between them see the gradients summed since the last one,
+    as with torch's optimizers, at both stages."""
+    fails = []
+    data = _data(world)
+    plain_model = _net()
+    plain = torch.optim.SGD(_groups(plain_model), lr=0.05, momentum=0.9)
+    for micro in data[:3]:
+        for x, y in micro[:1]:
+            nn.functional.mse_loss(plain_model(x), y).backward()
+        plain.step()
+    for stage in (1, 2):
+        model = _net()
+        opt = ZeroOptimizer(_groups(model), torch.optim.SGD, lr=0.05, momentum=0.9,
+                            config=ZeroConfig(stage=stage))
+        for micro in data[:3]:
+            for x, y in micro[:1]:
+                nn.functional.mse_loss(model(x.chunk(world)[rank]),
+                                       y.chunk(world)[rank]).backward()
+            opt.step()
+        for (n, p), q in zip(model.named_parameters(), plain_model.parameters()):
+            if n != "unused" and not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
+                fails.append(f"stage {stage} {n}: {(p - q).abs().max()}")
+        try:
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+            fails.append("add_param_group accepted")
+        except NotImplementedError as e:
+            if f"rank {rank} of {world}" not in str(e) or "new ZeroOptimizer" not in str(e):
+                fails.append(str(e))
+    return fails
+
+
+def test_steps_without_zero_grad_between_them_accumulate_as_torch_does() -> None:
+    assert run_ranks(_no_zero_grad, 2, timeout=60) == [[], []]
+
+
 def _bad(rank: int, world: int) -> list[str]:
     fails = []
     model = _net()

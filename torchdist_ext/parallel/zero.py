@@ -286,6 +286,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     if not p.requires_grad:
                         dist.broadcast(p.data, src=src, group=self._group)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "_flats"):  # torch's __init__ adds the first groups through here
+            raise NotImplementedError(
+                f"{self._who}: parameter groups are laid out when the optimizer is made; "
+                "build a new ZeroOptimizer with every group instead of add_param_group")
+        super().add_param_group(param_group)
+
     # ----- gradients
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -334,6 +341,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _reduce_gradients(self) -> None:
         if self._config.stage == 1 and not self._reduced:
+            # param.grad holds everything since the last zero_grad (as with torch's
+            # optimizers, steps without zero_grad between them see the sum), so the shard
+            # gradient starts afresh; at stage 2 param.grad is dropped instead, and the
+            # shard gradient is what accumulates.
+            for f in self._flats:
+                f.grad = None
             for f, b in self._order:
                 self._launch(f, b, drop=False)
             self._settle()
