@@ -2,9 +2,40 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "parallel/flat_layout.h"
+#include "parallel/pipeline_schedule.h"
 
 namespace py = pybind11;
+
+namespace {
+
+using tdx::parallel::PipeAction;
+using tdx::parallel::PipeVerb;
+
+PipeVerb verbOf(const std::string& name) {
+  for (auto v : {PipeVerb::Forward, PipeVerb::Backward, PipeVerb::SendAct, PipeVerb::RecvAct,
+                 PipeVerb::SendGrad, PipeVerb::RecvGrad}) {
+    if (name == tdx::parallel::pipeVerbName(v)) return v;
+  }
+  throw std::invalid_argument("unknown pipeline action '" + name +
+                              "': F, B, SA, RA, SG or RG");
+}
+
+// Actions cross as (name, microbatch) pairs: ("F", 0), ("SA", 0), ...
+std::vector<std::vector<PipeAction>> actionsOf(
+    const std::vector<std::vector<std::pair<std::string, int64_t>>>& lists) {
+  std::vector<std::vector<PipeAction>> out(lists.size());
+  for (size_t s = 0; s < lists.size(); ++s) {
+    for (const auto& [name, mb] : lists[s]) out[s].push_back({verbOf(name), mb});
+  }
+  return out;
+}
+
+} // namespace
 
 void bindParallel(py::module& m) {
   using tdx::parallel::BucketSlot;
@@ -38,4 +69,29 @@ void bindParallel(py::module& m) {
       .def("finish", &BucketTracker::finish)
       .def("missing", &BucketTracker::missing)
       .def_property_readonly("started", &BucketTracker::started);
+  using tdx::parallel::PipelineSchedule;
+  py::class_<PipelineSchedule>(m, "_PipelineSchedule")
+      .def(py::init([](const std::vector<std::vector<std::pair<std::string, int64_t>>>& lists,
+                       int64_t microbatches) {
+             return PipelineSchedule(actionsOf(lists), microbatches);
+           }),
+           py::arg("actions"), py::arg("microbatches"))
+      .def_static("gpipe", &PipelineSchedule::gpipe, py::arg("stages"), py::arg("microbatches"))
+      .def_static("one_f_one_b", &PipelineSchedule::oneFOneB, py::arg("stages"),
+                  py::arg("microbatches"))
+      .def_property_readonly("stages", &PipelineSchedule::stages)
+      .def_property_readonly("microbatches", &PipelineSchedule::microbatches)
+      .def("actions",
+           [](const PipelineSchedule& p, int64_t stage) {
+             std::vector<std::pair<std::string, int64_t>> out;
+             for (const auto& a : p.actions(stage)) {
+               out.emplace_back(tdx::parallel::pipeVerbName(a.verb), a.microbatch);
+             }
+             return out;
+           },
+           py::arg("stage"))
+      .def_property_readonly("peak_in_flight", &PipelineSchedule::peakInFlight)
+      .def_property_readonly("makespan", &PipelineSchedule::makespan)
+      .def_property_readonly("bubble", &PipelineSchedule::bubble)
+      .def("grid", &PipelineSchedule::grid);
 }

@@ -3,8 +3,11 @@
 - :class:`ZeroOptimizer` (ZeRO stages 1 and 2): optimizer state, and in stage 2 gradients,
   sharded across the ranks, over flat buffers laid out by the C++ core
   (``csrc/parallel/``).
+- :class:`PipelineStage` (pipeline parallelism, GPipe and 1F1B): one stage per rank,
+  running the action list of a :class:`Schedule` that the C++ core makes and checks.
 """
 
+from .pipeline import PipelineConfig, PipelineStage, Schedule
 from .zero import ZeroConfig, ZeroOptimizer
 
-__all__ = ["ZeroConfig", "ZeroOptimizer"]
+__all__ = ["PipelineConfig", "PipelineStage", "Schedule", "ZeroConfig", "ZeroOptimizer"]

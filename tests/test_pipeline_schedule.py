@@ -1,0 +1,240 @@
+"""Pipeline parallelism (torchdist_ext.parallel.PipelineStage): the schedules of the C++
+core checked exhaustively in one process; then training on spawned ranks, one stage per
+rank, against one process training the whole model on the whole batch (float64, the
+same parameters within rounding), at 1 to 4 stages, GPipe and 1F1B, microbatches that do
+and do not divide the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from torchdist_ext.parallel import PipelineConfig, PipelineStage, Schedule
+from torchdist_ext.testing import run_ranks
+
+# ---- schedules, in one process ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_schedules_are_complete_and_keep_what_they_promise(name: str) -> None:
+    for stages in range(1, 9):
+        for m in range(1, 17):
+            s = Schedule.named(name, stages, m)  # the core's check ran: no deadlock
+            for st in range(stages):
+                acts = s.actions(st)
+                # A forward and a backward per microbatch, and a message each way per
+                # microbatch across every boundary this stage has.
+                want = 2 + (st > 0) * 2 + (st < stages - 1) * 2
+                assert len(acts) == want * m, (name, stages, m, st)
+                for verb in ("F", "B"):
+                    assert sorted(mb for v, mb in acts if v == verb) == list(range(m))
+            # What each keeps: GPipe every microbatch, 1F1B at most stages - s.
+            if name == "gpipe":
+                assert s.peak_in_flight == [m] * stages
+            else:
+                assert s.peak_in_flight == [min(stages - st, m) for st in range(stages)]
+            # Both fill and drain the pipeline once: (stages - 1) forward and backward units
+            # of idling per stage, around 3 m units of work.
+            assert s.makespan == 3 * m + 3 * (stages - 1), (name, stages, m)
+            assert s.bubble == pytest.approx((stages - 1) / (m + stages - 1))
+
+
+def test_the_grid_draws_the_timeline() -> None:
+    g = Schedule.one_f_one_b(2, 3).grid().splitlines()
+    # Stage 0 waits two units for microbatch 0's gradient from stage 1's backward.
+    assert g[0].split("|")[1].split() == ["F0", "F1", ".", ".", "B0", "B0", "F2", "B1", "B1",
+                                          ".", "B2", "B2"]
+    assert g[1].split("|")[1].split() == [".", "F0", "B0", "B0", "F1", "B1", "B1", "F2", "B2",
+                                          "B2", ".", "."]
+    assert "bubble 25%" in repr(Schedule.gpipe(2, 3))
+
+
+@pytest.mark.parametrize("actions, m, words", [
+    # Each stage waits for the other's message first.
+    ([[("F", 0), ("RG", 0), ("SA", 0), ("B", 0)], [("RA", 0), ("F", 0), ("B", 0), ("SG", 0)]],
+     1, ["stage 0, step 1 (RG0)", "wait for one another forever",
+         "stage 1, step 0 (RA0) waits for stage 0 to send microbatch 0's activation"]),
+    # Messages between two stages arrive in the order they were sent.
+    ([[("F", 0), ("SA", 0), ("F", 1), ("SA", 1), ("RG", 0), ("B", 0), ("RG", 1), ("B", 1)],
+      [("RA", 1), ("F", 1), ("RA", 0), ("F", 0), ("B", 0), ("SG", 0), ("B", 1), ("SG", 1)]],
+     2, ["stage 1, step 0 (RA1)", "stage 0 sent microbatch 0's first"]),
+    ([[("B", 0), ("F", 0)]], 1, ["stage 0, step 0 (B0)", "forward has not run"]),
+    ([[("F", 0), ("B", 0), ("F", 0), ("B", 0)]], 1, ["step 2 (F0)", "forward runs twice"]),
+    ([[("F", 0), ("SA", 0), ("B", 0)]], 1, ["the last stage has no next stage"]),
+    ([[("F", 0)]], 1, ["microbatch 0's backward never runs"]),
+    ([[("F", 0), ("B", 0)]], 2, ["microbatch 1's forward never runs"]),
+    ([[("F", 3), ("B", 3)]], 1, ["microbatch 3 is not in [0, 1)"]),
+])
+def test_bad_schedules_are_refused_naming_the_stage_and_step(actions, m: int, words) -> None:
+    with pytest.raises(ValueError) as err:
+        Schedule(actions, m)
+    text = str(err.value)
+    assert all(w in text for w in words), text
+    assert "stage 0 |" in text  # the grid of what ran
+
+
+def test_a_schedule_of_ones_own_runs_when_it_is_sound() -> None:
+    """Backwards in reverse order, a schedule neither generator makes."""
+    s = Schedule([[("F", 0), ("SA", 0), ("F", 1), ("SA", 1), ("RG", 1), ("B", 1), ("RG", 0),
+                   ("B", 0)],
+                  [("RA", 0), ("F", 0), ("RA", 1), ("F", 1), ("B", 1), ("SG", 1), ("B", 0),
+                   ("SG", 0)]], 2)
+    assert s.peak_in_flight == [2, 2] and s.actions(1)[4] == ("B", 1)
+
+
+def test_bad_shapes_and_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1 stage"):
+        Schedule.gpipe(0, 2)
+    with pytest.raises(ValueError, match="at least 1 microbatch"):
+        Schedule.one_f_one_b(2, 0)
+    with pytest.raises(ValueError, match="unknown pipeline action 'X'"):
+        Schedule([[("X", 0)]], 1)
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
+        Schedule.named("zb", 2, 2)
+    with pytest.raises(ValueError, match="microbatches must be an int of at least 1"):
+        PipelineConfig(microbatches=0)
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b"):
+        PipelineConfig(schedule="interleaved")
+
+
+# ---- training against one process ------------------------------------------------------
+
+LAYERS = 8
+BATCH = 10
+STEPS = 3
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(6, 9)]
+    for _ in range(LAYERS - 2):
+        layers += [nn.Tanh(), nn.Linear(9, 9)]
+    layers += [nn.Tanh(), nn.Linear(9, 4)]
+    return nn.Sequential(*layers).double()
+
+
+def _cut(model: nn.Sequential, stages: int, stage: int) -> nn.Sequential:
+    """Stage ``stage`` of ``stages``: a contiguous run of the model's modules."""
+    mods = list(model)
+    bounds = [round(i * len(mods) / stages) for i in range(stages + 1)]
+    return nn.Sequential(*mods[bounds[stage]:bounds[stage + 1]])
+
+
+def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
+             torch.randn(BATCH, 4, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+
+
+def _reference() -> tuple[list[list[float]], list[float]]:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in _data():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return [p.detach().flatten().tolist() for p in model.parameters()], losses
+
+
+def _pipeline(rank: int, world: int, name: str) -> dict:
+    out = {}
+    for m in (1, 3, 4):
+        stage = _cut(_model(), world, rank)
+        runner = PipelineStage(stage, config=PipelineConfig(schedule=name, microbatches=m),
+                               loss_fn=nn.functional.mse_loss if rank == world - 1 else None)
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, y in _data():
+            opt.zero_grad()
+            loss = runner.step(inputs=x if rank == 0 else None,
+                               targets=y if rank == world - 1 else None)
+            opt.step()
+            losses.append(None if loss is None else loss.item())
+        out[m] = {"params": [p.detach().flatten().tolist() for p in stage.parameters()],
+                  "losses": losses, "kept": runner.max_kept,
+                  "peak": runner.schedule.peak_in_flight[rank]}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_pipeline_trains_as_one_process_does(world: int, name: str) -> None:
+    """SGD with momentum, 3 steps of a batch of 10 in 1, 3 (uneven) and 4 microbatches:
+    each stage's parameters equal the same layers' in one process within 1e-12, the last
+    stage's loss is the batch's, and each rank kept no more activations than the schedule
+    says."""
+    ref_params, ref_losses = _reference()
+    runs = run_ranks(_pipeline, world, timeout=120, args=(name,))
+    for m in (1, 3, 4):
+        got = [r[m] for r in runs]
+        params = [p for r in got for p in r["params"]]
+        assert len(params) == len(ref_params)
+        for i, (mine, want) in enumerate(zip(params, ref_params)):
+            assert torch.allclose(torch.tensor(mine), torch.tensor(want), rtol=1e-12,
+                                  atol=1e-13), (m, i)
+        assert got[-1]["losses"] == pytest.approx(ref_losses, rel=1e-12), m
+        assert all(r["kept"] == r["peak"] for r in got), (m, got)
+
+
+def _mistakes(rank: int, world: int) -> list[str]:
+    fails = []
+
+    def refused(fn, *words) -> None:
+        try:
+            fn()
+            fails.append(f"accepted: {words}")
+        except (ValueError, TypeError) as e:
+            if not all(w in str(e) for w in words):
+                fails.append(f"{words}: {e}")
+
+    stage = _cut(_model(), world, rank)
+    last = rank == world - 1
+    refused(lambda: PipelineStage(stage, schedule=Schedule.gpipe(world + 1, 2),
+                                  loss_fn=nn.functional.mse_loss),
+            f"stage {rank} of {world}", f"{world + 1} stages", "one stage per rank")
+    if last:
+        refused(lambda: PipelineStage(stage), "pass loss_fn")
+    runner = PipelineStage(stage, config=PipelineConfig(microbatches=4),
+                           loss_fn=nn.functional.mse_loss if last else None)
+    if rank == 0:
+        refused(lambda: runner.step(), "stage 0 of 2", "pass inputs")
+    else:
+        refused(lambda: runner.step(), "pass targets")
+        refused(lambda: runner.step(targets=torch.zeros(3, 4, dtype=torch.float64)),
+                "a batch of 3 cannot split into 4 microbatches")
+    # The group still works: a whole step.
+    x, y = _data()[0]
+    runner.step(inputs=x if rank == 0 else None, targets=y if last else None)
+    return fails
+
+
+def test_mistakes_are_refused_naming_the_stage() -> None:
+    assert run_ranks(_mistakes, 2, timeout=60) == [[], []]
+
+
+def _over_a_subgroup(rank: int, world: int) -> list[str]:
+    """Two pipelines of 2 stages side by side (ranks 0-1 and 2-3), each on its own
+    group and its own data, as a (data, pipe) mesh would run them."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    stage = _cut(_model(), 2, rank % 2)
+    runner = PipelineStage(stage, group=group, config=PipelineConfig(microbatches=3),
+                           loss_fn=nn.functional.mse_loss if rank % 2 else None)
+    x, y = _data()[rank // 2]
+    loss = runner.step(inputs=x if rank % 2 == 0 else None,
+                       targets=y if rank % 2 else None)
+    fails = []
+    if rank % 2:
+        want = nn.functional.mse_loss(_model()(x), y).item()
+        if abs(loss.item() - want) > 1e-12:
+            fails.append(f"loss {loss.item()} against {want}")
+    return fails
+
+
+def test_pipelines_run_on_subgroups() -> None:
+    assert run_ranks(_over_a_subgroup, 4, timeout=60) == [[]] * 4

@@ -1,0 +1,252 @@
+"""Pipeline parallelism: one stage of a model per rank, microbatches run by a schedule.
+
+A schedule is data: for each stage, the list of actions it runs in order (forward and
+backward of a microbatch, and the activation and gradient messages around them), made
+and checked by the C++ core (``csrc/parallel/pipeline_schedule.h``). :class:`Schedule`
+wraps it; :class:`PipelineStage` runs this rank's list over a process group:
+
+    stage = PipelineStage(my_layers, group=pp_group, schedule="1f1b", microbatches=8,
+                          loss_fn=nn.functional.cross_entropy)    # the last stage's loss
+    loss = stage.step(inputs=x if first else None, targets=y if last else None)
+    optimizer.step()                       # each rank steps its own stage's parameters
+
+Sends are asynchronous and receives wait, as the schedule's check assumes, so a schedule
+that passes the check cannot deadlock on its messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import _C
+
+__all__ = ["PipelineConfig", "PipelineStage", "Schedule"]
+
+_SCHEDULES = ("gpipe", "1f1b")
+_MAX_DIMS = 8
+# Activations and gradients cross with a header: dtype code, dimensions, sizes.
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128)
+
+
+class Schedule:
+    """Per stage, the actions it runs: ``("F", mb)`` forward, ``("B", mb)`` backward,
+    ``("SA", mb)``/``("RA", mb)`` send/receive an activation, ``("SG", mb)``/``("RG", mb)``
+    send/receive a gradient. Made by :meth:`gpipe`, :meth:`one_f_one_b` or from lists of
+    your own, which are checked: an error names the stage and the step and prints the grid
+    of what could run."""
+
+    def __init__(self, actions: Sequence[Sequence[tuple[str, int]]], microbatches: int) -> None:
+        self._core = _C._PipelineSchedule([list(a) for a in actions], microbatches)
+
+    @classmethod
+    def _wrap(cls, core: Any) -> "Schedule":
+        out = cls.__new__(cls)
+        out._core = core
+        return out
+
+    @classmethod
+    def gpipe(cls, stages: int, microbatches: int) -> "Schedule":
+        """Every forward, then every backward: each stage keeps all microbatches'
+        activations."""
+        return cls._wrap(_C._PipelineSchedule.gpipe(stages, microbatches))
+
+    @classmethod
+    def one_f_one_b(cls, stages: int, microbatches: int) -> "Schedule":
+        """Forwards to fill the pipeline, then one forward and one backward in turn: stage s
+        keeps at most ``stages - s`` microbatches' activations."""
+        return cls._wrap(_C._PipelineSchedule.one_f_one_b(stages, microbatches))
+
+    @classmethod
+    def named(cls, name: str, stages: int, microbatches: int) -> "Schedule":
+        if name == "gpipe":
+            return cls.gpipe(stages, microbatches)
+        if name == "1f1b":
+            return cls.one_f_one_b(stages, microbatches)
+        raise ValueError(f"unknown pipeline schedule {name!r}: {' or '.join(_SCHEDULES)}")
+
+    @property
+    def stages(self) -> int:
+        return self._core.stages
+
+    @property
+    def microbatches(self) -> int:
+        return self._core.microbatches
+
+    def actions(self, stage: int) -> list[tuple[str, int]]:
+        return self._core.actions(stage)
+
+    @property
+    def peak_in_flight(self) -> list[int]:
+        """Per stage, the most microbatches whose activations it keeps at once."""
+        return list(self._core.peak_in_flight)
+
+    @property
+    def makespan(self) -> int:
+        """Time units from first forward to last backward (a forward 1, a backward 2)."""
+        return self._core.makespan
+
+    @property
+    def bubble(self) -> float:
+        """Share of the stages' time idle, by the same units."""
+        return self._core.bubble
+
+    def grid(self) -> str:
+        """One row per stage, one column per time unit: ``F3`` microbatch 3's forward, ``B3``
+        its backward (two units), dots idle."""
+        return self._core.grid()
+
+    def __repr__(self) -> str:
+        return (f"Schedule({self.stages} stages, {self.microbatches} microbatches, "
+                f"bubble {self.bubble:.0%})\n{self.grid()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """schedule: ``"gpipe"`` or ``"1f1b"``; microbatches: how many the batch splits into
+    (``torch.tensor_split``: sizes may differ by one)."""
+
+    schedule: str = "1f1b"
+    microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"PipelineConfig: schedule must be one of {', '.join(_SCHEDULES)}, "
+                             f"not {self.schedule!r}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"PipelineConfig: microbatches must be an int of at least 1, not "
+                             f"{self.microbatches!r}")
+
+
+class PipelineStage:
+    """This rank's stage of a pipeline over ``group`` (stage i is the group's rank i).
+
+    ``step(inputs, targets)`` runs one training step's forward and backward passes over
+    every microbatch, leaving the stage's parameter gradients in ``param.grad`` (summed
+    over microbatches, each weighted by its share of the batch, so that they equal one
+    process's gradients of ``loss_fn`` over the whole batch when ``loss_fn`` averages).
+    The first stage takes ``inputs``, the last ``targets`` and returns the batch's loss;
+    the others pass None. A stage's module takes one tensor and returns one, of any
+    shape and dtype (up to 8 dimensions); gradients flow back through floating-point ones.
+    """
+
+    def __init__(self, module: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
+                 config: PipelineConfig = PipelineConfig(),
+                 loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+                 schedule: Optional[Schedule] = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("PipelineStage: torch.distributed is not initialized; call "
+                               "dist.init_process_group first")
+        if not isinstance(config, PipelineConfig):
+            raise TypeError(f"PipelineStage: config must be a PipelineConfig, not {config!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.stage = dist.get_rank(self.group)
+        self.stages = dist.get_world_size(self.group)
+        self._who = f"PipelineStage (stage {self.stage} of {self.stages})"
+        if schedule is None:
+            schedule = Schedule.named(config.schedule, self.stages, config.microbatches)
+        if schedule.stages != self.stages:
+            raise ValueError(f"{self._who}: the schedule has {schedule.stages} stages and the "
+                             f"group {self.stages} ranks; make one stage per rank")
+        if self.stage == self.stages - 1 and loss_fn is None:
+            raise ValueError(f"{self._who}: the last stage computes the loss: pass loss_fn")
+        self.module = module
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self._actions = schedule.actions(self.stage)
+        self._device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.max_kept = 0  # the most microbatches whose activations this rank kept at once
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, stage)
+
+    def _send(self, t: torch.Tensor, stage: int, pending: list) -> None:
+        t = t.detach().contiguous()
+        if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+            raise ValueError(f"{self._who}: cannot send a {t.dtype} tensor of {t.dim()} "
+                             f"dimensions to stage {stage} (at most {_MAX_DIMS}, dtypes "
+                             f"{', '.join(str(d) for d in _DTYPES)})")
+        head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        head[0] = _DTYPES.index(t.dtype)
+        head[1] = t.dim()
+        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        head = head.to(self._device)
+        peer = self._peer(stage)
+        # Both stay referenced until the step ends and waits for them.
+        pending.append((dist.isend(head, peer, group=self.group), head))
+        pending.append((dist.isend(t, peer, group=self.group), t))
+
+    def _recv(self, stage: int) -> torch.Tensor:
+        peer = self._peer(stage)
+        head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._device)
+        dist.irecv(head, peer, group=self.group).wait()
+        code, ndim, *dims = head.tolist()
+        out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self._device)
+        dist.irecv(out, peer, group=self.group).wait()
+        return out
+
+    def step(self, inputs: Optional[torch.Tensor] = None,
+             targets: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """One training step's forward and backward passes; the batch's loss on the last
+        stage (detached), None elsewhere."""
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        m = self.schedule.microbatches
+        if first and inputs is None:
+            raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
+        if last and targets is None:
+            raise ValueError(f"{self._who}: the last stage computes the loss: pass targets")
+        xs = torch.tensor_split(inputs, m) if first else None
+        ys = torch.tensor_split(targets, m) if last else None
+        total = len(targets) if last else 0
+        if last and any(len(y) == 0 for y in ys):
+            raise ValueError(f"{self._who}: a batch of {total} cannot split into {m} "
+                             "microbatches; pass a batch at least as large")
+        received: dict[int, torch.Tensor] = {}  # activations in, until their forward
+        kept: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # until backward
+        grads: dict[int, torch.Tensor] = {}  # output gradients in, until their backward
+        back: dict[int, torch.Tensor] = {}  # inputs whose gradient goes back at SG
+        pending: list = []
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for verb, mb in self._actions:
+            if verb == "RA":
+                x = self._recv(self.stage - 1)
+                received[mb] = x.requires_grad_() if x.is_floating_point() else x
+            elif verb == "F":
+                x = xs[mb] if first else received.pop(mb)
+                out = self.module(x)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"{self._who}: the module returned {type(out).__name__}; "
+                                    "a stage passes one tensor to the next")
+                if last:
+                    # Each microbatch's mean, weighted by its share: the whole batch's mean.
+                    out = self.loss_fn(out, ys[mb]) * (len(ys[mb]) / total)
+                    loss_sum += out.detach().double().cpu()
+                kept[mb] = (None if first else x, out)
+                self.max_kept = max(self.max_kept, len(kept))
+            elif verb == "SA":
+                self._send(kept[mb][1], self.stage + 1, pending)
+            elif verb == "RG":
+                grads[mb] = self._recv(self.stage + 1)
+            elif verb == "B":
+                x, out = kept.pop(mb)
+                if last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grads.pop(mb))
+                if x is not None:
+                    back[mb] = x
+            elif verb == "SG":
+                x = back.pop(mb)
+                if x.grad is None:
+                    raise RuntimeError(f"{self._who}: microbatch {mb}'s input got no "
+                                       "gradient; the stage's output must depend on it")
+                self._send(x.grad, self.stage - 1, pending)
+        for work, _ in pending:
+            work.wait()
+        return loss_sum.to(self._device) if last else None
