@@ -1,7 +1,9 @@
-"""Pipeline parallelism with torch.distributed.pipelining, unmodified, on the tdx backend.
+"""Pipeline parallelism with torch.distributed.pipelining, unmodified, on the tdx backend;
+or with torchdist_ext.parallel.PipelineStage (--runner tdx).
 
     torchrun --standalone --nproc-per-node 2 examples/pipeline.py [--schedule 1f1b]
     torchrun --standalone --nproc-per-node 4 examples/pipeline.py [--microbatches 8]
+    torchrun --standalone --nproc-per-node 4 examples/pipeline.py --runner tdx
 
 The MLP of examples/common.py is cut into one stage per rank (2 to 4 stages; it has four
 Linear layers). Rank 0 feeds the batches, the last rank computes the loss, and the
@@ -21,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from torchdist_ext import parallel as tp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
@@ -50,6 +54,9 @@ def main() -> None:
     def extra(p):
         p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
         p.add_argument("--microbatches", type=positive_int, default=4)
+        p.add_argument("--runner", choices=["torch", "tdx"], default="torch",
+                       help="torch.distributed.pipelining (default) or "
+                            "torchdist_ext.parallel.PipelineStage")
 
     args = parse_args(__doc__, extra=extra, batch_size=128, lr=0.005)
     if args.microbatches > args.batch_size:
@@ -61,21 +68,34 @@ def main() -> None:
 
     # Every rank builds the whole model from the same seed and keeps its own stage.
     module = stage_module(make_model(args.hidden), rank, world).to(device)
-    stage = PipelineStage(module, rank, world, device)
     first, last = rank == 0, rank == world - 1
     loss_fn = nn.CrossEntropyLoss()
-    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    if args.runner == "torch":
+        stage = PipelineStage(module, rank, world, device)
+        schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
+                                            loss_fn=loss_fn)
+    else:
+        runner = tp.PipelineStage(module, loss_fn=loss_fn, config=tp.PipelineConfig(
+            schedule=args.schedule, microbatches=args.microbatches))
     opt = torch.optim.Adam(module.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(1234)  # the same batch order on every stage
-    print0(f"pipeline of {world} stages ({args.schedule}, {args.microbatches} microbatches), "
-           f"backend {args.backend}, device {device.type}, {x_train.shape[0]} training samples")
+    print0(f"pipeline of {world} stages ({args.schedule}, {args.microbatches} microbatches, "
+           f"{args.runner}), backend {args.backend}, device {device.type}, "
+           f"{x_train.shape[0]} training samples")
+    if args.runner == "tdx":
+        print0(runner.schedule.grid().rstrip())
     for epoch in range(args.epochs):
         start = time.perf_counter()
         total, steps = 0.0, 0
         for idx in batches(x_train.shape[0], args.batch_size, g):
             idx = idx.to(device)
             opt.zero_grad(set_to_none=True)
-            if first:
+            if args.runner == "tdx":
+                loss = runner.step(inputs=x_train[idx] if first else None,
+                                   targets=y_train[idx] if last else None)
+                if last:
+                    total, steps = total + loss.item(), steps + 1
+            elif first:
                 schedule.step(x_train[idx])
             elif last:
                 losses: list[torch.Tensor] = []
@@ -88,15 +108,19 @@ def main() -> None:
         # Test accuracy, forward only, in batches of the training shape.
         correct = seen = 0
         for i in range(0, x_test.shape[0] - args.batch_size + 1, args.batch_size):
-            if first:
-                schedule.eval(x_test[i:i + args.batch_size])
+            batch = x_test[i:i + args.batch_size] if first else None
+            target = y_test[i:i + args.batch_size]
+            if args.runner == "tdx":
+                out = runner.evaluate(inputs=batch)
+            elif first:
+                out = schedule.eval(batch)
             elif last:
-                target = y_test[i:i + args.batch_size]
                 out = schedule.eval(target=target)  # the schedule applies loss_fn too
+            else:
+                out = schedule.eval()
+            if last:
                 correct += (out.argmax(1) == target).sum().item()
                 seen += args.batch_size
-            else:
-                schedule.eval()
         loss_mean = mean_over_ranks(total, steps, device)  # only the last stage counts
         accuracy = mean_over_ranks(correct, seen, device)
         print0(f"epoch {epoch + 1:2d}  loss {loss_mean:.4f}  test accuracy {accuracy:6.2%}  "

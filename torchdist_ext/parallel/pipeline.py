@@ -9,6 +9,7 @@ wraps it; :class:`PipelineStage` runs this rank's list over a process group:
                           loss_fn=nn.functional.cross_entropy)    # the last stage's loss
     loss = stage.step(inputs=x if first else None, targets=y if last else None)
     optimizer.step()                       # each rank steps its own stage's parameters
+    out = stage.evaluate(inputs=x if first else None)   # forward only: last stage's output
 
 Sends are asynchronous and receives wait, as the schedule's check assumes, so a schedule
 that passes the check cannot deadlock on its messages.
@@ -190,6 +191,27 @@ class PipelineStage:
         out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self._device)
         dist.irecv(out, peer, group=self.group).wait()
         return out
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The forward pass alone, microbatch by microbatch, in order: the model's output
+        for the whole batch on the last stage (its module's, before any loss), None
+        elsewhere. The first stage passes ``inputs``."""
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        if first and inputs is None:
+            raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
+        outs = []
+        pending: list = []
+        xs = torch.tensor_split(inputs, self.schedule.microbatches) if first else None
+        for mb in range(self.schedule.microbatches):
+            out = self.module(xs[mb] if first else self._recv(self.stage - 1))
+            if last:
+                outs.append(out)
+            else:
+                self._send(out, self.stage + 1, pending)
+        for work, _ in pending:
+            work.wait()
+        return torch.cat(outs) if last else None
 
     def step(self, inputs: Optional[torch.Tensor] = None,
              targets: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
