@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from .. import compression as tc
 from . import report, runner
-from .core import size_arg
-from .runner import LaunchError, is_lead, time_per_call
+from .core import names_arg, sizes_arg
+from .runner import time_per_call
 
 __all__ = ["CompressedOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -182,14 +182,6 @@ def table_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(size_arg(x) for x in _names(text))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchdist_ext.bench compressed",
@@ -200,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default="int8,sign,topk",
                    help="int8, sign and/or topk (default all)")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--sizes", type=_sizes, default=(1 << 16, 1 << 20, 1 << 24),
+    p.add_argument("--sizes", type=sizes_arg, default=(1 << 16, 1 << 20, 1 << 24),
                    help="comma-separated tensor sizes in bytes, K/M suffixes "
                         "(default 64K,1M,16M)")
     p.add_argument("--block", type=int, default=256,
@@ -216,27 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options(a: argparse.Namespace) -> CompressedOptions:
+    return CompressedOptions(world=a.world, backends=names_arg(a.backends),
+                             methods=names_arg(a.methods), sizes=a.sizes, block=a.block,
+                             ratio=a.ratio, device=a.device, iters=a.iters, warmup=a.warmup,
+                             timeout=a.timeout, json_path=a.json_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """0 when every op ran (a backend that fails raises)."""
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    try:
-        opts = CompressedOptions(world=a.world, backends=_names(a.backends),
-                                 methods=_names(a.methods), sizes=a.sizes, block=a.block,
-                                 ratio=a.ratio, device=a.device, iters=a.iters,
-                                 warmup=a.warmup, timeout=a.timeout, json_path=a.json_path)
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        data = run(opts)
-    except LaunchError as exc:
-        parser.error(str(exc))
-    if not is_lead():
-        return 0
-    for line in table_lines(data):
-        print(line)
-    if opts.json_path:
-        report.write_json(opts.json_path, data)
+    runner.side_main(build_parser(), argv, _options, run, table_lines)
     return 0
 
 

@@ -77,6 +77,17 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def names_arg(text: str) -> tuple[str, ...]:
+    """A comma-separated list as a tuple, blanks dropped: ``"tdx, gloo"`` -> both."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def sizes_arg(text: str) -> tuple[int, ...]:
+    """Comma-separated sizes with K/M suffixes, as an argparse ``type``; an empty list is
+    left to the options' own check, which names the option."""
+    return tuple(size_arg(x) for x in names_arg(text))
+
+
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     """``torch.float32`` from ``"float32"``, ``"torch.float32"``, ``"half"``, ``"bf16"``."""
     if isinstance(name, torch.dtype):

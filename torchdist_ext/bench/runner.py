@@ -896,6 +896,29 @@ def run_side(opts: Any, rank_main: Callable[..., Any]) -> Any:
     return _spawn(opts, functools.partial(_spawn_child, main=rank_main))
 
 
+def side_main(parser: Any, argv: Any, options: Callable[[Any], Any],
+              run: Callable[[Any], Any], table_lines: Callable[[Any], list[str]]) -> Any:
+    """A side bench's command line: the options from the parsed arguments (a ValueError
+    is a usage error), the run (so is a LaunchError), then on the lead rank the table
+    and the JSON file. The run's data on the lead rank, None elsewhere."""
+    args = parser.parse_args(argv)
+    try:
+        opts = options(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        data = run(opts)
+    except LaunchError as exc:
+        parser.error(str(exc))
+    if not is_lead():
+        return None
+    for line in table_lines(data):
+        print(line)
+    if opts.json_path:
+        report.write_json(opts.json_path, data)
+    return data
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torchdist_ext  # noqa: F401 - registers the tdx backend
 
 from . import report, runner
-from .core import dtype_name, parse_dtype, parse_size, size_arg
-from .runner import LaunchError, is_lead, time_per_call
+from .core import dtype_name, names_arg, parse_dtype, parse_size, size_arg
+from .runner import time_per_call
 
 __all__ = ["SparseOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -250,30 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options(a: argparse.Namespace) -> SparseOptions:
+    return SparseOptions(world=a.world, backends=names_arg(a.backends), rows=a.rows,
+                         dim=a.dim, lookups=a.lookups, dtype=parse_dtype(a.dtype),
+                         device=a.device, iters=a.iters, warmup=a.warmup, dense=a.dense,
+                         timeout=a.timeout, json_path=a.json_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """0 when no element was wrong, 1 otherwise (a backend that fails raises)."""
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    try:
-        opts = SparseOptions(world=a.world,
-                             backends=tuple(x.strip() for x in a.backends.split(",")
-                                            if x.strip()),
-                             rows=a.rows, dim=a.dim, lookups=a.lookups,
-                             dtype=parse_dtype(a.dtype), device=a.device, iters=a.iters,
-                             warmup=a.warmup, dense=a.dense, timeout=a.timeout,
-                             json_path=a.json_path)
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        data = run(opts)
-    except LaunchError as exc:
-        parser.error(str(exc))
-    if not is_lead():
+    data = runner.side_main(build_parser(), argv, _options, run, table_lines)
+    if data is None:  # not the lead rank, which reports
         return 0
-    for line in table_lines(data):
-        print(line)
-    if opts.json_path:
-        report.write_json(opts.json_path, data)
     wrong = sum(s["wrong"] or 0 for b in data["backends"].values()
                 for s in b["sizes"].values())
     return 0 if wrong == 0 else 1

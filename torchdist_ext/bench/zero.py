@@ -28,8 +28,8 @@ import torch.nn as nn
 
 from ..parallel import ZeroConfig, ZeroOptimizer
 from . import report, runner
-from .core import size_arg
-from .runner import LaunchError, is_lead, time_per_call
+from .core import names_arg, size_arg, sizes_arg
+from .runner import time_per_call
 
 __all__ = ["ZeroBenchOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -196,14 +196,6 @@ def table_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
-
-
-def _counts(text: str) -> tuple[int, ...]:
-    return tuple(size_arg(x) for x in _names(text))
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchdist_ext.bench zero",
@@ -214,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="ddp,zero1,zero2",
                    help="ddp, zero1 and/or zero2 (default all)")
     p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
-    p.add_argument("--params", type=_counts, default=(1 << 20, 1 << 23),
+    p.add_argument("--params", type=sizes_arg, default=(1 << 20, 1 << 23),
                    help="comma-separated model sizes in parameters, K/M suffixes "
                         "(default 1M,8M)")
     p.add_argument("--layers", type=int, default=4, help="square linear layers (default 4)")
@@ -230,28 +222,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _options(a: argparse.Namespace) -> ZeroBenchOptions:
+    return ZeroBenchOptions(world=a.world, backends=names_arg(a.backends),
+                            strategies=names_arg(a.strategies), params=a.params,
+                            layers=a.layers, batch=a.batch, bucket_bytes=a.bucket_bytes,
+                            device=a.device, iters=a.iters, warmup=a.warmup,
+                            timeout=a.timeout, json_path=a.json_path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """0 when every step ran (a backend that fails raises)."""
-    parser = build_parser()
-    a = parser.parse_args(argv)
-    try:
-        opts = ZeroBenchOptions(world=a.world, backends=_names(a.backends),
-                                strategies=_names(a.strategies), params=a.params,
-                                layers=a.layers, batch=a.batch, bucket_bytes=a.bucket_bytes,
-                                device=a.device, iters=a.iters, warmup=a.warmup,
-                                timeout=a.timeout, json_path=a.json_path)
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        data = run(opts)
-    except LaunchError as exc:
-        parser.error(str(exc))
-    if not is_lead():
-        return 0
-    for line in table_lines(data):
-        print(line)
-    if opts.json_path:
-        report.write_json(opts.json_path, data)
+    runner.side_main(build_parser(), argv, _options, run, table_lines)
     return 0
 
 
