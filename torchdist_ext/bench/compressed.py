@@ -19,7 +19,6 @@ Every backend under test gets its own group in the same processes. Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -56,29 +55,16 @@ class CompressedOptions:
     json_path: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.backends or any(b not in _BACKENDS for b in self.backends) \
-                or len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"backends (--backends) take tdx and/or gloo, each once, not "
-                             f"{','.join(self.backends)!r}")
+        runner.check_side_options(self, _BACKENDS)
         if not self.methods or any(m not in _METHODS for m in self.methods) \
                 or len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods (--methods) take int8, sign and/or topk, each once, "
                              f"not {','.join(self.methods)!r}")
-        if self.world < 1:
-            raise ValueError(f"world (--world) must be at least 1, not {self.world}")
         if not self.sizes or any(s < 4 or s % 4 for s in self.sizes):
             raise ValueError(f"sizes (--sizes) must be byte counts of float32 tensors (4 or "
                              f"more, multiples of 4), not {','.join(map(str, self.sizes))}")
         tc.Int8(block=self.block)  # their own checks name the fix
         tc.TopK(ratio=self.ratio)
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device (--device) must be cpu or cuda, not {self.device!r}")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"iters (-n) must be at least 1 and warmup (-w) at least 0, "
-                             f"not {self.iters} and {self.warmup}")
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout (--timeout) must be a number of seconds > 0, not "
-                             f"{self.timeout}")
 
     def method(self, name: str) -> tc.Method:
         return {"int8": tc.Int8(self.block), "sign": tc.Sign(self.block),

@@ -896,6 +896,27 @@ def run_side(opts: Any, rank_main: Callable[..., Any]) -> Any:
     return _spawn(opts, functools.partial(_spawn_child, main=rank_main))
 
 
+def check_side_options(opts: Any, backends: Sequence[str]) -> None:
+    """The checks every side bench's options share (``backends``, ``world``, ``device``,
+    ``iters``, ``warmup``, ``timeout``), each naming its command-line flag."""
+    if not opts.backends or any(b not in backends for b in opts.backends):
+        raise ValueError(f"backends (--backends) take {' and/or '.join(backends)}, not "
+                         f"{','.join(opts.backends)!r}")
+    if len(set(opts.backends)) != len(opts.backends):
+        raise ValueError(f"a backend is named twice in {','.join(opts.backends)!r} "
+                         f"(--backends)")
+    if opts.world < 1:
+        raise ValueError(f"world (--world) must be at least 1, not {opts.world}")
+    if opts.device not in ("cpu", "cuda"):
+        raise ValueError(f"device (--device) must be cpu or cuda, not {opts.device!r}")
+    if opts.iters < 1 or opts.warmup < 0:
+        raise ValueError(f"iters (-n) must be at least 1 and warmup (-w) at least 0, "
+                         f"not {opts.iters} and {opts.warmup}")
+    if not (math.isfinite(opts.timeout) and opts.timeout > 0):
+        raise ValueError(f"timeout (--timeout) must be a number of seconds > 0, not "
+                         f"{opts.timeout}")
+
+
 def side_main(parser: Any, argv: Any, options: Callable[[Any], Any],
               run: Callable[[Any], Any], table_lines: Callable[[Any], list[str]]) -> Any:
     """A side bench's command line: the options from the parsed arguments (a ValueError

@@ -25,7 +25,6 @@ a gloo group times and checks. Usage::
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -64,14 +63,7 @@ class SparseOptions:
     json_path: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.backends or any(b not in _BACKENDS for b in self.backends):
-            raise ValueError(f"backends (--backends) take tdx and/or gloo, not "
-                             f"{','.join(self.backends)!r}")
-        if len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"a backend is named twice in {','.join(self.backends)!r} "
-                             f"(--backends)")
-        if self.world < 1:
-            raise ValueError(f"world (--world) must be at least 1, not {self.world}")
+        runner.check_side_options(self, _BACKENDS)
         if self.rows < 1 or self.dim < 1:
             raise ValueError(f"the table (--rows x --dim) needs at least one row and one "
                              f"column, not {self.rows} x {self.dim}")
@@ -82,14 +74,6 @@ class SparseOptions:
             raise ValueError(f"dtype (-d) must be one of "
                              f"{', '.join(dtype_name(d) for d in _DTYPES)} "
                              f"(an embedding's gradient), not {dtype_name(self.dtype)}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device (--device) must be cpu or cuda, not {self.device!r}")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"iters (-n) must be at least 1 and warmup (-w) at least 0, "
-                             f"not {self.iters} and {self.warmup}")
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout (--timeout) must be a number of seconds > 0, not "
-                             f"{self.timeout}")
 
 
 def _gradient(rank: int, opts: SparseOptions, lookups: int, device: torch.device

@@ -56,16 +56,11 @@ class ZeroBenchOptions:
     json_path: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.backends or any(b not in _BACKENDS for b in self.backends) \
-                or len(set(self.backends)) != len(self.backends):
-            raise ValueError(f"backends (--backends) take tdx and/or gloo, each once, not "
-                             f"{','.join(self.backends)!r}")
+        runner.check_side_options(self, _BACKENDS)
         if not self.strategies or any(s not in _STRATEGIES for s in self.strategies) \
                 or len(set(self.strategies)) != len(self.strategies):
             raise ValueError(f"strategies (--strategies) take ddp, zero1 and/or zero2, each "
                              f"once, not {','.join(self.strategies)!r}")
-        if self.world < 1:
-            raise ValueError(f"world (--world) must be at least 1, not {self.world}")
         if self.layers < 1 or self.batch < 1:
             raise ValueError(f"layers (--layers) and batch (--batch) must be at least 1, not "
                              f"{self.layers} and {self.batch}")
@@ -74,14 +69,6 @@ class ZeroBenchOptions:
                              f"per layer ({self.layers}), not "
                              f"{','.join(map(str, self.params))}")
         ZeroConfig(bucket_bytes=self.bucket_bytes)  # its own check names the fix
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device (--device) must be cpu or cuda, not {self.device!r}")
-        if self.iters < 1 or self.warmup < 0:
-            raise ValueError(f"iters (-n) must be at least 1 and warmup (-w) at least 0, "
-                             f"not {self.iters} and {self.warmup}")
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise ValueError(f"timeout (--timeout) must be a number of seconds > 0, not "
-                             f"{self.timeout}")
 
     def width(self, params: int) -> int:
         """The layers' width: ``layers`` square layers with biases hold about ``params``."""
