@@ -177,7 +177,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
     p.add_argument("--methods", default="int8,sign,topk",
                    help="int8, sign and/or topk (default all)")
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--sizes", type=sizes_arg, default=(1 << 16, 1 << 20, 1 << 24),
                    help="comma-separated tensor sizes in bytes, K/M suffixes "
                         "(default 64K,1M,16M)")
@@ -185,12 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="elements per scale for int8 and sign (default 256)")
     p.add_argument("--ratio", type=float, default=0.01,
                    help="share of elements topk sends (default 0.01)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("-n", "--iters", type=int, default=10, help="timed ops (default 10)")
-    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed ops (default 2)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="process-group timeout in seconds (default 300)")
-    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    runner.add_side_arguments(p, iters=10, warmup=2)
     return p
 
 

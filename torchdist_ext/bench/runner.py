@@ -896,6 +896,20 @@ def run_side(opts: Any, rank_main: Callable[..., Any]) -> Any:
     return _spawn(opts, functools.partial(_spawn_child, main=rank_main))
 
 
+def add_side_arguments(p: Any, iters: int, warmup: int, what: str = "ops") -> None:
+    """The flags every side bench takes: --world, --device, -n/--iters, -w/--warmup,
+    --timeout and --json (``what`` names what is timed in the help text)."""
+    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("-n", "--iters", type=int, default=iters,
+                   help=f"timed {what} (default {iters})")
+    p.add_argument("-w", "--warmup", type=int, default=warmup,
+                   help=f"untimed {what} (default {warmup})")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="process-group timeout in seconds (default 300)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+
+
 def check_side_options(opts: Any, backends: Sequence[str]) -> None:
     """The checks every side bench's options share (``backends``, ``world``, ``device``,
     ``iters``, ``warmup``, ``timeout``), each naming its command-line flag."""

@@ -214,7 +214,6 @@ def build_parser() -> argparse.ArgumentParser:
                     "side by side, next to each backend's dense all_reduce of the table.",
         epilog="Under torchrun the ranks come from the environment and --world is ignored.")
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--rows", type=size_arg, default=1 << 18,
                    help="rows of the table (num_embeddings; K/M suffixes; default 256K)")
     p.add_argument("--dim", type=int, default=64, help="columns (embedding_dim; default 64)")
@@ -223,14 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 1K,4K,16K,64K)")
     p.add_argument("-d", "--dtype", default="float32",
                    help="float32, float64, float16 or bfloat16 (default float32)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed ops (default 20)")
-    p.add_argument("-w", "--warmup", type=int, default=3, help="untimed ops (default 3)")
+    runner.add_side_arguments(p, iters=20, warmup=3)
     p.add_argument("--no-dense", dest="dense", action="store_false",
                    help="skip the dense all_reduce of the whole table")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="process-group timeout in seconds (default 300)")
-    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
     return p
 
 

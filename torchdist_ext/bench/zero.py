@@ -192,7 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
     p.add_argument("--strategies", default="ddp,zero1,zero2",
                    help="ddp, zero1 and/or zero2 (default all)")
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
     p.add_argument("--params", type=sizes_arg, default=(1 << 20, 1 << 23),
                    help="comma-separated model sizes in parameters, K/M suffixes "
                         "(default 1M,8M)")
@@ -200,12 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
     p.add_argument("--bucket-bytes", type=size_arg, default=16 << 20,
                    help="bucket size of DDP and ZeRO, K/M suffixes (default 16M)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("-n", "--iters", type=int, default=5, help="timed steps (default 5)")
-    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed steps (default 2)")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="process-group timeout in seconds (default 300)")
-    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    runner.add_side_arguments(p, iters=5, warmup=2, what="steps")
     return p
 
 
