@@ -67,6 +67,13 @@ class ZeroConfig:
                              f"{self.bucket_bytes!r}")
 
 
+def _group_as_list(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group whose "params" (a tensor, list or generator) is a list, so that
+    it can be read more than once."""
+    ps = group.get("params", [])
+    return {**group, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)}
+
+
 class _Flat:
     """The trainable parameters of one optimizer group, dtype and device: their flat buffer,
     its layout, this rank's shard and the gradient of that shard."""
@@ -94,7 +101,6 @@ class _Flat:
         self.shard = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=first.dtype,
                                                     device=first.device))
         self.grad: Optional[torch.Tensor] = None  # this rank's shard of the summed gradient
-        self.bucket_ids: list[int] = []  # per bucket, its place in the release order
 
     def owned(self, b: Any) -> torch.Tensor:
         """This rank's shard of bucket b, as a view of the flat buffer."""
@@ -143,8 +149,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._config = config
         self._optimizer_class = optimizer_class
         # The groups carry every option of optimizer_class, defaults filled in, as its own
-        # param_groups would: schedulers and state dicts see the same keys.
-        full = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults).defaults
+        # param_groups would: schedulers and state dicts see the same keys. The options are
+        # read from an instance over a stand-in on the parameters' device (fused kernels,
+        # for one, are not on every device).
+        params = [_group_as_list(x) if isinstance(x, dict) else x for x in params]
+        tensors = [t for x in params for t in (x["params"] if isinstance(x, dict) else [x])
+                   if isinstance(t, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        stand_in = torch.zeros(1, device=device, requires_grad=True)
+        full = optimizer_class([stand_in], **defaults).defaults
         super().__init__(params, dict(full))
         self._check_params()
 
@@ -260,11 +273,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 first = min(position[id(f.params[i])] for i in range(b.first_param, b.last_param))
                 keyed.append((-first, len(keyed), f, b))
         keyed.sort(key=lambda k: (k[0], k[1]))
-        order = []
-        for n, (_, _, f, b) in enumerate(keyed):
-            f.bucket_ids.append(n)
-            order.append((f, b))
-        return order
+        return [(f, b) for _, _, f, b in keyed]
 
     def _tracker_buckets(self) -> list[int]:
         number = {(id(f), b.offset): n for n, (f, b) in enumerate(self._order)}
