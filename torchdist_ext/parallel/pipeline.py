@@ -135,12 +135,14 @@ class PipelineStage:
     The first stage takes ``inputs``, the last ``targets`` and returns the batch's loss;
     the others pass None. A stage's module takes one tensor and returns one, of any
     shape and dtype (up to 8 dimensions); gradients flow back through floating-point ones.
+    Received tensors go to ``device``, by default that of the module's parameters.
     """
 
     def __init__(self, module: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
                  config: PipelineConfig = PipelineConfig(),
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
-                 schedule: Optional[Schedule] = None) -> None:
+                 schedule: Optional[Schedule] = None,
+                 device: Optional[torch.device] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineStage: torch.distributed is not initialized; call "
                                "dist.init_process_group first")
@@ -161,7 +163,10 @@ class PipelineStage:
         self.schedule = schedule
         self.loss_fn = loss_fn
         self._actions = schedule.actions(self.stage)
-        self._device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        # Where received tensors go: the module's parameters' device unless told (a stage
+        # without parameters has nothing to go by).
+        self._device = torch.device(device) if device is not None else next(
+            (p.device for p in module.parameters()), torch.device("cpu"))
         self.max_kept = 0  # the most microbatches whose activations this rank kept at once
 
     def _peer(self, stage: int) -> int:
