@@ -381,6 +381,50 @@ def test_steps_without_zero_grad_between_them_accumulate_as_torch_does() -> None
     assert run_ranks(_no_zero_grad, 2, timeout=60) == [[], []]
 
 
+def _checkpointed(rank: int, world: int) -> list[str]:
+    """Activation checkpointing, reentrant or not, of the first or the last layers: the
+    stage 2 gradients equal one process's without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    fails = []
+    x, y = _data(world)[0][0]
+    for reentrant in (False, True):
+        for cut in ("first", "last"):
+            model, ref = _net(), _net()
+            opt = ZeroOptimizer(_groups(model), torch.optim.SGD, lr=0.1,
+                                config=ZeroConfig(stage=2, bucket_bytes=64))
+            plain = torch.optim.SGD(_groups(ref), lr=0.1)
+
+            def forward(m: _Net, inp: torch.Tensor) -> torch.Tensor:
+                def head(t: torch.Tensor) -> torch.Tensor:
+                    return torch.tanh(m.frozen(torch.tanh(m.a(t))))
+
+                def tail(t: torch.Tensor) -> torch.Tensor:
+                    return m.b(t) * m.scale
+
+                if cut == "first":
+                    return tail(checkpoint(head, inp.requires_grad_(reentrant),
+                                           use_reentrant=reentrant))
+                return checkpoint(tail, head(inp), use_reentrant=reentrant)
+
+            xr, yr = x.chunk(world)[rank].clone(), y.chunk(world)[rank]
+            nn.functional.mse_loss(forward(model, xr), yr).backward()
+            opt.step()
+            nn.functional.mse_loss(ref(x), y).backward()
+            for p in ref.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            plain.step()
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
+                    fails.append(f"reentrant={reentrant} {cut} {n}: {(p - q).abs().max()}")
+    return fails
+
+
+def test_stage_2_with_activation_checkpointing() -> None:
+    assert run_ranks(_checkpointed, 2, timeout=60) == [[], []]
+
+
 def _bad(rank: int, world: int) -> list[str]:
     fails = []
     model = _net()

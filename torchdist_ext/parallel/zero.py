@@ -239,7 +239,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _check_same_layout(self) -> None:
         """Ranks whose layouts differ would reduce buckets of different sizes into each
         other: compare a hash of each rank's, once, and name the ranks that differ."""
-        text = f"stage {self._config.stage}\n" + "\n".join(
+        frozen = [tuple(p.shape) for g in self.param_groups for p in g["params"]
+                  if not p.requires_grad]  # broadcast one by one below
+        text = f"stage {self._config.stage}\nfrozen {frozen}\n" + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
             for s, f in zip(self._fingerprint(), self._flats))
         digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little",
@@ -308,7 +310,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        for n in self._tracker.mark(self._index[id(p)]):
+        try:
+            released = self._tracker.mark(self._index[id(p)])
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"{self._who}: a {tuple(p.shape)} parameter's gradient arrived twice in one "
+                "backward pass, which stage 2 cannot reduce in order; use stage 1") from e
+        for n in released:
             self._launch(*self._order[n], drop=True)
 
     def _end_of_backward(self) -> None:
