@@ -239,7 +239,7 @@ class PipelineStage:
         grads: dict[int, torch.Tensor] = {}  # output gradients in, until their backward
         back: dict[int, torch.Tensor] = {}  # inputs whose gradient goes back at SG
         pending: list = []
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
         for verb, mb in self._actions:
             if verb == "RA":
                 x = self._recv(self.stage - 1)
@@ -253,7 +253,7 @@ class PipelineStage:
                 if last:
                     # Each microbatch's mean, weighted by its share: the whole batch's mean.
                     out = self.loss_fn(out, ys[mb]) * (len(ys[mb]) / total)
-                    loss_sum += out.detach().double().cpu()
+                    loss_sum += out.detach().double()  # on the device: no sync per microbatch
                 kept[mb] = (None if first else x, out)
                 self.max_kept = max(self.max_kept, len(kept))
             elif verb == "SA":
@@ -276,4 +276,4 @@ class PipelineStage:
                 self._send(x.grad, self.stage - 1, pending)
         for work, _ in pending:
             work.wait()
-        return loss_sum.to(self._device) if last else None
+        return loss_sum if last else None

@@ -37,6 +37,10 @@ __all__ = ["ZeroConfig", "ZeroOptimizer"]
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
+# Buckets whose reduce_scatter may be in flight at once: enough to overlap one with the
+# backward pass while the next fills, few enough that staged copies stay small.
+_IN_FLIGHT = 2
+
 # Each parameter starts 16 bytes into its buffer's alignment, which the CPU and CUDA
 # kernels' vector loads like.
 _ALIGN_BYTES = 16
@@ -345,16 +349,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
         work = _reduce_scatter(out, staged, group=self._group, async_op=True)
         self._pending.append((f, b, out, work))
+        # A work holds its staged bucket until it is waited for: without a bound, stage 2
+        # would hold every bucket's copy of the gradients until the pass ends.
+        while len(self._pending) > _IN_FLIGHT:
+            self._settle_oldest()
+
+    def _settle_oldest(self) -> None:
+        f, b, out, work = self._pending.pop(0)
+        work.wait()
+        if f.grad is None:
+            f.grad = torch.zeros_like(f.shard)
+        f.shard_view(f.grad, b).add_(out, alpha=1.0 / self._world)
 
     def _settle(self) -> None:
         """Waits for the reduce_scatters in flight and adds their averages to the shard
         gradients."""
-        pending, self._pending = self._pending, []
-        for f, b, out, work in pending:
-            work.wait()
-            if f.grad is None:
-                f.grad = torch.zeros_like(f.shard)
-            f.shard_view(f.grad, b).add_(out, alpha=1.0 / self._world)
+        while self._pending:
+            self._settle_oldest()
 
     def _reduce_gradients(self) -> None:
         if self._config.stage == 1 and not self._reduced:

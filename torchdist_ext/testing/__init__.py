@@ -23,11 +23,23 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "new_gloo_group", "RankFailure", "log_to_file"]
+__all__ = ["run_ranks", "new_gloo_group", "RankFailure", "log_to_file", "expect_refusal"]
 
 
 class RankFailure(AssertionError):
     """A rank raised, died or timed out; the message holds the evidence."""
+
+
+def expect_refusal(fails: list[str], fn: Callable[[], Any], *words: str,
+                   errors: tuple[type[BaseException], ...] = (ValueError, TypeError)) -> None:
+    """Calls ``fn``; appends to ``fails`` unless it raises one of ``errors`` whose message
+    holds every one of ``words``. For rank functions that return their failures."""
+    try:
+        fn()
+        fails.append(f"accepted: {words}")
+    except errors as e:
+        if not all(w in str(e) for w in words):
+            fails.append(f"{words}: {e}")
 
 
 def new_gloo_group() -> Any:
