@@ -8,6 +8,7 @@
 
 #include "parallel/flat_layout.h"
 #include "parallel/pipeline_schedule.h"
+#include "parallel/staleness_clock.h"
 
 namespace py = pybind11;
 
@@ -69,6 +70,20 @@ void bindParallel(py::module& m) {
       .def("finish", &BucketTracker::finish)
       .def("missing", &BucketTracker::missing)
       .def_property_readonly("started", &BucketTracker::started);
+  using tdx::parallel::StalenessClock;
+  py::class_<StalenessClock>(m, "_StalenessClock")
+      .def(py::init<int64_t, int64_t>(), py::arg("workers"), py::arg("max_staleness"))
+      .def("push", &StalenessClock::push, py::arg("worker"))
+      .def("close", &StalenessClock::close, py::arg("worker"))
+      .def("clock", &StalenessClock::clock, py::arg("worker"))
+      .def("held", &StalenessClock::held, py::arg("worker"))
+      .def("closed", &StalenessClock::closed, py::arg("worker"))
+      .def_property_readonly("workers", &StalenessClock::workers)
+      .def_property_readonly("max_staleness", &StalenessClock::maxStaleness)
+      .def_property_readonly("all_closed", &StalenessClock::allClosed)
+      .def_property_readonly("min_clock", &StalenessClock::minClock)
+      .def_property_readonly("widest_gap", &StalenessClock::widestGap)
+      .def("describe", &StalenessClock::describe);
   using tdx::parallel::PipelineSchedule;
   py::class_<PipelineSchedule>(m, "_PipelineSchedule")
       .def(py::init([](const std::vector<std::vector<std::pair<std::string, int64_t>>>& lists,

@@ -5,9 +5,14 @@
   (``csrc/parallel/``).
 - :class:`PipelineStage` (pipeline parallelism, GPipe and 1F1B): one stage per rank,
   running the action list of a :class:`Schedule` that the C++ core makes and checks.
+- :class:`ParameterServer` (sync and async, with bounded staleness): parameters and
+  optimizer on the group's first ranks, gradients pushed by the others; the C++ core
+  decides when an async worker may go on.
 """
 
+from .parameter_server import ParameterServer, ServeReport, ServerConfig, Update
 from .pipeline import PipelineConfig, PipelineStage, Schedule
 from .zero import ZeroConfig, ZeroOptimizer
 
-__all__ = ["PipelineConfig", "PipelineStage", "Schedule", "ZeroConfig", "ZeroOptimizer"]
+__all__ = ["ParameterServer", "PipelineConfig", "PipelineStage", "Schedule", "ServeReport",
+           "ServerConfig", "Update", "ZeroConfig", "ZeroOptimizer"]
