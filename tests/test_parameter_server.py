@@ -449,3 +449,118 @@ def test_sync_training_on_cuda_matches_the_cpu() -> None:
         opt.step()
     for got in gpu[1:]:
         assert max(abs(a - b) for a, b in zip(got, _flat_params(net))) < 1e-10
+
+
+# ---- resuming, and a worker that dies ----------------------------------------------------------
+
+def _resume_rank(rank: int, world: int) -> list:
+    saved = None
+    fails: list[str] = []
+    for first, last in ((0, 2), (2, _STEPS)):
+        net = _Net()
+        if first:  # the resumed run starts from other values: the state must replace them
+            with torch.no_grad():  # (frozen parameters are the module's, not the servers')
+                for p in net.parameters():
+                    if p.requires_grad:
+                        p.add_(1.0)
+        ps = ParameterServer(net.groups(), torch.optim.AdamW,
+                             config=ServerConfig(servers=2), lr=1e-2)
+        if ps.is_server:
+            if saved is not None:
+                other = dict(saved, server=1 - rank)
+                expect_refusal(fails, lambda: ps.load_state_dict(other), "server", "own state")
+                ps.load_state_dict(saved)
+            ps.serve()
+            saved = {k: v for k, v in ps.state_dict().items()}
+            assert saved["version"] == last
+        else:
+            me = rank - 2
+            for step in range(first, last):
+                x, y = _batch(step, _ROWS * (world - 2))
+                ps.zero_grad()
+                _loss(net, x[me * _ROWS:(me + 1) * _ROWS], y[me * _ROWS:(me + 1) * _ROWS]).backward()
+                ps.step()
+            ps.close()
+    if ps.is_server:
+        expect_refusal(fails, lambda: ps.load_state_dict(saved), "after serve()",
+                       errors=(RuntimeError,))
+    return ["worker", _flat_params(net)] if not ps.is_server else ["server", fails]
+
+
+def test_servers_resume_from_their_state_dicts() -> None:
+    results = run_ranks(_resume_rank, 4)
+    want = _reference(2)
+    for role, value in results:
+        if role == "server":
+            assert value == []
+        else:
+            assert max(abs(a - b) for a, b in zip(value, want)) < 1e-6
+            assert torch.allclose(torch.tensor(value), torch.tensor(want), rtol=1e-5,
+                                  atol=1e-10)
+
+
+def _dying_worker_rank(rank: int, world: int, mode: str) -> str:
+    import os
+
+    ps = ParameterServer([nn.Parameter(torch.ones(64))], torch.optim.SGD,
+                         config=ServerConfig(mode=mode), lr=0.1)
+    try:
+        if ps.is_server:
+            ps.serve()
+        else:
+            for c in range(4):
+                if rank == 2 and c == 2:
+                    os._exit(1)
+                ps.step()
+            time.sleep(0.5)
+            ps.step()
+            ps.close()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_that_dies_fails_the_server_and_the_other_workers(mode: str) -> None:
+    started = time.monotonic()
+    results = run_ranks(_dying_worker_rank, 3, timeout=20, args=(mode,), may_exit=[2])
+    elapsed = time.monotonic() - started
+    assert results[2] is None
+    assert "DistBackendError" in results[0] and "rank 2" in results[0], results[0]
+    # On tdx the group breaks for every member when one is lost; the server's refusal
+    # carries the same error where a backend leaves the others' links up.
+    assert "DistBackendError" in results[1] and "rank 2" in results[1], results[1]
+    assert elapsed < 20 + 15, elapsed
+
+
+# ---- the example -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_parameter_server_example_trains_under_torchrun(mode: str) -> None:
+    """examples/parameter_server.py under torchrun (standalone, one server and two
+    workers): exit 0, every push applied, and the test accuracy above 95% (sync, two
+    epochs) or 90% (async in rounds, three epochs)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "parameter_server.py"
+    epochs = 2 if mode == "sync" else 3
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "3", str(example), "--mode", mode, "--epochs", str(epochs)]
+    if mode == "async":
+        cmd += ["--max-staleness", "0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    steps = 75 * epochs  # 9600 training samples, two workers, batches of 64
+    m = re.search(r"server 0: (\d+) steps, pushes per worker \{1: (\d+), 2: (\d+)\}.*"
+                  r"widest lead (\d+)", out)
+    assert m, out[-4000:]
+    assert int(m.group(2)) == int(m.group(3)) == steps and int(m.group(4)) == 0
+    assert int(m.group(1)) == (steps if mode == "sync" else 2 * steps)
+    accuracy = [float(a) for a in re.findall(r"test accuracy\s+([\d.]+)%", out)]
+    assert len(accuracy) == epochs and accuracy[-1] > (95.0 if mode == "sync" else 90.0)

@@ -174,15 +174,16 @@ class ParameterServer:
 
     Every rank builds it over the same parameters (an iterable of tensors or of
     parameter-group dicts, as ``optimizer_class`` takes them), in the same order, with
-    the same shapes and dtypes. The servers' values are the starting point: each worker
-    receives them when it is made. Frozen parameters are copied from the group's first
-    rank. A server's parameters are views of what it keeps, so with one server its
+    the same shapes and dtypes. The servers' values are the starting point: a worker's
+    constructor returns once its servers have called ``serve()``, with their values.
+    Frozen parameters are copied from the group's first rank. A server's parameters are views of what it keeps, so with one server its
     module holds the trained model; with several, each holds its slice.
 
-    On a server rank: ``serve()`` (until every worker has closed) and ``optimizer`` (the
-    ``optimizer_class`` over this server's slices, for schedulers and state dicts). On a
-    worker: ``step()`` after each backward pass, ``zero_grad()``, and ``close()`` at the
-    end.
+    On a server rank: ``serve()`` (until every worker has closed), ``optimizer`` (the
+    ``optimizer_class`` over this server's slices, for schedulers), and ``state_dict()``
+    and ``load_state_dict()`` (this server's slices, version and optimizer state; load
+    before ``serve()`` to resume). On a worker: ``step()`` after each backward pass,
+    ``zero_grad()``, and ``close()`` at the end.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type, *,
@@ -265,8 +266,6 @@ class ParameterServer:
                 self._refuse_all(f"{optimizer_class.__name__} refused its options on the "
                                  f"server: {e}", -1)
                 raise
-            for w in self._workers:
-                self._answer(w, _PARAMS)
         else:
             optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # checks them
             self._clock = 0
@@ -418,6 +417,41 @@ class ParameterServer:
 
     # ----- servers
 
+    def state_dict(self) -> dict[str, Any]:
+        """This server's part of the training state: its slice of every flat buffer, the
+        version (steps taken) and the optimizer's state over those slices."""
+        self._require(True, "state_dict()")
+        return {"server": self._rank, "servers": self._config.servers,
+                "version": self._version,
+                "slices": [shard.detach().clone() for shard in self._shards],
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes from ``state_dict()`` of the same server of a job with the same
+        parameters and ServerConfig; call it before ``serve()``, which sends the workers
+        the loaded values."""
+        self._require(True, "load_state_dict()")
+        if self._served:
+            raise RuntimeError(f"{self._who}: load_state_dict() after serve() began; the "
+                               "workers already hold the old values")
+        where = (state.get("server"), state.get("servers"))
+        if where != (self._rank, self._config.servers):
+            raise ValueError(f"{self._who}: the state is server {where[0]}'s of "
+                             f"{where[1]}; load each server's own state, from a job with "
+                             f"{self._config.servers} server(s)")
+        slices = state["slices"]
+        sizes = [t.numel() for t in slices]
+        mine = [shard.numel() for shard in self._shards]
+        if sizes != mine:
+            raise ValueError(f"{self._who}: the state's slices hold {sizes} elements where "
+                             f"this server's hold {mine}; the parameters differ")
+        with torch.no_grad():
+            for shard, t in zip(self._shards, slices):
+                shard.copy_(t)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._version = int(state["version"])
+
     def serve(self, on_update: Optional[Callable[[torch.optim.Optimizer, int], None]] = None,
               record: bool = False) -> ServeReport:
         """Runs this server until every worker has closed. ``on_update(optimizer,
@@ -432,6 +466,8 @@ class ParameterServer:
         self._pushes_of = {w: 0 for w in self._workers}
         self._stalest = 0
         try:
+            for w in self._workers:  # the starting point, which load_state_dict may set
+                self._answer(w, _PARAMS)
             if self._config.mode == "sync":
                 gap = self._serve_sync()
             else:
