@@ -3,7 +3,7 @@
 # Expects the libucx-cu13 wheel for this Python in .whl/ (see README, "GPU host check").
 # Writes its logs and results, packed, to $OUT/results.tgz (default: ./device-out). Stages:
 #   TDX_STAGES="build smoke failures destroyprobe cuda cpubench threads membw calibrate
-#               autocheck bench sparse compressed zero cpu"
+#               autocheck bench sparse compressed zero ps cpu"
 #     (default: all, in that order; correctness first, so a short session still gets
 #     it). Stages run in the order given; build, when named, runs first.
 #     failures: the CUDA failure-path tests; destroyprobe: scripts/destroy_probe.py, a
@@ -24,6 +24,9 @@
 #     compressed` on the CPU at 4 ranks (tdx and gloo) and on CUDA at 2 (tdx).
 #   zero: `bench zero` (a training step under DDP, ZeRO-1 and ZeRO-2) on the CPU at 4 ranks
 #     (tdx and gloo) and on CUDA at 2 (tdx).
+#   ps: `bench ps` (a worker's step with a parameter server, sync and async, against DDP)
+#     on the CPU at 6 ranks, 2 of them servers (tdx and gloo), and on CUDA at 3, 1 server
+#     (tdx).
 # Other settings:
 #   TDX_DEADLINE=S          stop starting stages, and cut the running one short, S seconds
 #                           after the script starts (default 3600)
@@ -43,7 +46,7 @@ OUT=$(mktemp -d /tmp/tdx-device-XXXX)
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
 PY=${PY:-python3}
-KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse compressed zero cpu"
+KNOWN="build smoke failures destroyprobe cuda cpubench threads membw calibrate autocheck bench sparse compressed zero ps cpu"
 STAGES=${TDX_STAGES:-$KNOWN}
 for stage in $STAGES; do  # a misspelt stage fails now, not after the others' time
   [[ " $KNOWN " == *" $stage "* ]] || { echo "unknown stage: $stage (known: $KNOWN)"; exit 2; }
@@ -237,6 +240,21 @@ stage_zero() {
       --device $dev --world $w --backends $backends --params 1M,16M \
       --json "$OUT/zero_${dev}_w$w.json" 2>&1 \
       | tee "$OUT/zero_${dev}_w$w.txt" | tail -10
+    pack
+  done
+}
+
+stage_ps() {
+  local dev w servers backends
+  for dev in cpu cuda; do
+    w=$([ $dev = cpu ] && echo 6 || echo 3)
+    servers=$([ $dev = cpu ] && echo 2 || echo 1)
+    backends=$([ $dev = cpu ] && echo tdx,gloo || echo tdx)
+    [ "$(limit 120)" -gt 30 ] || break
+    OMP_NUM_THREADS=1 timeout "$(limit 120)" $PY -m torchdist_ext.bench ps \
+      --device $dev --world $w --servers $servers --backends $backends --params 1M,16M \
+      --json "$OUT/ps_${dev}_w$w.json" 2>&1 \
+      | tee "$OUT/ps_${dev}_w$w.txt" | tail -10
     pack
   done
 }

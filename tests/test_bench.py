@@ -143,6 +143,29 @@ def test_zero_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[st
     assert "zero2" in out and "tdx ms" in out and "gloo ms" in out, out
 
 
+def test_ps_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``bench ps``: one server and two workers, each strategy on both backends; every
+    cell ran, and a push and its answer carry the model once each."""
+    path = tmp_path / "ps.json"
+    argv = ["ps", "--world", "3", "--params", "3001", "--layers", "2", "--batch", "4",
+            "-n", "3", "-w", "1", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capfd.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["world"] == 3 and doc["options"]["servers"] == 1
+    for b in ("tdx", "gloo"):
+        row = doc["backends"][b]["3001"]
+        assert set(row) == {"ddp", "sync", "async"}, row
+        assert all(cell["ms"] > 0 for cell in row.values()), row
+        params = 2 * (38 * 38 + 38)
+        assert all(cell["params"] == params and cell["bytes"] == 8 * params
+                   for cell in row.values()), row
+        assert row["sync"]["stalest"] == 0, row
+        # Two workers: a push misses at most the steps of the other worker's pushes.
+        assert 0 <= row["async"]["stalest"] <= 1 + 3 + 1, row
+    assert "1 server(s) and 2 worker(s)" in out and "tdx stalest" in out, out
+
+
 def test_sparse_bench_checker_counts_wrong_elements() -> None:
     from torchdist_ext.bench import sparse
 
@@ -897,6 +920,15 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["zero", "--world", "0"], "world (--world) must be at least 1"),
     (["zero", "-n", "0"], "iters (-n) must be at least 1"),
     (["zero", "--json", "/nonexistent-dir/z.json"], "directory /nonexistent-dir"),
+    (["ps", "--strategies", "ddp,hogwild"], "strategies (--strategies) take ddp, sync "
+                                            "and/or async, each once, not 'ddp,hogwild'"),
+    (["ps", "--servers", "0"], "servers (--servers) must be at least 1"),
+    (["ps", "--servers", "3", "--world", "3"], "3 server(s) (--servers) leave no worker "
+                                               "among 3 rank(s)"),
+    (["ps", "--params", "2", "--layers", "4"], "params (--params) must be parameter counts "
+                                               "of at least one per layer (4), not 2"),
+    (["ps", "--backends", "nccl"], "backends (--backends) take tdx and/or gloo"),
+    (["ps", "-n", "0"], "iters (-n) must be at least 1"),
 ])
 def test_bad_arguments_are_refused_before_measuring(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str],
@@ -960,6 +992,8 @@ def test_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str], no_me
         ["compressed", "--device", "cuda"], capsys)
     assert "--device cuda: no CUDA device is visible" in _refused(
         ["zero", "--device", "cuda"], capsys)
+    assert "--device cuda: no CUDA device is visible" in _refused(
+        ["ps", "--device", "cuda"], capsys)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         bench.run(Options(device="cuda", world=2))  # the Python entry point, before spawning
 

@@ -1,7 +1,8 @@
 """Command line: ``python -m torchdist_ext.bench --help``; ``python -m torchdist_ext.bench
 calibrate --help`` for the cost-model calibration, ``... tune --help`` for measured rules,
 ``... sparse --help`` for sparse all_reduce, ``... compressed --help`` for compressed
-all_reduce, ``... zero --help`` for a training step under DDP and ZeRO."""
+all_reduce, ``... zero --help`` for a training step under DDP and ZeRO, ``... ps --help``
+for one with a parameter server."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                "'python -m torchdist_ext.bench sparse --help': all_reduce of sparse "
                "embedding gradients; 'python -m torchdist_ext.bench compressed --help': "
                "compressed all_reduce against exact; 'python -m torchdist_ext.bench zero "
-               "--help': a training step under DDP, ZeRO-1 and ZeRO-2.",
+               "--help': a training step under DDP, ZeRO-1 and ZeRO-2; 'python -m "
+               "torchdist_ext.bench ps --help': a worker's step with a parameter server, "
+               "sync and async, against DDP.",
     )
     p.add_argument("--op", default="all_reduce",
                    help=f"comma-separated ops or 'all' ({', '.join(ALL_OPS)}); "
@@ -128,9 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: 0 when every op ran and every checked element was right (and, with
     ``--check-auto=strict``, auto never lost), 1 otherwise: a wrong element, an op that
     failed (a skip, such as a pinned algorithm that cannot run a size, is not a failure)
-    or a sweep with no rows. ``calibrate``, ``tune``, ``sparse``, ``compressed`` or ``zero`` as the
-    first argument runs that module's ``main`` (:mod:`torchdist_ext.bench.calibrate`,
-    ``.tune``, ``.sparse``, ``.compressed``, ``.zero``) on the rest."""
+    or a sweep with no rows. ``calibrate``, ``tune``, ``sparse``, ``compressed``, ``zero`` or
+    ``ps`` as the first argument runs that module's ``main``
+    (:mod:`torchdist_ext.bench.calibrate`, ``.tune``, ``.sparse``, ``.compressed``, ``.zero``,
+    ``.ps``) on the rest."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "tune":
         from . import tune
@@ -152,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import zero
 
         return zero.main(argv[1:])
+    if argv and argv[0] == "ps":
+        from . import ps
+
+        return ps.main(argv[1:])
     opts = options_from_args(argv)
     try:
         rows = run(opts)

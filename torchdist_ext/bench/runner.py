@@ -896,10 +896,11 @@ def run_side(opts: Any, rank_main: Callable[..., Any]) -> Any:
     return _spawn(opts, functools.partial(_spawn_child, main=rank_main))
 
 
-def add_side_arguments(p: Any, iters: int, warmup: int, what: str = "ops") -> None:
+def add_side_arguments(p: Any, iters: int, warmup: int, what: str = "ops",
+                       world: int = 2) -> None:
     """The flags every side bench takes: --world, --device, -n/--iters, -w/--warmup,
     --timeout and --json (``what`` names what is timed in the help text)."""
-    p.add_argument("--world", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--world", type=int, default=world, help=f"ranks to spawn (default {world})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("-n", "--iters", type=int, default=iters,
                    help=f"timed {what} (default {iters})")

@@ -31,7 +31,8 @@ from . import report, runner
 from .core import names_arg, size_arg, sizes_arg
 from .runner import time_per_call
 
-__all__ = ["ZeroBenchOptions", "build_parser", "main", "run", "table_lines"]
+__all__ = ["ZeroBenchOptions", "build_parser", "main", "run", "square_mlp", "square_width",
+           "table_lines"]
 
 _BACKENDS = ("tdx", "gloo")
 _STRATEGIES = ("ddp", "zero1", "zero2")
@@ -71,17 +72,24 @@ class ZeroBenchOptions:
         ZeroConfig(bucket_bytes=self.bucket_bytes)  # its own check names the fix
 
     def width(self, params: int) -> int:
-        """The layers' width: ``layers`` square layers with biases hold about ``params``."""
-        return max(1, int(math.sqrt(params / self.layers)))
+        return square_width(params, self.layers)
 
 
-def _model(opts: ZeroBenchOptions, params: int, device: torch.device) -> nn.Module:
+def square_width(params: int, layers: int) -> int:
+    """The width at which ``layers`` square linear layers with biases hold about
+    ``params`` parameters."""
+    return max(1, int(math.sqrt(params / layers)))
+
+
+def square_mlp(params: int, layers: int, device: torch.device) -> nn.Module:
+    """The benches' model: ``layers`` square linear layers, tanh between, about
+    ``params`` parameters, the same weights on every rank."""
     torch.manual_seed(0)
-    w = opts.width(params)
-    layers: list[nn.Module] = []
-    for _ in range(opts.layers):
-        layers += [nn.Linear(w, w), nn.Tanh()]
-    return nn.Sequential(*layers).to(device)
+    w = square_width(params, layers)
+    out: list[nn.Module] = []
+    for _ in range(layers):
+        out += [nn.Linear(w, w), nn.Tanh()]
+    return nn.Sequential(*out).to(device)
 
 
 def _nbytes(tensors: Any) -> int:
@@ -118,7 +126,7 @@ def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
         w = opts.width(params)
         x = torch.randn(opts.batch, w, generator=gen).to(device)
         for name in opts.strategies:
-            model = _model(opts, params, device)
+            model = square_mlp(params, opts.layers, device)
             module, opt, held = _strategy(name, model, group, opts)
 
             def step(_: int) -> None:
