@@ -160,7 +160,8 @@ def test_ps_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]
         params = 2 * (38 * 38 + 38)
         assert all(cell["params"] == params and cell["bytes"] == 8 * params
                    for cell in row.values()), row
-        assert row["sync"]["stalest"] == 0, row
+        assert row["sync"]["stalest"] == 0 and row["ddp"]["busy"] == 0, row
+        assert all(0 < row[m]["busy"] < 1 for m in ("sync", "async")), row
         # Two workers: a push misses at most the steps of the other worker's pushes.
         assert 0 <= row["async"]["stalest"] <= 1 + 3 + 1, row
     assert "1 server(s) and 2 worker(s)" in out and "tdx stalest" in out, out

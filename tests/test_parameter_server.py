@@ -167,6 +167,7 @@ def _sync_rank(rank: int, world: int, server_counts: list[int], use_gloo: bool) 
             assert report.version == _STEPS and report.max_staleness == 0, report
             assert all(len(u.pushes) == world - servers for u in report.updates)
             assert report.pushes == {w: _STEPS for w in range(servers, world)}
+            assert 0 < report.step_seconds < report.seconds, report
             out.append(("server", servers, None))
         else:
             me = rank - servers
@@ -502,9 +503,9 @@ def test_servers_resume_from_their_state_dicts() -> None:
 def _dying_worker_rank(rank: int, world: int, mode: str) -> str:
     import os
 
-    ps = ParameterServer([nn.Parameter(torch.ones(64))], torch.optim.SGD,
-                         config=ServerConfig(mode=mode), lr=0.1)
-    try:
+    try:  # the constructor too: a fast worker may die before a slow one has started
+        ps = ParameterServer([nn.Parameter(torch.ones(64))], torch.optim.SGD,
+                             config=ServerConfig(mode=mode), lr=0.1)
         if ps.is_server:
             ps.serve()
         else:

@@ -7,7 +7,8 @@ layers on a batch of its own: forward, backward, and the push and answer (``sync
 ``async``), or torch's DistributedDataParallel over the workers alone with Adam on each
 (``ddp``; the servers sit that one out). Times are the largest over the workers of the
 mean over ``--iters`` steps, after ``--warmup``; ``stalest`` is the most steps of a
-server that any push's gradient missed. A push and its answer each carry the whole
+server that any push's gradient missed, and ``busy`` the busiest server's share of its
+``serve()`` spent applying pushes (warm-up included). A push and its answer each carry the whole
 model once per worker, split among the servers.
 
 Usage::
@@ -89,7 +90,7 @@ def _cell(name: str, opts: PsBenchOptions, params: int, group: Any, workers: Any
     model = square_mlp(params, opts.layers, device)
     numel = sum(p.numel() for p in model.parameters())
     serving = rank < opts.servers
-    ms, stalest = 0.0, 0
+    ms, stalest, busy = 0.0, 0, 0.0
     if name == "ddp":
         if not serving:
             module = nn.parallel.DistributedDataParallel(model, process_group=worker_ddp)
@@ -99,15 +100,17 @@ def _cell(name: str, opts: PsBenchOptions, params: int, group: Any, workers: Any
         ps = ParameterServer(model.parameters(), torch.optim.Adam, group=group, lr=1e-4,
                              config=ServerConfig(servers=opts.servers, mode=name))
         if ps.is_server:
-            stalest = ps.serve().max_staleness
+            report = ps.serve()
+            stalest = report.max_staleness
+            busy = report.step_seconds / max(report.seconds, 1e-9)
         else:
             ms = _time_worker(model, ps, x, opts, workers, device)
             ps.close()
     # Over the bench's own gloo group, which every rank, server or not, is in.
-    out = torch.tensor([ms, stalest], dtype=torch.float64)
+    out = torch.tensor([ms, stalest, busy], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return {"params": numel, "ms": out[0].item(), "stalest": int(out[1].item()),
-            "bytes": 2 * numel * 4}
+            "busy": out[2].item(), "bytes": 2 * numel * 4}
 
 
 def _time_worker(module: nn.Module, opt: Any, x: torch.Tensor, opts: PsBenchOptions,
@@ -173,11 +176,12 @@ def table_lines(data: dict[str, Any]) -> list[str]:
              f"square layers, batch {o['batch']} per worker, {o['servers']} server(s) and "
              f"{workers} worker(s), {o['device']}, {data['host']}, {data['date']}",
              f"# time: the largest over the workers of the mean of {o['iters']} steps, in ms; "
-             "stalest: the most server steps a push missed; moved: bytes a worker sends and "
+             "stalest: the most server steps a push missed; busy: the busiest server's "
+             "share of serve() spent applying pushes; moved: bytes a worker sends and "
              "receives per step (ddp: its all_reduce's input)"]
     head = f"{'params':>10} {'strategy':>9} {'moved':>10}"
     for n in names:
-        head += f" {n + ' ms':>10} {n + ' stalest':>13}"
+        head += f" {n + ' ms':>10} {n + ' stalest':>13} {n + ' busy':>10}"
     lines.append(head)
     for params in o["params"]:
         for name in o["strategies"]:
@@ -187,7 +191,8 @@ def table_lines(data: dict[str, Any]) -> list[str]:
             for n in names:
                 cell = data["backends"][n][str(params)][name]
                 stale = str(cell["stalest"]) if name == "async" else "-"
-                line += f" {cell['ms']:>10.2f} {stale:>13}"
+                busy = f"{cell['busy']:.0%}" if name != "ddp" else "-"
+                line += f" {cell['ms']:>10.2f} {stale:>13} {busy:>10}"
             lines.append(line)
     return lines
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -105,13 +106,17 @@ class Update:
 class ServeReport:
     """What ``serve()`` did: ``version`` (steps taken), ``pushes`` (per worker group rank),
     ``max_staleness`` (the most steps any push's gradient missed), ``widest_gap`` (the
-    largest lead, in pushes, of an answered worker over the slowest one still training)
-    and, when ``serve(record=True)``, every step in order (``updates``)."""
+    largest lead, in pushes, of an answered worker over the slowest one still training),
+    ``seconds`` (the whole of ``serve()``), ``step_seconds`` (of which applying pushes:
+    averaging, the optimizer's step and ``on_update``; on CUDA, launching them) and, when
+    ``serve(record=True)``, every step in order (``updates``)."""
 
     version: int
     pushes: dict[int, int]
     max_staleness: int
     widest_gap: int
+    seconds: float = 0.0
+    step_seconds: float = 0.0
     updates: tuple[Update, ...] = ()
 
 
@@ -465,6 +470,8 @@ class ParameterServer:
         self._record: Optional[list[Update]] = [] if record else None
         self._pushes_of = {w: 0 for w in self._workers}
         self._stalest = 0
+        self._step_seconds = 0.0
+        started = time.perf_counter()
         try:
             for w in self._workers:  # the starting point, which load_state_dict may set
                 self._answer(w, _PARAMS)
@@ -479,6 +486,7 @@ class ParameterServer:
         for w in self._workers:
             self._wait_reply(w)
         return ServeReport(self._version, dict(self._pushes_of), self._stalest, gap,
+                           time.perf_counter() - started, self._step_seconds,
                            tuple(self._record or ()))
 
     def _serve_sync(self) -> int:
@@ -509,6 +517,7 @@ class ParameterServer:
                 if heads[w][0] != _PUSH or heads[w][1] != round_:
                     raise RuntimeError(f"{self._who}: worker {w} sent kind {heads[w][0]} "
                                        f"clock {heads[w][1]} in round {round_}")
+            began = time.perf_counter()
             with torch.no_grad():
                 for f, acc, shard in zip(self._flats, sums, self._shards):
                     for i, w in enumerate(self._workers):  # in worker order: reproducible
@@ -519,7 +528,7 @@ class ParameterServer:
                             acc.add_(part)
                     acc.div_(len(self._workers))
                     shard.grad = acc.to(f.dtype, copy=True)
-            self._apply(tuple((w, heads[w][1], heads[w][2]) for w in self._workers))
+            self._apply(tuple((w, heads[w][1], heads[w][2]) for w in self._workers), began)
             for w in self._workers:
                 self._answer(w, _PARAMS)
         raise AssertionError("unreachable")
@@ -535,13 +544,14 @@ class ParameterServer:
             w = dist.get_group_rank(self._group, src)
             kind, pushed, base, _ = buf[:_HEADER_BYTES].view(torch.int64).tolist()
             if kind == _PUSH:
+                began = time.perf_counter()
                 if pushed != clock.clock(w - first) + 1:
                     raise RuntimeError(f"{self._who}: worker {w} sent push {pushed} after "
                                        f"{clock.clock(w - first)}")
                 with torch.no_grad():
                     for f, shard in zip(self._flats, self._shards):
                         shard.grad = f.section(buf, me).clone()
-                self._apply(((w, pushed, base),))
+                self._apply(((w, pushed, base),), began)
                 released = clock.push(w - first)
             elif kind == _STOP:
                 released = clock.close(w - first)
@@ -553,7 +563,7 @@ class ParameterServer:
             self._answer(w, _FINAL)
         return clock.widest_gap
 
-    def _apply(self, pushes: tuple[tuple[int, int, int], ...]) -> None:
+    def _apply(self, pushes: tuple[tuple[int, int, int], ...], began: float) -> None:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -566,6 +576,7 @@ class ParameterServer:
             self._record.append(update)
         if self._on_update is not None and self.optimizer is not None:
             self._on_update(self.optimizer, self._version)
+        self._step_seconds += time.perf_counter() - began
 
     def _wait_reply(self, worker: int) -> None:
         work = self._replies.pop(worker, None)
