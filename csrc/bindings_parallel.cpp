@@ -9,6 +9,7 @@
 #include "parallel/flat_layout.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/staleness_clock.h"
+#include "parallel/weight_versions.h"
 
 namespace py = pybind11;
 
@@ -70,6 +71,33 @@ void bindParallel(py::module& m) {
       .def("finish", &BucketTracker::finish)
       .def("missing", &BucketTracker::missing)
       .def_property_readonly("started", &BucketTracker::started);
+  using tdx::parallel::WeightPlan;
+  py::class_<WeightPlan>(m, "_WeightPlan")
+      .def_readonly("version", &WeightPlan::version)
+      .def_readonly("stashed", &WeightPlan::stashed)
+      .def_readonly("update_after", &WeightPlan::updateAfter)
+      .def_readonly("peak_copies", &WeightPlan::peakCopies)
+      .def_readonly("end_version", &WeightPlan::endVersion)
+      .def_readonly("end_copies", &WeightPlan::endCopies);
+  m.def(
+      "_plan_weights",
+      [](const std::vector<std::pair<std::string, int64_t>>& actions, int64_t stage,
+         int64_t microbatches, const std::string& mode, int64_t updateEvery,
+         int64_t startVersion) {
+        tdx::parallel::WeightUpdate kind;
+        if (mode == "pipedream") {
+          kind = tdx::parallel::WeightUpdate::PerMicrobatch;
+        } else if (mode == "2bw") {
+          kind = tdx::parallel::WeightUpdate::DoubleBuffered;
+        } else {
+          throw std::invalid_argument("unknown weight update mode '" + mode +
+                                      "': pipedream or 2bw");
+        }
+        return tdx::parallel::planWeights(actionsOf({actions})[0], stage, microbatches, kind,
+                                          updateEvery, startVersion);
+      },
+      py::arg("actions"), py::arg("stage"), py::arg("microbatches"), py::arg("mode"),
+      py::arg("update_every"), py::arg("start_version"));
   using tdx::parallel::StalenessClock;
   py::class_<StalenessClock>(m, "_StalenessClock")
       .def(py::init<int64_t, int64_t>(), py::arg("workers"), py::arg("max_staleness"))

@@ -28,7 +28,9 @@ from .. import _C
 
 __all__ = ["PipelineConfig", "PipelineStage", "Schedule"]
 
-_SCHEDULES = ("gpipe", "1f1b")
+_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
+# Schedules whose weights change during a step: 1F1B's action order, with updates inside.
+_ASYNC = ("pipedream", "2bw")
 _MAX_DIMS = 8
 # Activations and gradients cross with a header: dtype code, dimensions, sizes.
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
@@ -68,7 +70,7 @@ class Schedule:
     def named(cls, name: str, stages: int, microbatches: int) -> "Schedule":
         if name == "gpipe":
             return cls.gpipe(stages, microbatches)
-        if name == "1f1b":
+        if name in ("1f1b",) + _ASYNC:
             return cls.one_f_one_b(stages, microbatches)
         raise ValueError(f"unknown pipeline schedule {name!r}: {' or '.join(_SCHEDULES)}")
 
@@ -110,11 +112,21 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """schedule: ``"gpipe"`` or ``"1f1b"``; microbatches: how many the batch splits into
-    (``torch.tensor_split``: sizes may differ by one)."""
+    """How a :class:`PipelineStage` runs a step.
+
+    schedule: ``"gpipe"`` or ``"1f1b"`` (the step leaves its gradients in ``param.grad``),
+        or ``"pipedream"`` or ``"2bw"`` (1F1B's order, with the stage's optimizer stepping
+        during the step: after every microbatch with weight stashing, or after every
+        ``update_every`` microbatches with each update's gradient one update old).
+    microbatches: how many the batch splits into (``torch.tensor_split``: sizes may differ
+        by one).
+    update_every: 2bw only: microbatches per update, dividing ``microbatches``; None: one
+        update per step. A pipeline of S stages needs at least S - 1.
+    """
 
     schedule: str = "1f1b"
     microbatches: int = 4
+    update_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.schedule not in _SCHEDULES:
@@ -123,6 +135,24 @@ class PipelineConfig:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"PipelineConfig: microbatches must be an int of at least 1, not "
                              f"{self.microbatches!r}")
+        if self.update_every is not None:
+            if self.schedule != "2bw":
+                raise ValueError(f"PipelineConfig: update_every is for the 2bw schedule; "
+                                 f"{self.schedule} updates "
+                                 + ("after every microbatch" if self.schedule == "pipedream"
+                                    else "when you step the optimizer"))
+            if (not isinstance(self.update_every, int) or self.update_every < 1
+                    or self.microbatches % self.update_every):
+                raise ValueError(f"PipelineConfig: update_every must be a positive int that "
+                                 f"divides microbatches ({self.microbatches}), not "
+                                 f"{self.update_every!r}")
+
+    @property
+    def every(self) -> int:
+        """Microbatches per weight update (2bw), or 1."""
+        if self.schedule == "2bw":
+            return self.update_every or self.microbatches
+        return 1
 
 
 class PipelineStage:
@@ -136,13 +166,27 @@ class PipelineStage:
     the others pass None. A stage's module takes one tensor and returns one, of any
     shape and dtype (up to 8 dimensions); gradients flow back through floating-point ones.
     Received tensors go to ``device``, by default that of the module's parameters.
+
+    With the ``"pipedream"`` and ``"2bw"`` schedules, ``optimizer`` (over this stage's
+    parameters) steps inside ``step()``, and ``version`` counts its updates:
+
+    - pipedream: after each microbatch's backward, with that microbatch's gradient of
+      ``loss_fn`` (its own mean). A microbatch's forward runs on the stage's latest
+      weights, and its backward on the same version, kept as a copy (weight stashing).
+      Stages run a microbatch on different versions: stage s on the weights of
+      ``S - 1 - s`` fewer updates than the last stage.
+    - 2bw: after every ``update_every`` microbatches (a batch), with the batch's gradient,
+      each microbatch weighted by its share of the batch. Batch b, counted over all
+      steps, runs on the weights of update ``max(b - 1, 0)`` on every stage, so each
+      update applies a gradient one update old, and a stage keeps at most two copies.
     """
 
     def __init__(self, module: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
                  config: PipelineConfig = PipelineConfig(),
                  loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
                  schedule: Optional[Schedule] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("PipelineStage: torch.distributed is not initialized; call "
                                "dist.init_process_group first")
@@ -168,6 +212,36 @@ class PipelineStage:
         self._device = torch.device(device) if device is not None else next(
             (p.device for p in module.parameters()), torch.device("cpu"))
         self.max_kept = 0  # the most microbatches whose activations this rank kept at once
+        self.config = config
+        self.optimizer = optimizer
+        self.version = 0  # weight updates made inside step() (pipedream, 2bw)
+        self.max_copies = 0  # the most weight copies this rank kept at once
+        self._copies: dict[int, dict[str, torch.Tensor]] = {}
+        if config.schedule in _ASYNC:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise ValueError(f"{self._who}: the {config.schedule} schedule steps the "
+                                 "optimizer inside step(); pass optimizer=, over this "
+                                 "stage's parameters")
+            if schedule.microbatches % config.every:
+                raise ValueError(f"{self._who}: update_every ({config.every}) must divide "
+                                 f"the schedule's {schedule.microbatches} microbatches")
+            # Every rank checks every stage, so that all raise alike. From version 1 on,
+            # no update exists before the run's first, the strictest case.
+            for s in range(self.stages):
+                self._plan(s, start=1)
+        elif optimizer is not None:
+            raise ValueError(f"{self._who}: {config.schedule} leaves the gradients in "
+                             "param.grad for you to step the optimizer; optimizer= is for "
+                             "the pipedream and 2bw schedules")
+
+    def _plan(self, stage: int, start: int) -> Any:
+        try:
+            return _C._plan_weights(self.schedule.actions(stage), stage,
+                                    self.schedule.microbatches, self.config.schedule,
+                                    self.config.every, start)
+        except ValueError as e:
+            raise ValueError(f"{self._who}: {e} (a pipeline of {self.stages} stages needs "
+                             f"at least {max(1, self.stages - 1)})") from None
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
@@ -220,8 +294,11 @@ class PipelineStage:
 
     def step(self, inputs: Optional[torch.Tensor] = None,
              targets: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """One training step's forward and backward passes; the batch's loss on the last
-        stage (detached), None elsewhere."""
+        """One training step's forward and backward passes (and, with pipedream or 2bw,
+        the weight updates among them); the batch's loss on the last stage (detached),
+        None elsewhere."""
+        if self.config.schedule in _ASYNC:
+            return self._step_updating(inputs, targets)
         first, last = self.stage == 0, self.stage == self.stages - 1
         m = self.schedule.microbatches
         if first and inputs is None:
@@ -277,3 +354,123 @@ class PipelineStage:
         for work, _ in pending:
             work.wait()
         return loss_sum if last else None
+
+    # ----- schedules that update the weights during a step (pipedream, 2bw)
+
+    def _split(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        m = self.schedule.microbatches
+        if first and inputs is None:
+            raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
+        if last and targets is None:
+            raise ValueError(f"{self._who}: the last stage computes the loss: pass targets")
+        xs = torch.tensor_split(inputs, m) if first else None
+        ys = torch.tensor_split(targets, m) if last else None
+        if last and any(len(y) == 0 for y in ys):
+            raise ValueError(f"{self._who}: a batch of {len(targets)} cannot split into {m} "
+                             "microbatches; pass a batch at least as large")
+        return xs, ys
+
+    def _copy_live(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone().requires_grad_(p.requires_grad)
+                for n, p in self.module.named_parameters()}
+
+    def _step_updating(self, inputs: Optional[torch.Tensor],
+                       targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        first, last = self.stage == 0, self.stage == self.stages - 1
+        xs, ys = self._split(inputs, targets)
+        every = self.config.every
+        plan = self._plan(self.stage, self.version)
+        two_bw = self.config.schedule == "2bw"
+        live = dict(self.module.named_parameters())
+        trained = [n for n, p in live.items() if p.requires_grad]
+        # Each microbatch's loss weight: its share of its batch (2bw), or 1 (pipedream:
+        # every microbatch is a batch of its own).
+        weight = [1.0] * self.schedule.microbatches
+        if last and two_bw:
+            for b0 in range(0, len(ys), every):
+                rows = sum(len(y) for y in ys[b0:b0 + every])
+                for mb in range(b0, b0 + every):
+                    weight[mb] = len(ys[mb]) / rows
+        total = sum(len(y) for y in ys) if last else 0
+        acc: dict[str, torch.Tensor] = {}  # the batch's summed gradient, per parameter
+        received: dict[int, torch.Tensor] = {}
+        kept: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, list]] = {}
+        grads: dict[int, torch.Tensor] = {}
+        back: dict[int, torch.Tensor] = {}
+        pending: list = []
+        in_flight: dict[int, int] = {}  # stashed microbatch -> its version
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
+        for i, (verb, mb) in enumerate(self._actions):
+            if verb == "RA":
+                x = self._recv(self.stage - 1)
+                received[mb] = x.requires_grad_() if x.is_floating_point() else x
+            elif verb == "F":
+                x = xs[mb] if first else received.pop(mb)
+                v = plan.version[mb]
+                if plan.stashed[mb]:
+                    if v not in self._copies:
+                        assert v == self.version, (v, self.version)
+                        self._copies[v] = self._copy_live()
+                    params = self._copies[v]
+                    in_flight[mb] = v
+                    self.max_copies = max(self.max_copies, len(self._copies))
+                    out = torch.func.functional_call(self.module, params, (x,))
+                else:
+                    assert v == self.version, (v, self.version)
+                    params = live
+                    out = self.module(x)
+                if not isinstance(out, torch.Tensor):
+                    raise TypeError(f"{self._who}: the module returned {type(out).__name__}; "
+                                    "a stage passes one tensor to the next")
+                if last:
+                    out = self.loss_fn(out, ys[mb]) * weight[mb]
+                    loss_sum += out.detach().double() * (len(ys[mb]) / total / weight[mb])
+                kept[mb] = (None if first else x, out, [params[n] for n in trained])
+                self.max_kept = max(self.max_kept, len(kept))
+            elif verb == "SA":
+                self._send(kept[mb][1], self.stage + 1, pending)
+            elif verb == "RG":
+                grads[mb] = self._recv(self.stage + 1)
+            elif verb == "B":
+                x, out, used = kept.pop(mb)
+                wrt = ([x] if x is not None and x.requires_grad else []) + used
+                got = torch.autograd.grad(out, wrt, None if last else grads.pop(mb),
+                                          allow_unused=True)
+                if x is not None and x.requires_grad:
+                    back[mb], got = got[0], got[1:]
+                for n, g in zip(trained, got):
+                    if g is not None:
+                        acc[n] = acc[n] + g if n in acc else g
+                in_flight.pop(mb, None)
+                if plan.update_after[i] >= 0:
+                    self._update(live, acc, two_bw)
+                    acc = {}
+                    assert self.version == plan.update_after[i]
+                keep = set(in_flight.values())
+                if two_bw and self.version > 0:
+                    keep.add(self.version - 1)
+                self._copies = {v: c for v, c in self._copies.items() if v in keep}
+            elif verb == "SG":
+                g = back.pop(mb, None)
+                if g is None:
+                    raise RuntimeError(f"{self._who}: microbatch {mb}'s input got no "
+                                       "gradient; the stage's output must depend on it")
+                self._send(g, self.stage - 1, pending)
+        for work, _ in pending:
+            work.wait()
+        return loss_sum if last else None
+
+    def _update(self, live: dict[str, torch.Tensor], acc: dict[str, torch.Tensor],
+                two_bw: bool) -> None:
+        """One optimizer step with the summed gradient; 2bw first keeps the version it
+        replaces, on which the next batch runs."""
+        if two_bw and self.version not in self._copies:
+            self._copies[self.version] = self._copy_live()
+            self.max_copies = max(self.max_copies, len(self._copies))
+        for n, p in live.items():
+            if p.requires_grad:
+                p.grad = acc.get(n, torch.zeros_like(p))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
