@@ -4,11 +4,16 @@ or with torchdist_ext.parallel.PipelineStage (--runner tdx).
     torchrun --standalone --nproc-per-node 2 examples/pipeline.py [--schedule 1f1b]
     torchrun --standalone --nproc-per-node 4 examples/pipeline.py [--microbatches 8]
     torchrun --standalone --nproc-per-node 4 examples/pipeline.py --runner tdx
+    torchrun --standalone --nproc-per-node 3 examples/pipeline.py --runner tdx \
+        --schedule pipedream|2bw [--update-every 2]
 
 The MLP of examples/common.py is cut into one stage per rank (2 to 4 stages; it has four
 Linear layers). Rank 0 feeds the batches, the last rank computes the loss, and the
 schedule (GPipe or 1F1B) moves activations forward and gradients backward between
-neighbouring stages with send/recv. Rank 0 prints, per epoch, the mean training loss
+neighbouring stages with send/recv. With --runner tdx, the pipedream and 2bw schedules
+also update the weights during the step: after every microbatch (PipeDream, weight
+stashing), or after every --update-every microbatches with a gradient one update old
+(PipeDream-2BW). Rank 0 prints, per epoch, the mean training loss
 and the test accuracy, which the last stage measures. --backend gloo runs the same job
 on gloo.
 """
@@ -32,6 +37,7 @@ from common import (  # noqa: E402
 )
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+UPDATING = ("pipedream", "2bw")  # --runner tdx only: the optimizer steps inside the step
 
 
 def stage_module(model: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
@@ -52,13 +58,18 @@ def stage_module(model: nn.Sequential, stage: int, stages: int) -> nn.Sequential
 
 def main() -> None:
     def extra(p):
-        p.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
+        p.add_argument("--schedule", choices=sorted(SCHEDULES) + list(UPDATING),
+                       default="gpipe")
+        p.add_argument("--update-every", type=positive_int, default=None,
+                       help="2bw: microbatches per weight update (default: all of a step)")
         p.add_argument("--microbatches", type=positive_int, default=4)
         p.add_argument("--runner", choices=["torch", "tdx"], default="torch",
                        help="torch.distributed.pipelining (default) or "
                             "torchdist_ext.parallel.PipelineStage")
 
     args = parse_args(__doc__, extra=extra, batch_size=128, lr=0.005)
+    if args.schedule in UPDATING and args.runner != "tdx":
+        raise SystemExit(f"--schedule {args.schedule} needs --runner tdx")
     if args.microbatches > args.batch_size:
         raise SystemExit(f"--microbatches {args.microbatches} exceeds --batch-size "
                          f"{args.batch_size}: a microbatch needs at least one sample")
@@ -74,10 +85,13 @@ def main() -> None:
         stage = PipelineStage(module, rank, world, device)
         schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches,
                                             loss_fn=loss_fn)
-    else:
-        runner = tp.PipelineStage(module, loss_fn=loss_fn, config=tp.PipelineConfig(
-            schedule=args.schedule, microbatches=args.microbatches))
     opt = torch.optim.Adam(module.parameters(), lr=args.lr)
+    updating = args.schedule in UPDATING
+    if args.runner == "tdx":
+        runner = tp.PipelineStage(module, loss_fn=loss_fn, optimizer=opt if updating else None,
+                                  config=tp.PipelineConfig(
+                                      schedule=args.schedule, microbatches=args.microbatches,
+                                      update_every=args.update_every))
     g = torch.Generator().manual_seed(1234)  # the same batch order on every stage
     print0(f"pipeline of {world} stages ({args.schedule}, {args.microbatches} microbatches, "
            f"{args.runner}), backend {args.backend}, device {device.type}, "
@@ -103,7 +117,8 @@ def main() -> None:
                 total, steps = total + torch.stack(losses).mean().item(), steps + 1
             else:
                 schedule.step()
-            opt.step()
+            if not updating:  # pipedream and 2bw stepped it during the step
+                opt.step()
         elapsed = time.perf_counter() - start
         # Test accuracy, forward only, in batches of the training shape.
         correct = seen = 0
