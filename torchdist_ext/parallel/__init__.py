@@ -3,8 +3,10 @@
 - :class:`ZeroOptimizer` (ZeRO stages 1 and 2): optimizer state, and in stage 2 gradients,
   sharded across the ranks, over flat buffers laid out by the C++ core
   (``csrc/parallel/``).
-- :class:`PipelineStage` (pipeline parallelism, GPipe and 1F1B): one stage per rank,
-  running the action list of a :class:`Schedule` that the C++ core makes and checks.
+- :class:`PipelineStage` (pipeline parallelism, GPipe and 1F1B, and PipeDream and 2BW,
+  which update the weights during the step): one stage per rank, running the action list
+  of a :class:`Schedule` that the C++ core makes and checks, on the weight versions it
+  plans.
 - :class:`ParameterServer` (sync and async, with bounded staleness): parameters and
   optimizer on the group's first ranks, gradients pushed by the others; the C++ core
   decides when an async worker may go on.

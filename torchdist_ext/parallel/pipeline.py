@@ -13,6 +13,10 @@ wraps it; :class:`PipelineStage` runs this rank's list over a process group:
 
 Sends are asynchronous and receives wait, as the schedule's check assumes, so a schedule
 that passes the check cannot deadlock on its messages.
+
+The ``pipedream`` and ``2bw`` schedules run 1F1B's list and step the stage's optimizer
+during the step; which weight version each microbatch runs on, and which copies the
+stage keeps for that, come from the C++ plan (``csrc/parallel/weight_versions.h``).
 """
 
 from __future__ import annotations
