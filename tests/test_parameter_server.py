@@ -296,12 +296,14 @@ def _replay(results: list, servers: int) -> list[float]:
     return torch.cat([v[-1] for v in versions]).tolist()
 
 
-@pytest.mark.parametrize("servers,workers,bound", [(1, 3, None), (2, 3, None), (2, 2, 0),
-                                                   (1, 4, 1)])
+@pytest.mark.parametrize("servers,workers,bound,backend", [
+    (1, 3, None, "tdx"), (2, 3, None, "tdx"), (2, 2, 0, "tdx"), (1, 4, 1, "tdx"),
+    (1, 2, None, "gloo")])
 def test_async_training_matches_a_replay_of_the_servers_logs(servers: int, workers: int,
-                                                             bound) -> None:
+                                                             bound, backend: str) -> None:
     steps = [6 + 2 * w for w in range(workers)]  # uneven: early closers leave the bound
-    results = run_ranks(_async_rank, servers + workers, args=(servers, bound, steps))
+    results = run_ranks(_async_rank, servers + workers, backend=backend,
+                        args=(servers, bound, steps))
     for s in range(servers):
         r = results[s]
         assert r["pushes"] == {servers + w: steps[w] for w in range(workers)}

@@ -181,8 +181,9 @@ class ParameterServer:
     parameter-group dicts, as ``optimizer_class`` takes them), in the same order, with
     the same shapes and dtypes. The servers' values are the starting point: a worker's
     constructor returns once its servers have called ``serve()``, with their values.
-    Frozen parameters are copied from the group's first rank. A server's parameters are views of what it keeps, so with one server its
-    module holds the trained model; with several, each holds its slice.
+    Frozen parameters are copied from the group's first rank. A server's parameters are
+    views of what it keeps, so with one server its module holds the trained model; with
+    several, each holds its slice.
 
     On a server rank: ``serve()`` (until every worker has closed), ``optimizer`` (the
     ``optimizer_class`` over this server's slices, for schedulers), and ``state_dict()``
@@ -217,7 +218,6 @@ class ParameterServer:
         self._workers = list(range(config.servers, self._world))
 
         entries = [_group_as_list(x) if isinstance(x, dict) else x for x in params]
-        groups: list[dict[str, Any]] = []
         loose = [x for x in entries if not isinstance(x, dict)]
         if loose and len(loose) != len(entries):
             raise TypeError(f"{self._who}: params mixes tensors and parameter-group dicts; "
