@@ -304,17 +304,8 @@ class PipelineStage:
         if self.config.schedule in _ASYNC:
             return self._step_updating(inputs, targets)
         first, last = self.stage == 0, self.stage == self.stages - 1
-        m = self.schedule.microbatches
-        if first and inputs is None:
-            raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
-        if last and targets is None:
-            raise ValueError(f"{self._who}: the last stage computes the loss: pass targets")
-        xs = torch.tensor_split(inputs, m) if first else None
-        ys = torch.tensor_split(targets, m) if last else None
+        xs, ys = self._split(inputs, targets)
         total = len(targets) if last else 0
-        if last and any(len(y) == 0 for y in ys):
-            raise ValueError(f"{self._who}: a batch of {total} cannot split into {m} "
-                             "microbatches; pass a batch at least as large")
         received: dict[int, torch.Tensor] = {}  # activations in, until their forward
         kept: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # until backward
         grads: dict[int, torch.Tensor] = {}  # output gradients in, until their backward
@@ -359,9 +350,8 @@ class PipelineStage:
             work.wait()
         return loss_sum if last else None
 
-    # ----- schedules that update the weights during a step (pipedream, 2bw)
-
     def _split(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
+        """The first stage's inputs and the last stage's targets cut into microbatches."""
         first, last = self.stage == 0, self.stage == self.stages - 1
         m = self.schedule.microbatches
         if first and inputs is None:
@@ -374,6 +364,8 @@ class PipelineStage:
             raise ValueError(f"{self._who}: a batch of {len(targets)} cannot split into {m} "
                              "microbatches; pass a batch at least as large")
         return xs, ys
+
+    # ----- schedules that update the weights during a step (pipedream, 2bw)
 
     def _copy_live(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().requires_grad_(p.requires_grad)
