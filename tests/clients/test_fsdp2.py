@@ -17,6 +17,8 @@ from torch.distributed.fsdp import fully_shard
 
 from torchdist_ext.testing import run_ranks
 
+from . import compare_training
+
 WORLD = 4
 STEPS = 4
 MICRO = 2   # micro-batches per step; only the last one reduce-scatters
@@ -87,20 +89,6 @@ def test_fsdp2_matches_gloo() -> None:
     for reshard in (True, False):
         for rank in range(WORLD):
             (a, a_losses), (b, b_losses) = ours[rank][reshard], gloo[rank][reshard]
-            assert a.keys() == b.keys() == reference.keys()
-            for name in a:
-                diff = (a[name] - b[name]).abs().max().item()
-                if not diff <= TOL:
-                    fails.append(f"reshard_after_forward={reshard}, rank {rank}: {name} "
-                                 f"differs from gloo by {diff:.3g}")
-                ref = (a[name] - reference[name]).abs().max().item()
-                if not ref <= TOL:
-                    fails.append(f"reshard_after_forward={reshard}, rank {rank}: {name} "
-                                 f"differs from single-process training by {ref:.3g}")
-                if torch.equal(a[name], init[name]):
-                    fails.append(f"reshard_after_forward={reshard}, rank {rank}: {name} never moved")
-            loss_diff = max(abs(p - q) for p, q in zip(a_losses, b_losses, strict=True))
-            if not loss_diff <= TOL:
-                fails.append(f"reshard_after_forward={reshard}, rank {rank}: losses differ "
-                             f"from gloo by {loss_diff:.3g}")
+            fails += compare_training(f"reshard_after_forward={reshard}, rank {rank}", a, b,
+                                      reference, init, a_losses, b_losses, TOL)
     assert not fails, "\n".join(fails)

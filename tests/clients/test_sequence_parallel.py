@@ -28,6 +28,8 @@ from torch.distributed.tensor.parallel import (
 
 from torchdist_ext.testing import run_ranks
 
+from . import compare_training
+
 DP, TP = 2, 2
 STEPS = 3
 BATCH = 2   # sequences per dp rank
@@ -143,20 +145,8 @@ def _compare(fn, check_layout) -> None:
     for rank in range(DP * TP):
         (a, a_losses, layout), (b, b_losses, _) = ours[rank], gloo[rank]
         check_layout(layout)
-        assert a.keys() == b.keys() == reference.keys()
-        for name in a:
-            diff = (a[name] - b[name]).abs().max().item()
-            if not diff <= TOL:
-                fails.append(f"rank {rank}: {name} differs from gloo by {diff:.3g}")
-            ref = (a[name] - reference[name]).abs().max().item()
-            if not ref <= TOL:
-                fails.append(f"rank {rank}: {name} differs from single-process training "
-                             f"by {ref:.3g}")
-            if torch.equal(a[name], init[name]):
-                fails.append(f"rank {rank}: {name} never moved")
-        loss_diff = max(abs(p - q) for p, q in zip(a_losses, b_losses, strict=True))
-        if not loss_diff <= TOL:
-            fails.append(f"rank {rank}: losses differ from gloo by {loss_diff:.3g}")
+        fails += compare_training(f"rank {rank}", a, b, reference, init, a_losses, b_losses,
+                                  TOL)
     assert not fails, "\n".join(fails)
 
 

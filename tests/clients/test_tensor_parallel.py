@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from torchdist_ext.testing import run_ranks
 
+from . import compare_training
+
 DP, TP = 2, 2
 STEPS = 4
 BATCH = 4   # per dp rank
@@ -98,17 +100,6 @@ def test_tensor_parallel_2d_matches_gloo() -> None:
     for rank in range(DP * TP):
         (a, a_losses, layout), (b, b_losses, _) = ours[rank], gloo[rank]
         assert layout == {"up.weight": (Shard(0),), "down.weight": (Shard(1),), "up.local": (16, 8)}
-        assert a.keys() == b.keys() == reference.keys()
-        for name in a:
-            diff = (a[name] - b[name]).abs().max().item()
-            if not diff <= TOL:
-                fails.append(f"rank {rank}: {name} differs from gloo by {diff:.3g}")
-            ref = (a[name] - reference[name]).abs().max().item()
-            if not ref <= TOL:
-                fails.append(f"rank {rank}: {name} differs from single-process training by {ref:.3g}")
-            if torch.equal(a[name], init[name]):
-                fails.append(f"rank {rank}: {name} never moved")
-        loss_diff = max(abs(p - q) for p, q in zip(a_losses, b_losses, strict=True))
-        if not loss_diff <= TOL:
-            fails.append(f"rank {rank}: losses differ from gloo by {loss_diff:.3g}")
+        fails += compare_training(f"rank {rank}", a, b, reference, init, a_losses, b_losses,
+                                  TOL)
     assert not fails, "\n".join(fails)
