@@ -28,7 +28,6 @@ device; in async mode a server receives from any source, so the group must suppo
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -36,10 +35,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ._common import check_wrapper_args, group_as_list, ranks_that_differ
 
 __all__ = ["ParameterServer", "ServeReport", "ServerConfig", "Update"]
-
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 # A message is a header of four int64 (kind and three fields) and then, per flat buffer,
 # a section aligned to 16 bytes holding the server's slice of it: gradients from a
@@ -120,11 +118,6 @@ class ServeReport:
     updates: tuple[Update, ...] = ()
 
 
-def _group_as_list(group: dict[str, Any]) -> dict[str, Any]:
-    ps = group.get("params", [])
-    return {**group, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)}
-
-
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -195,16 +188,8 @@ class ParameterServer:
     def __init__(self, params: Iterable[Any], optimizer_class: type, *,
                  group: Optional[dist.ProcessGroup] = None,
                  config: ServerConfig = ServerConfig(), **defaults: Any) -> None:
-        if not (isinstance(optimizer_class, type)
-                and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"ParameterServer: optimizer_class must be a "
-                            f"torch.optim.Optimizer subclass such as torch.optim.SGD, not "
-                            f"{optimizer_class!r}")
-        if not isinstance(config, ServerConfig):
-            raise TypeError(f"ParameterServer: config must be a ServerConfig, not {config!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("ParameterServer: torch.distributed is not initialized; call "
-                               "dist.init_process_group first")
+        check_wrapper_args("ParameterServer", optimizer_class, config, ServerConfig,
+                           "torch.optim.SGD")
         self._group = group if group is not None else dist.group.WORLD
         self._world = dist.get_world_size(self._group)
         self._rank = dist.get_rank(self._group)
@@ -217,7 +202,7 @@ class ParameterServer:
                              f"group of {self._world}; lower ServerConfig.servers or add ranks")
         self._workers = list(range(config.servers, self._world))
 
-        entries = [_group_as_list(x) if isinstance(x, dict) else x for x in params]
+        entries = [group_as_list(x) if isinstance(x, dict) else x for x in params]
         loose = [x for x in entries if not isinstance(x, dict)]
         if loose and len(loose) != len(entries):
             raise TypeError(f"{self._who}: params mixes tensors and parameter-group dicts; "
@@ -312,12 +297,7 @@ class ParameterServer:
         text = f"{self._config}\nfrozen {frozen}\n" + "\n".join(
             f"{f.group_index} {f.dtype} " + ",".join(str(tuple(p.shape)) for p in f.params)
             for f in self._flats)
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little",
-                                signed=True)
-        mine = torch.tensor([digest], dtype=torch.int64, device=self._device)
-        every = torch.empty(self._world, dtype=torch.int64, device=self._device)
-        _all_gather(every, mine, group=self._group)
-        others = [r for r, d in enumerate(every.tolist()) if d != digest]
+        others = ranks_that_differ(text, self._group, self._device)
         if others:
             raise ValueError(
                 f"{self._who}: ranks {others} lay their parameters out otherwise than this "

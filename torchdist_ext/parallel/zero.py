@@ -21,7 +21,6 @@ Use it in place of DDP, not with it: the optimizer does the gradient averaging.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
@@ -29,13 +28,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ._common import (all_gather_single, check_wrapper_args, group_as_list,
+                      ranks_that_differ, reduce_scatter_single)
 
 __all__ = ["ZeroConfig", "ZeroOptimizer"]
-
-# torch 2.14 renamed the flat collectives (the old names warn there); older releases lack
-# the new names.
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 # Buckets whose reduce_scatter may be in flight at once: enough to overlap one with the
 # backward pass while the next fills, few enough that staged copies stay small.
@@ -69,13 +65,6 @@ class ZeroConfig:
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"ZeroConfig: bucket_bytes must be a positive int, not "
                              f"{self.bucket_bytes!r}")
-
-
-def _group_as_list(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group whose "params" (a tensor, list or generator) is a list, so that
-    it can be read more than once."""
-    ps = group.get("params", [])
-    return {**group, "params": [ps] if isinstance(ps, torch.Tensor) else list(ps)}
 
 
 class _Flat:
@@ -137,15 +126,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], optimizer_class: type, *,
                  group: Optional[dist.ProcessGroup] = None,
                  config: ZeroConfig = ZeroConfig(), **defaults: Any) -> None:
-        if not (isinstance(optimizer_class, type)
-                and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"ZeroOptimizer: optimizer_class must be a torch.optim.Optimizer "
-                            f"subclass such as torch.optim.AdamW, not {optimizer_class!r}")
-        if not isinstance(config, ZeroConfig):
-            raise TypeError(f"ZeroOptimizer: config must be a ZeroConfig, not {config!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("ZeroOptimizer: torch.distributed is not initialized; call "
-                               "dist.init_process_group first")
+        check_wrapper_args("ZeroOptimizer", optimizer_class, config, ZeroConfig,
+                           "torch.optim.AdamW")
         self._group = group if group is not None else dist.group.WORLD
         self._world = dist.get_world_size(self._group)
         self._rank = dist.get_rank(self._group)
@@ -156,7 +138,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # param_groups would: schedulers and state dicts see the same keys. The options are
         # read from an instance over a stand-in on the parameters' device (fused kernels,
         # for one, are not on every device).
-        params = [_group_as_list(x) if isinstance(x, dict) else x for x in params]
+        params = [group_as_list(x) if isinstance(x, dict) else x for x in params]
         tensors = [t for x in params for t in (x["params"] if isinstance(x, dict) else [x])
                    if isinstance(t, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cpu")
@@ -248,15 +230,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         text = f"stage {self._config.stage}\nfrozen {frozen}\n" + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
             for s, f in zip(self._fingerprint(), self._flats))
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little",
-                                signed=True)
         device = self._flats[0].flat.device if self._flats else torch.device("cpu")
-        mine = torch.tensor([digest], dtype=torch.int64, device=device)
-        every = torch.empty(self._world, dtype=torch.int64, device=device)
-        _all_gather(every, mine, group=self._group)
-        every = every.tolist()
-        if len(set(every)) > 1:
-            others = [r for r, d in enumerate(every) if d != digest]
+        others = ranks_that_differ(text, self._group, device)
+        if others:
             raise ValueError(
                 f"{self._who}: ranks {others} lay their parameters out otherwise than this "
                 f"rank, which has {self.shard_numel * self._world} elements in "
@@ -347,7 +323,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if drop:
                 p.grad = None
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
-        work = _reduce_scatter(out, staged, group=self._group, async_op=True)
+        work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
         self._pending.append((f, b, out, work))
         # A work holds its staged bucket until it is waited for: without a bound, stage 2
         # would hold every bucket's copy of the gradients until the pass ends.
@@ -424,7 +400,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         inner_group[k] = v
                 f.shard.grad = f.grad
             self._inner.step()
-        works = [_all_gather(f.flat[b.offset:b.offset + b.numel],
+        works = [all_gather_single(f.flat[b.offset:b.offset + b.numel],
                                              f.shard_view(f.shard, b), group=self._group,
                                              async_op=True)
                  for f, b in self._order]
@@ -508,7 +484,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 v = mine.get(k)
                 if isinstance(v, torch.Tensor) and v.shape == f.shard.shape:
                     full = torch.empty_like(f.flat, dtype=v.dtype)
-                    works = [_all_gather(full[b.offset:b.offset + b.numel],
+                    works = [all_gather_single(full[b.offset:b.offset + b.numel],
                                                          f.shard_view(v, b), group=self._group,
                                                          async_op=True)
                              for b in f.buckets]
