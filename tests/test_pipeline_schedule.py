@@ -182,6 +182,11 @@ def test_pipeline_trains_as_one_process_does(world: int, name: str) -> None:
 
 
 def _mistakes(rank: int, world: int) -> list[str]:
+    """Each mistake on one stage, in a pipeline of its own: that stage refuses naming it,
+    the other stops at once naming the stage that failed, and both refuse later calls.
+    A pipeline on a new group then trains."""
+    import time
+
     fails = []
 
     def refused(fn, *words) -> None:
@@ -189,27 +194,98 @@ def _mistakes(rank: int, world: int) -> list[str]:
 
     stage = _cut(_model(), world, rank)
     last = rank == world - 1
+    loss = nn.functional.mse_loss if last else None
     refused(lambda: PipelineStage(stage, schedule=Schedule.gpipe(world + 1, 2),
                                   loss_fn=nn.functional.mse_loss),
             f"stage {rank} of {world}", f"{world + 1} stages", "one stage per rank")
     if last:
         refused(lambda: PipelineStage(stage), "pass loss_fn")
-    runner = PipelineStage(stage, config=PipelineConfig(microbatches=4),
-                           loss_fn=nn.functional.mse_loss if last else None)
-    if rank == 0:
-        refused(lambda: runner.step(), "stage 0 of 2", "pass inputs")
-    else:
-        refused(lambda: runner.step(), "pass targets")
-        refused(lambda: runner.step(targets=torch.zeros(3, 4, dtype=torch.float64)),
-                "a batch of 3 cannot split into 4 microbatches")
-    # The group still works: a whole step.
     x, y = _data()[0]
-    runner.step(inputs=x if rank == 0 else None, targets=y if last else None)
+    good = {"inputs": x if rank == 0 else None, "targets": y if last else None}
+    for culprit, bad, words in [
+            (0, {"inputs": None}, ("stage 0 of 2", "pass inputs")),
+            (1, {"targets": None}, ("pass targets",)),
+            (1, {"targets": y[:3]}, ("a batch of 3 cannot split into 4",)),
+            (0, {"inputs": x[:3]}, ("a batch of 3 cannot split into 4",))]:
+        group = dist.new_group()
+        runner = PipelineStage(stage, group=group, config=PipelineConfig(microbatches=4),
+                               loss_fn=loss)
+        started = time.monotonic()
+        if rank == culprit:
+            refused(lambda: runner.step(**{**good, **bad}), *words)
+        else:
+            expect_refusal(fails, lambda: runner.step(**good), "step() stopped",
+                           f"stage {culprit} failed this call", errors=(RuntimeError,))
+        if time.monotonic() - started > 10:
+            fails.append(f"stage {rank} waited {time.monotonic() - started:.0f} s for {words}")
+        expect_refusal(fails, lambda: runner.step(**good), "after a failed call",
+                       "make a new group", errors=(RuntimeError,))
+        dist.destroy_process_group(group)
+    # A pipeline on a new group trains.
+    runner = PipelineStage(stage, group=dist.new_group(), config=PipelineConfig(microbatches=4),
+                           loss_fn=loss)
+    runner.step(**good)
     return fails
 
 
 def test_mistakes_are_refused_naming_the_stage() -> None:
     assert run_ranks(_mistakes, 2, timeout=60) == [[], []]
+
+
+class _Faulty(nn.Module):
+    """Raises in the forward of its ``at``-th call."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.at, self.calls = inner, at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise ArithmeticError("the module failed on purpose")
+        return self.inner(x)
+
+
+def _failure_spreads(rank: int, world: int, schedule: str) -> list[str]:
+    """The middle stage's module raises in its second forward: it raises that error, the
+    others stop at once naming it, and a pipeline made later on the same group finds the
+    failed call's messages instead of taking them for its own."""
+    import time
+
+    fails: list[str] = []
+    module = _cut(_model(), world, rank)
+    last = rank == world - 1
+    opt = torch.optim.SGD(module.parameters(), lr=0.1) if schedule == "pipedream" else None
+    runner = PipelineStage(_Faulty(module, 2) if rank == 1 else module, optimizer=opt,
+                           config=PipelineConfig(schedule=schedule, microbatches=4),
+                           loss_fn=nn.functional.mse_loss if last else None)
+    x, y = _data()[0]
+    good = {"inputs": x if rank == 0 else None, "targets": y if last else None}
+    started = time.monotonic()
+    if rank == 1:
+        expect_refusal(fails, lambda: runner.step(**good), "on purpose",
+                       errors=(ArithmeticError,))
+    else:
+        expect_refusal(fails, lambda: runner.step(**good), "stage 1 failed this call",
+                       errors=(RuntimeError,))
+    if time.monotonic() - started > 10:
+        fails.append(f"stage {rank} took {time.monotonic() - started:.0f} s to stop")
+    # Messages of the failed call are still about: a new pipeline on the same group must
+    # not take them for its own.
+    again = PipelineStage(module, config=PipelineConfig(microbatches=4),
+                          loss_fn=nn.functional.mse_loss if last else None)
+    try:
+        again.step(**good)
+        fails.append("a pipeline on the failed group ran a step")
+    except RuntimeError as e:
+        if not any(w in str(e) for w in ("left over", "failed this call", "after a failed")):
+            fails.append(f"unexpected: {e}")
+    return fails
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_a_stage_that_fails_stops_every_stage_at_once(schedule: str) -> None:
+    assert run_ranks(_failure_spreads, 3, timeout=60, args=(schedule,)) == [[], [], []]
 
 
 def _over_a_subgroup(rank: int, world: int) -> list[str]:

@@ -32,11 +32,21 @@ from .. import _C
 
 __all__ = ["PipelineConfig", "PipelineStage", "Schedule"]
 
+
+class _Aborted(RuntimeError):
+    """Another stage failed this call and said so; the stage that failed raised its own
+    error."""
+
 _SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 # Schedules whose weights change during a step: 1F1B's action order, with updates inside.
 _ASYNC = ("pipedream", "2bw")
 _MAX_DIMS = 8
-# Activations and gradients cross with a header: dtype code, dimensions, sizes.
+# Activations and gradients cross with a header: dtype code, dimensions, the call it
+# belongs to (the stages' step() and evaluate() calls, counted alike), the pipeline's
+# number on its group, then the sizes. A header with code _ABORT, whose dimensions field
+# names the stage that failed, stops the call on every stage.
+_HEAD = 4 + _MAX_DIMS
+_ABORT = -1
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128)
@@ -162,6 +172,12 @@ class PipelineConfig:
 class PipelineStage:
     """This rank's stage of a pipeline over ``group`` (stage i is the group's rank i).
 
+    A call that fails on one stage (bad arguments, an error in its module or loss) stops
+    on every stage: the failing stage tells its neighbours, which tell theirs, and each
+    raises at once instead of waiting for the group's timeout. Messages of that call may
+    then be left unreceived, so every later call on these stages raises too: make a new
+    group and new stages to go on.
+
     ``step(inputs, targets)`` runs one training step's forward and backward passes over
     every microbatch, leaving the stage's parameter gradients in ``param.grad`` (summed
     over microbatches, each weighted by its share of the batch, so that they equal one
@@ -184,6 +200,8 @@ class PipelineStage:
       steps, runs on the weights of update ``max(b - 1, 0)`` on every stage, so each
       update applies a gradient one update old, and a stage keeps at most two copies.
     """
+
+    _made: dict[str, int] = {}  # per group name: pipelines made on it
 
     def __init__(self, module: nn.Module, *, group: Optional[dist.ProcessGroup] = None,
                  config: PipelineConfig = PipelineConfig(),
@@ -216,6 +234,14 @@ class PipelineStage:
         self._device = torch.device(device) if device is not None else next(
             (p.device for p in module.parameters()), torch.device("cpu"))
         self.max_kept = 0  # the most microbatches whose activations this rank kept at once
+        # Pipelines on one group are numbered in the order they are made, alike on every
+        # rank, so that a message left over from another one is told apart.
+        key = getattr(self.group, "group_name", "")
+        self._pipeline = PipelineStage._made.get(key, 0)
+        PipelineStage._made[key] = self._pipeline + 1
+        self._call = 0  # step() and evaluate() calls begun
+        self._broken: Optional[str] = None  # why an earlier call failed
+        self._aborts: list = []  # abort notices sent: kept until the stage goes
         self.config = config
         self.optimizer = optimizer
         self.version = 0  # weight updates made inside step() (pipedream, 2bw)
@@ -256,30 +282,76 @@ class PipelineStage:
             raise ValueError(f"{self._who}: cannot send a {t.dtype} tensor of {t.dim()} "
                              f"dimensions to stage {stage} (at most {_MAX_DIMS}, dtypes "
                              f"{', '.join(str(d) for d in _DTYPES)})")
-        head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-        head[0] = _DTYPES.index(t.dtype)
-        head[1] = t.dim()
-        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        head = self._header(_DTYPES.index(t.dtype), t.dim())
+        head[4:4 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         head = head.to(self._device)
         peer = self._peer(stage)
         # Both stay referenced until the step ends and waits for them.
         pending.append((dist.isend(head, peer, group=self.group), head))
         pending.append((dist.isend(t, peer, group=self.group), t))
 
+    def _header(self, code: int, ndim: int) -> torch.Tensor:
+        head = torch.zeros(_HEAD, dtype=torch.int64)
+        head[0], head[1], head[2], head[3] = code, ndim, self._call, self._pipeline
+        return head
+
     def _recv(self, stage: int) -> torch.Tensor:
         peer = self._peer(stage)
-        head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._device)
+        head = torch.empty(_HEAD, dtype=torch.int64, device=self._device)
         dist.irecv(head, peer, group=self.group).wait()
-        code, ndim, *dims = head.tolist()
+        code, ndim, call, pipeline, *dims = head.tolist()
+        if (call, pipeline) != (self._call, self._pipeline):
+            raise RuntimeError(
+                f"{self._who}: stage {stage} sent a message of call {call} of pipeline "
+                f"{pipeline} on this group, where this stage runs call {self._call} of "
+                f"pipeline {self._pipeline}: a message left over from a call that failed, or "
+                "stages that made their pipelines or calls in another order")
+        if code == _ABORT:
+            self._tell_neighbours(origin=ndim, skip=stage)
+            raise _Aborted(f"stage {ndim} failed this call (see its error)")
         out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self._device)
         dist.irecv(out, peer, group=self.group).wait()
         return out
 
-    @torch.no_grad()
+    def _tell_neighbours(self, origin: int, skip: Optional[int] = None) -> None:
+        """Sends the neighbouring stages (but ``skip``) notice that stage ``origin`` failed
+        this call. Best effort and not waited for: a neighbour may be gone."""
+        for stage in (self.stage - 1, self.stage + 1):
+            if 0 <= stage < self.stages and stage != skip:
+                head = self._header(_ABORT, origin).to(self._device)
+                try:
+                    self._aborts.append((dist.isend(head, self._peer(stage), group=self.group),
+                                         head))
+                except Exception:  # the error being raised says more than this one
+                    pass
+
+    def _run(self, what: str, body: Callable[..., Any], *args: Any) -> Any:
+        """One call on every stage alike: refused after a failed one; a failure here tells
+        the neighbours, and one there raises here."""
+        if self._broken is not None:
+            raise RuntimeError(f"{self._who}: {what} after a failed call ({self._broken}); "
+                               "its messages may still be in flight, so this pipeline "
+                               "cannot go on: make a new group and new PipelineStages")
+        self._call += 1
+        try:
+            return body(*args)
+        except _Aborted as e:
+            self._broken = str(e)
+            raise RuntimeError(f"{self._who}: {what} stopped: {e}; this stage's own part "
+                               "was not finished") from None
+        except BaseException as e:
+            self._broken = f"on this stage: {type(e).__name__}"
+            self._tell_neighbours(origin=self.stage)
+            raise
+
     def evaluate(self, inputs: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The forward pass alone, microbatch by microbatch, in order: the model's output
         for the whole batch on the last stage (its module's, before any loss), None
         elsewhere. The first stage passes ``inputs``."""
+        return self._run("evaluate()", self._evaluate, inputs)
+
+    @torch.no_grad()
+    def _evaluate(self, inputs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         first, last = self.stage == 0, self.stage == self.stages - 1
         if first and inputs is None:
             raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
@@ -301,8 +373,11 @@ class PipelineStage:
         """One training step's forward and backward passes (and, with pipedream or 2bw,
         the weight updates among them); the batch's loss on the last stage (detached),
         None elsewhere."""
-        if self.config.schedule in _ASYNC:
-            return self._step_updating(inputs, targets)
+        body = self._step_updating if self.config.schedule in _ASYNC else self._step_flushed
+        return self._run("step()", body, inputs, targets)
+
+    def _step_flushed(self, inputs: Optional[torch.Tensor],
+                      targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         first, last = self.stage == 0, self.stage == self.stages - 1
         xs, ys = self._split(inputs, targets)
         total = len(targets) if last else 0
@@ -358,6 +433,9 @@ class PipelineStage:
             raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
         if last and targets is None:
             raise ValueError(f"{self._who}: the last stage computes the loss: pass targets")
+        if first and len(inputs) < m:
+            raise ValueError(f"{self._who}: a batch of {len(inputs)} cannot split into {m} "
+                             "microbatches; pass a batch at least as large")
         xs = torch.tensor_split(inputs, m) if first else None
         ys = torch.tensor_split(targets, m) if last else None
         if last and any(len(y) == 0 for y in ys):
