@@ -288,6 +288,99 @@ def test_a_stage_that_fails_stops_every_stage_at_once(schedule: str) -> None:
     assert run_ranks(_failure_spreads, 3, timeout=60, args=(schedule,)) == [[], [], []]
 
 
+class _Head(nn.Module):
+    """Stage 0 of the tuple pipeline: a hidden state, an integer flag and a float gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.gate = nn.Linear(6, 9), nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor):
+        return torch.tanh(self.lin(x)), (x[:, 0] > 0).long(), torch.sigmoid(self.gate(x))
+
+
+class _Mid(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.emb = nn.Linear(9, 9), nn.Embedding(2, 9)
+
+    def forward(self, h: torch.Tensor, flag: torch.Tensor, gate: torch.Tensor):
+        return torch.tanh(self.lin(h) * gate + self.emb(flag)), flag
+
+
+class _Tail(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.emb = nn.Linear(9, 4), nn.Embedding(2, 4)
+
+    def forward(self, h: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+        return self.lin(h) + self.emb(flag)
+
+
+def _tuple_stages() -> list[nn.Module]:
+    torch.manual_seed(4)
+    return [m.double() for m in (_Head(), _Mid(), _Tail())]
+
+
+def _tuple_reference(optimizer) -> list[list[float]]:
+    stages = _tuple_stages()
+    opt = optimizer([p for st in stages for p in st.parameters()])
+    for x, y in _data():
+        opt.zero_grad()
+        out = x
+        for st in stages:
+            out = st(*out) if isinstance(out, tuple) else st(out)
+        nn.functional.mse_loss(out, y).backward()
+        opt.step()
+    return [p.detach().flatten().tolist() for st in stages for p in st.parameters()]
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _tuple_pipeline(rank: int, world: int, schedule: str, m: int) -> dict:
+    stage = _tuple_stages()[rank]
+    last = rank == world - 1
+    opt = _sgd(stage.parameters())
+    runner = PipelineStage(stage, loss_fn=nn.functional.mse_loss if last else None,
+                           optimizer=opt if schedule == "pipedream" else None,
+                           config=PipelineConfig(schedule=schedule, microbatches=m))
+    for x, y in _data():
+        opt.zero_grad()
+        runner.step(inputs=x if rank == 0 else None, targets=y if last else None)
+        if schedule != "pipedream":
+            opt.step()
+    out = runner.evaluate(inputs=_data()[0][0] if rank == 0 else None)
+    return {"params": [p.detach().flatten().tolist() for p in stage.parameters()],
+            "eval": None if out is None else out.tolist()}
+
+
+@pytest.mark.parametrize("schedule,m", [("gpipe", 3), ("1f1b", 4), ("pipedream", 1)])
+def test_stages_pass_tuples_with_integer_and_float_members(schedule: str, m: int) -> None:
+    """Stage 0 passes (hidden, integer flag, float gate), stage 1 uses all three and passes
+    (hidden, flag): the parameters equal one process's within 1e-12 (pipedream with one
+    microbatch is 1F1B with an update per step), and evaluate() gives the model's
+    output."""
+    runs = run_ranks(_tuple_pipeline, 3, timeout=120, args=(schedule, m))
+    got = [p for r in runs for p in r["params"]]
+    want = _tuple_reference(_sgd)
+    assert len(got) == len(want)
+    for mine, ref in zip(got, want):
+        assert torch.allclose(torch.tensor(mine), torch.tensor(ref), rtol=1e-12, atol=1e-13)
+    # The trained stages' output on the first batch, from one process.
+    stages = _tuple_stages()
+    with torch.no_grad():
+        for st, r in zip(stages, runs):
+            for p, values in zip(st.parameters(), r["params"]):
+                p.copy_(torch.tensor(values, dtype=torch.float64).view_as(p))
+        out = _data()[0][0]
+        for st in stages:
+            out = st(*out) if isinstance(out, tuple) else st(out)
+    assert torch.allclose(torch.tensor(runs[-1]["eval"], dtype=torch.float64), out,
+                          rtol=1e-12, atol=1e-13)
+
+
 def _over_a_subgroup(rank: int, world: int) -> list[str]:
     """Two pipelines of 2 stages side by side (ranks 0-1 and 2-3), each on its own
     group and its own data, as a (data, pipe) mesh would run them."""

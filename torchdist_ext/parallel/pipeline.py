@@ -37,6 +37,46 @@ class _Aborted(RuntimeError):
     """Another stage failed this call and said so; the stage that failed raised its own
     error."""
 
+
+class _Count:
+    """A tuple's header: how many tensors follow."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+
+# What a stage passes on: one tensor, or a tuple of them.
+Tensors = Any
+
+
+def _entries(x: Tensors) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _rows(x: Tensors) -> int:
+    return len(_entries(x)[0])
+
+
+def _microbatches(batch: Tensors, m: int) -> list:
+    """A batch (a tensor, or a tuple of tensors of the same length) cut into m along
+    dimension 0."""
+    if isinstance(batch, (tuple, list)):
+        parts = [torch.tensor_split(t, m) for t in batch]
+        return [tuple(p[i] for p in parts) for i in range(m)]
+    return list(torch.tensor_split(batch, m))
+
+
+def _with_grad(x: Tensors) -> Tensors:
+    """A received activation, its floating-point tensors marked to take a gradient."""
+    if isinstance(x, tuple):
+        return tuple(t.requires_grad_() if t is not None and t.is_floating_point() else t
+                     for t in x)
+    return x.requires_grad_() if x.is_floating_point() else x
+
+
+def _call(module: nn.Module, x: Tensors) -> Tensors:
+    return module(*x) if isinstance(x, tuple) else module(x)
+
 _SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw")
 # Schedules whose weights change during a step: 1F1B's action order, with updates inside.
 _ASYNC = ("pipedream", "2bw")
@@ -47,6 +87,10 @@ _MAX_DIMS = 8
 # names the stage that failed, stops the call on every stage.
 _HEAD = 4 + _MAX_DIMS
 _ABORT = -1
+# Several tensors cross as a header with code _TUPLE and their count in the dimensions
+# field, then each as above; a missing one (an input without gradient) as _NONE.
+_TUPLE = -2
+_NONE = -3
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128)
@@ -183,8 +227,9 @@ class PipelineStage:
     over microbatches, each weighted by its share of the batch, so that they equal one
     process's gradients of ``loss_fn`` over the whole batch when ``loss_fn`` averages).
     The first stage takes ``inputs``, the last ``targets`` and returns the batch's loss;
-    the others pass None. A stage's module takes one tensor and returns one, of any
-    shape and dtype (up to 8 dimensions); gradients flow back through floating-point ones.
+    the others pass None. A stage's module takes and returns one tensor or a tuple of
+    them, of any shape and dtype (up to 8 dimensions); gradients flow back through the
+    floating-point ones. ``inputs`` and ``targets`` may be tuples, cut along dimension 0.
     Received tensors go to ``device``, by default that of the module's parameters.
 
     With the ``"pipedream"`` and ``"2bw"`` schedules, ``optimizer`` (over this stage's
@@ -276,7 +321,26 @@ class PipelineStage:
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
 
-    def _send(self, t: torch.Tensor, stage: int, pending: list) -> None:
+    def _send(self, x: Tensors, stage: int, pending: list) -> None:
+        """One tensor, or a tuple of them (None for a missing one), to ``stage``; the sends
+        stay in ``pending`` until the call waits for them."""
+        if not isinstance(x, (tuple, list)):
+            self._send_one(x, stage, pending)
+            return
+        peer = self._peer(stage)
+        head = self._header(_TUPLE, len(x)).to(self._device)
+        pending.append((dist.isend(head, peer, group=self.group), head))
+        for t in x:
+            if t is None:
+                head = self._header(_NONE, 0).to(self._device)
+                pending.append((dist.isend(head, peer, group=self.group), head))
+            else:
+                self._send_one(t, stage, pending)
+
+    def _send_one(self, t: torch.Tensor, stage: int, pending: list) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{self._who}: cannot send {type(t).__name__} to stage {stage}; "
+                            "a stage passes a tensor or a tuple of tensors")
         t = t.detach().contiguous()
         if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
             raise ValueError(f"{self._who}: cannot send a {t.dtype} tensor of {t.dim()} "
@@ -295,7 +359,14 @@ class PipelineStage:
         head[0], head[1], head[2], head[3] = code, ndim, self._call, self._pipeline
         return head
 
-    def _recv(self, stage: int) -> torch.Tensor:
+    def _recv(self, stage: int) -> Tensors:
+        """What ``stage`` sent: a tensor, or a tuple of them (None where one is missing)."""
+        first = self._recv_one(stage)
+        if not isinstance(first, _Count):
+            return first
+        return tuple(self._recv_one(stage) for _ in range(first.n))
+
+    def _recv_one(self, stage: int) -> Any:
         peer = self._peer(stage)
         head = torch.empty(_HEAD, dtype=torch.int64, device=self._device)
         dist.irecv(head, peer, group=self.group).wait()
@@ -309,6 +380,10 @@ class PipelineStage:
         if code == _ABORT:
             self._tell_neighbours(origin=ndim, skip=stage)
             raise _Aborted(f"stage {ndim} failed this call (see its error)")
+        if code == _TUPLE:
+            return _Count(ndim)
+        if code == _NONE:
+            return None
         out = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self._device)
         dist.irecv(out, peer, group=self.group).wait()
         return out
@@ -357,16 +432,45 @@ class PipelineStage:
             raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
         outs = []
         pending: list = []
-        xs = torch.tensor_split(inputs, self.schedule.microbatches) if first else None
+        xs = _microbatches(inputs, self.schedule.microbatches) if first else None
         for mb in range(self.schedule.microbatches):
-            out = self.module(xs[mb] if first else self._recv(self.stage - 1))
+            out = self._forward(xs[mb] if first else self._recv(self.stage - 1))
             if last:
                 outs.append(out)
             else:
                 self._send(out, self.stage + 1, pending)
         for work, _ in pending:
             work.wait()
-        return torch.cat(outs) if last else None
+        if not last:
+            return None
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outs))
+        return torch.cat(outs)
+
+    def _forward(self, x: Tensors, params: Optional[dict] = None) -> Tensors:
+        """The stage's module on one microbatch (on ``params`` in place of its own), its
+        output checked: a tensor or a tuple of tensors."""
+        if params is None:
+            out = _call(self.module, x)
+        else:
+            out = torch.func.functional_call(self.module, params,
+                                             x if isinstance(x, tuple) else (x,))
+        if isinstance(out, list):
+            out = tuple(out)
+        if not (isinstance(out, torch.Tensor) or (
+                isinstance(out, tuple) and out
+                and all(isinstance(t, torch.Tensor) for t in out))):
+            raise TypeError(f"{self._who}: the module returned {type(out).__name__}; a stage "
+                            "passes a tensor or a non-empty tuple of tensors to the next")
+        return out
+
+    def _input_grads(self, got: Tensors, mb: int) -> Tensors:
+        """What goes back at SG: the gradient of each received tensor (None where it has
+        none); refused when no tensor got one."""
+        if got is None or (isinstance(got, tuple) and all(g is None for g in got)):
+            raise RuntimeError(f"{self._who}: microbatch {mb}'s input got no gradient; the "
+                               "stage's output must depend on it")
+        return got
 
     def step(self, inputs: Optional[torch.Tensor] = None,
              targets: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -380,7 +484,7 @@ class PipelineStage:
                       targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         first, last = self.stage == 0, self.stage == self.stages - 1
         xs, ys = self._split(inputs, targets)
-        total = len(targets) if last else 0
+        total = _rows(targets) if last else 0
         received: dict[int, torch.Tensor] = {}  # activations in, until their forward
         kept: dict[int, tuple[Optional[torch.Tensor], torch.Tensor]] = {}  # until backward
         grads: dict[int, torch.Tensor] = {}  # output gradients in, until their backward
@@ -389,17 +493,13 @@ class PipelineStage:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
         for verb, mb in self._actions:
             if verb == "RA":
-                x = self._recv(self.stage - 1)
-                received[mb] = x.requires_grad_() if x.is_floating_point() else x
+                received[mb] = _with_grad(self._recv(self.stage - 1))
             elif verb == "F":
                 x = xs[mb] if first else received.pop(mb)
-                out = self.module(x)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"{self._who}: the module returned {type(out).__name__}; "
-                                    "a stage passes one tensor to the next")
+                out = self._forward(x)
                 if last:
                     # Each microbatch's mean, weighted by its share: the whole batch's mean.
-                    out = self.loss_fn(out, ys[mb]) * (len(ys[mb]) / total)
+                    out = self.loss_fn(out, ys[mb]) * (_rows(ys[mb]) / total)
                     loss_sum += out.detach().double()  # on the device: no sync per microbatch
                 kept[mb] = (None if first else x, out)
                 self.max_kept = max(self.max_kept, len(kept))
@@ -412,15 +512,17 @@ class PipelineStage:
                 if last:
                     out.backward()
                 else:
-                    torch.autograd.backward(out, grads.pop(mb))
+                    pairs = [(o, g) for o, g in zip(_entries(out), _entries(grads.pop(mb)))
+                             if g is not None and o.requires_grad]
+                    if pairs:  # else nothing here reached the loss
+                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
                 if x is not None:
                     back[mb] = x
             elif verb == "SG":
                 x = back.pop(mb)
-                if x.grad is None:
-                    raise RuntimeError(f"{self._who}: microbatch {mb}'s input got no "
-                                       "gradient; the stage's output must depend on it")
-                self._send(x.grad, self.stage - 1, pending)
+                got = (tuple(t.grad if t is not None else None for t in x)
+                       if isinstance(x, tuple) else x.grad)
+                self._send(self._input_grads(got, mb), self.stage - 1, pending)
         for work, _ in pending:
             work.wait()
         return loss_sum if last else None
@@ -433,14 +535,18 @@ class PipelineStage:
             raise ValueError(f"{self._who}: the first stage takes the batch: pass inputs")
         if last and targets is None:
             raise ValueError(f"{self._who}: the last stage computes the loss: pass targets")
-        if first and len(inputs) < m:
-            raise ValueError(f"{self._who}: a batch of {len(inputs)} cannot split into {m} "
-                             "microbatches; pass a batch at least as large")
-        xs = torch.tensor_split(inputs, m) if first else None
-        ys = torch.tensor_split(targets, m) if last else None
-        if last and any(len(y) == 0 for y in ys):
-            raise ValueError(f"{self._who}: a batch of {len(targets)} cannot split into {m} "
-                             "microbatches; pass a batch at least as large")
+        for what, batch, here in (("inputs", inputs, first), ("targets", targets, last)):
+            if not here:
+                continue
+            lengths = {len(t) for t in _entries(batch)}
+            if len(lengths) != 1:
+                raise ValueError(f"{self._who}: the {what}' tensors hold {sorted(lengths)} "
+                                 "rows; a batch's tensors must split alike along dimension 0")
+            if lengths.pop() < m:
+                raise ValueError(f"{self._who}: a batch of {_rows(batch)} cannot split into "
+                                 f"{m} microbatches; pass a batch at least as large")
+        xs = _microbatches(inputs, m) if first else None
+        ys = _microbatches(targets, m) if last else None
         return xs, ys
 
     # ----- schedules that update the weights during a step (pipedream, 2bw)
@@ -463,10 +569,10 @@ class PipelineStage:
         weight = [1.0] * self.schedule.microbatches
         if last and two_bw:
             for b0 in range(0, len(ys), every):
-                rows = sum(len(y) for y in ys[b0:b0 + every])
+                rows = sum(_rows(y) for y in ys[b0:b0 + every])
                 for mb in range(b0, b0 + every):
-                    weight[mb] = len(ys[mb]) / rows
-        total = sum(len(y) for y in ys) if last else 0
+                    weight[mb] = _rows(ys[mb]) / rows
+        total = _rows(targets) if last else 0
         acc: dict[str, torch.Tensor] = {}  # the batch's summed gradient, per parameter
         received: dict[int, torch.Tensor] = {}
         kept: dict[int, tuple[Optional[torch.Tensor], torch.Tensor, list]] = {}
@@ -477,8 +583,7 @@ class PipelineStage:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self._device)
         for i, (verb, mb) in enumerate(self._actions):
             if verb == "RA":
-                x = self._recv(self.stage - 1)
-                received[mb] = x.requires_grad_() if x.is_floating_point() else x
+                received[mb] = _with_grad(self._recv(self.stage - 1))
             elif verb == "F":
                 x = xs[mb] if first else received.pop(mb)
                 v = plan.version[mb]
@@ -489,17 +594,14 @@ class PipelineStage:
                     params = self._copies[v]
                     in_flight[mb] = v
                     self.max_copies = max(self.max_copies, len(self._copies))
-                    out = torch.func.functional_call(self.module, params, (x,))
+                    out = self._forward(x, params)
                 else:
                     assert v == self.version, (v, self.version)
                     params = live
-                    out = self.module(x)
-                if not isinstance(out, torch.Tensor):
-                    raise TypeError(f"{self._who}: the module returned {type(out).__name__}; "
-                                    "a stage passes one tensor to the next")
+                    out = self._forward(x)
                 if last:
                     out = self.loss_fn(out, ys[mb]) * weight[mb]
-                    loss_sum += out.detach().double() * (len(ys[mb]) / total / weight[mb])
+                    loss_sum += out.detach().double() * (_rows(ys[mb]) / total / weight[mb])
                 kept[mb] = (None if first else x, out, [params[n] for n in trained])
                 self.max_kept = max(self.max_kept, len(kept))
             elif verb == "SA":
@@ -508,11 +610,21 @@ class PipelineStage:
                 grads[mb] = self._recv(self.stage + 1)
             elif verb == "B":
                 x, out, used = kept.pop(mb)
-                wrt = ([x] if x is not None and x.requires_grad else []) + used
-                got = torch.autograd.grad(out, wrt, None if last else grads.pop(mb),
-                                          allow_unused=True)
-                if x is not None and x.requires_grad:
-                    back[mb], got = got[0], got[1:]
+                ins = [t for t in (_entries(x) if x is not None else ())
+                       if t is not None and t.requires_grad]
+                if last:
+                    outs, outer = [out], None
+                else:
+                    pairs = [(o, g) for o, g in zip(_entries(out), _entries(grads.pop(mb)))
+                             if g is not None and o.requires_grad]
+                    outs, outer = [o for o, _ in pairs], [g for _, g in pairs]
+                got = (torch.autograd.grad(outs, ins + used, outer, allow_unused=True)
+                       if outs else [None] * (len(ins) + len(used)))
+                if x is not None:
+                    by_id = {id(t): g for t, g in zip(ins, got)}
+                    back[mb] = (tuple(by_id.get(id(t)) for t in x) if isinstance(x, tuple)
+                                else by_id.get(id(x)))
+                got = got[len(ins):]
                 for n, g in zip(trained, got):
                     if g is not None:
                         acc[n] = acc[n] + g if n in acc else g
@@ -526,11 +638,7 @@ class PipelineStage:
                     keep.add(self.version - 1)
                 self._copies = {v: c for v, c in self._copies.items() if v in keep}
             elif verb == "SG":
-                g = back.pop(mb, None)
-                if g is None:
-                    raise RuntimeError(f"{self._who}: microbatch {mb}'s input got no "
-                                       "gradient; the stage's output must depend on it")
-                self._send(g, self.stage - 1, pending)
+                self._send(self._input_grads(back.pop(mb, None), mb), self.stage - 1, pending)
         for work, _ in pending:
             work.wait()
         return loss_sum if last else None
