@@ -454,6 +454,36 @@ def test_sync_training_on_cuda_matches_the_cpu() -> None:
         assert max(abs(a - b) for a, b in zip(got, _flat_params(net))) < 1e-10
 
 
+def _failing_server_rank(rank: int, world: int, mode: str) -> str:
+    ps = ParameterServer([nn.Parameter(torch.ones(4))], torch.optim.SGD,
+                         config=ServerConfig(mode=mode), lr=0.1)
+
+    def on_update(opt, version: int) -> None:
+        if version == 2:
+            raise OverflowError("the schedule broke on purpose")
+
+    try:
+        if ps.is_server:
+            ps.serve(on_update=on_update)
+        else:
+            for _ in range(5):
+                ps.step()
+            ps.close()
+    except (OverflowError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_that_raises_while_serving_tells_every_worker(mode: str) -> None:
+    started = time.monotonic()
+    results = run_ranks(_failing_server_rank, 3, timeout=60, args=(mode,))
+    assert time.monotonic() - started < 40
+    assert results[0] == "OverflowError: the schedule broke on purpose", results[0]
+    for r in results[1:]:
+        assert "server rank 0 stopped at version 2" in r and "on purpose" in r, r
+
+
 # ---- resuming, and a worker that dies ----------------------------------------------------------
 
 def _resume_rank(rank: int, world: int) -> list:
