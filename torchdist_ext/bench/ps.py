@@ -33,7 +33,7 @@ from ..parallel import ParameterServer, ServerConfig
 from . import runner
 from .core import names_arg, sizes_arg
 from .runner import LaunchError
-from .zero import square_mlp, square_width
+from .zero import check_training_options, square_mlp, square_width
 
 __all__ = ["PsBenchOptions", "build_parser", "main", "run", "table_lines"]
 
@@ -62,21 +62,11 @@ class PsBenchOptions:
 
     def __post_init__(self) -> None:
         runner.check_side_options(self, _BACKENDS)
-        if not self.strategies or any(s not in _STRATEGIES for s in self.strategies) \
-                or len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"strategies (--strategies) take ddp, sync and/or async, each "
-                             f"once, not {','.join(self.strategies)!r}")
+        check_training_options(self, _STRATEGIES)
         if self.servers < 1:
             raise ValueError(f"servers (--servers) must be at least 1, not {self.servers}")
         if not runner.launched():  # under torchrun, the world is known at run time
             check_world(self.world, self.servers)
-        if self.layers < 1 or self.batch < 1:
-            raise ValueError(f"layers (--layers) and batch (--batch) must be at least 1, not "
-                             f"{self.layers} and {self.batch}")
-        if not self.params or any(p < self.layers for p in self.params):
-            raise ValueError(f"params (--params) must be parameter counts of at least one "
-                             f"per layer ({self.layers}), not "
-                             f"{','.join(map(str, self.params))}")
 
 
 def check_world(world: int, servers: int) -> None:

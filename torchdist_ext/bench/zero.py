@@ -31,8 +31,8 @@ from . import report, runner
 from .core import names_arg, size_arg, sizes_arg
 from .runner import time_per_call
 
-__all__ = ["ZeroBenchOptions", "build_parser", "main", "run", "square_mlp", "square_width",
-           "table_lines"]
+__all__ = ["ZeroBenchOptions", "build_parser", "check_training_options", "main", "run",
+           "square_mlp", "square_width", "table_lines"]
 
 _BACKENDS = ("tdx", "gloo")
 _STRATEGIES = ("ddp", "zero1", "zero2")
@@ -58,21 +58,28 @@ class ZeroBenchOptions:
 
     def __post_init__(self) -> None:
         runner.check_side_options(self, _BACKENDS)
-        if not self.strategies or any(s not in _STRATEGIES for s in self.strategies) \
-                or len(set(self.strategies)) != len(self.strategies):
-            raise ValueError(f"strategies (--strategies) take ddp, zero1 and/or zero2, each "
-                             f"once, not {','.join(self.strategies)!r}")
-        if self.layers < 1 or self.batch < 1:
-            raise ValueError(f"layers (--layers) and batch (--batch) must be at least 1, not "
-                             f"{self.layers} and {self.batch}")
-        if not self.params or any(p < self.layers for p in self.params):
-            raise ValueError(f"params (--params) must be parameter counts of at least one "
-                             f"per layer ({self.layers}), not "
-                             f"{','.join(map(str, self.params))}")
+        check_training_options(self, _STRATEGIES)
         ZeroConfig(bucket_bytes=self.bucket_bytes)  # its own check names the fix
 
     def width(self, params: int) -> int:
         return square_width(params, self.layers)
+
+
+def check_training_options(opts: Any, strategies: Sequence[str]) -> None:
+    """The checks of the training-step benches (zero, ps): ``strategies`` named from
+    ``strategies``, each once; a model of ``layers`` layers and ``params`` sizes of at
+    least one parameter per layer; a ``batch`` of at least 1."""
+    if not opts.strategies or any(s not in strategies for s in opts.strategies) \
+            or len(set(opts.strategies)) != len(opts.strategies):
+        names = ", ".join(strategies[:-1]) + f" and/or {strategies[-1]}"
+        raise ValueError(f"strategies (--strategies) take {names}, each once, not "
+                         f"{','.join(opts.strategies)!r}")
+    if opts.layers < 1 or opts.batch < 1:
+        raise ValueError(f"layers (--layers) and batch (--batch) must be at least 1, not "
+                         f"{opts.layers} and {opts.batch}")
+    if not opts.params or any(p < opts.layers for p in opts.params):
+        raise ValueError(f"params (--params) must be parameter counts of at least one per "
+                         f"layer ({opts.layers}), not {','.join(map(str, opts.params))}")
 
 
 def square_width(params: int, layers: int) -> int:
