@@ -183,8 +183,8 @@ def _train_rank(rank: int, world: int, mode: str, m: int, every, steps: int,
     peaks = []
     for start in range(steps):  # the plan of each step, as the stage ran it
         peaks.append(_C._plan_weights(runner.schedule.actions(rank), rank, m, mode,
-                                      runner.config.every,
-                                      start * (m // runner.config.every)).peak_copies)
+                                      runner.update_every,
+                                      start * (m // runner.update_every)).peak_copies)
     return {"params": [p.detach().flatten().tolist() for p in stage.parameters()],
             "version": runner.version, "copies": runner.max_copies, "peak": max(peaks),
             "losses": losses}

@@ -246,46 +246,81 @@ class _Faulty(nn.Module):
         return self.inner(x)
 
 
-def _failure_spreads(rank: int, world: int, schedule: str) -> list[str]:
-    """The middle stage's module raises in its second forward: it raises that error, the
-    others stop at once naming it, and a pipeline made later on the same group finds the
-    failed call's messages instead of taking them for its own."""
+class _FailingBackward(torch.autograd.Function):
+    """The identity, whose backward raises at its ``at``-th call (counted in ``box``)."""
+
+    @staticmethod
+    def forward(ctx, x, box):  # type: ignore[override]
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        ctx.box[0] += 1
+        if ctx.box[0] == ctx.box[1]:
+            raise ArithmeticError("the backward failed on purpose")
+        return g, None
+
+
+class _LateFault(nn.Module):
+    """Raises in the backward of the ``at``-th microbatch: on the first stage of 1F1B, the
+    last action of the step, when the other stages have nothing left to receive."""
+
+    def __init__(self, inner: nn.Module, at: int) -> None:
+        super().__init__()
+        self.inner, self.box = inner, [0, at]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(_FailingBackward.apply(x.requires_grad_(), self.box))
+
+
+def _failure_spreads(rank: int, world: int, schedule: str, late: bool) -> list[str]:
+    """A stage's module raises (the middle one in its second forward, or the first one in
+    its last backward): that stage raises the error, the others stop at once naming it,
+    and a pipeline made later on the same group finds the failed call's messages instead
+    of taking them for its own."""
     import time
 
     fails: list[str] = []
     module = _cut(_model(), world, rank)
     last = rank == world - 1
+    culprit = 0 if late else 1
+    faulty = _LateFault(module, 4) if late else _Faulty(module, 2)
     opt = torch.optim.SGD(module.parameters(), lr=0.1) if schedule == "pipedream" else None
-    runner = PipelineStage(_Faulty(module, 2) if rank == 1 else module, optimizer=opt,
+    runner = PipelineStage(faulty if rank == culprit else module, optimizer=opt,
                            config=PipelineConfig(schedule=schedule, microbatches=4),
                            loss_fn=nn.functional.mse_loss if last else None)
     x, y = _data()[0]
     good = {"inputs": x if rank == 0 else None, "targets": y if last else None}
     started = time.monotonic()
-    if rank == 1:
+    if rank == culprit:
         expect_refusal(fails, lambda: runner.step(**good), "on purpose",
                        errors=(ArithmeticError,))
     else:
-        expect_refusal(fails, lambda: runner.step(**good), "stage 1 failed this call",
+        expect_refusal(fails, lambda: runner.step(**good), f"stage {culprit} failed this call",
                        errors=(RuntimeError,))
     if time.monotonic() - started > 10:
         fails.append(f"stage {rank} took {time.monotonic() - started:.0f} s to stop")
-    # Messages of the failed call are still about: a new pipeline on the same group must
-    # not take them for its own.
+    # A new pipeline on the same group must not take the failed call's messages for its
+    # own. After the late failure every message had been taken (the first stage failed
+    # last), so the new pipeline runs; after the early one, messages are left and it
+    # refuses them.
     again = PipelineStage(module, config=PipelineConfig(microbatches=4),
                           loss_fn=nn.functional.mse_loss if last else None)
     try:
         again.step(**good)
-        fails.append("a pipeline on the failed group ran a step")
+        if not late:
+            fails.append("a pipeline on the failed group ran a step")
     except RuntimeError as e:
-        if not any(w in str(e) for w in ("left over", "failed this call", "after a failed")):
+        if late or not any(w in str(e) for w in ("left over", "failed this call")):
             fails.append(f"unexpected: {e}")
     return fails
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
-def test_a_stage_that_fails_stops_every_stage_at_once(schedule: str) -> None:
-    assert run_ranks(_failure_spreads, 3, timeout=60, args=(schedule,)) == [[], [], []]
+@pytest.mark.parametrize("schedule,late", [("1f1b", False), ("pipedream", False),
+                                           ("1f1b", True)])
+def test_a_stage_that_fails_stops_every_stage_at_once(schedule: str, late: bool) -> None:
+    assert run_ranks(_failure_spreads, 3, timeout=60, args=(schedule, late)) == [[], [], []]
 
 
 class _Head(nn.Module):
@@ -339,6 +374,40 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def _tuple_pipedream_replay(m: int) -> list[list[float]]:
+    """PipeDream in one process: each microbatch through every stage on the weight version
+    the plan gives that stage, then each stage's update with its gradient (zeros for a
+    parameter without one, as the stages do)."""
+    from torchdist_ext import _C
+
+    stages = _tuple_stages()
+    opts = [_sgd(st.parameters()) for st in stages]
+    names = [[n for n, _ in st.named_parameters()] for st in stages]
+    history = [[[p.detach().clone() for p in st.parameters()]] for st in stages]
+    sched = _C._PipelineSchedule.one_f_one_b(len(stages), m)
+    for step, (x, y) in enumerate(_data()):
+        plans = [_C._plan_weights(sched.actions(s), s, m, "pipedream", 1, step * m)
+                 for s in range(len(stages))]
+        xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+        for mb in range(m):
+            used, h = [], xs[mb]
+            for s, st in enumerate(stages):
+                ws = [w.clone().requires_grad_() for w in history[s][plans[s].version[mb]]]
+                used.append(ws)
+                h = torch.func.functional_call(st, dict(zip(names[s], ws)),
+                                               h if isinstance(h, tuple) else (h,))
+            loss = nn.functional.mse_loss(h, ys[mb])
+            grads = iter(torch.autograd.grad(loss, [w for ws in used for w in ws],
+                                             allow_unused=True))
+            for s, st in enumerate(stages):
+                for p in st.parameters():
+                    g = next(grads)
+                    p.grad = torch.zeros_like(p) if g is None else g
+                opts[s].step()
+                history[s].append([p.detach().clone() for p in st.parameters()])
+    return [p.detach().flatten().tolist() for st in stages for p in st.parameters()]
+
+
 def _tuple_pipeline(rank: int, world: int, schedule: str, m: int) -> dict:
     stage = _tuple_stages()[rank]
     last = rank == world - 1
@@ -356,15 +425,18 @@ def _tuple_pipeline(rank: int, world: int, schedule: str, m: int) -> dict:
             "eval": None if out is None else out.tolist()}
 
 
-@pytest.mark.parametrize("schedule,m", [("gpipe", 3), ("1f1b", 4), ("pipedream", 1)])
+@pytest.mark.parametrize("schedule,m", [("gpipe", 3), ("1f1b", 4), ("pipedream", 1),
+                                        ("pipedream", 3)])
 def test_stages_pass_tuples_with_integer_and_float_members(schedule: str, m: int) -> None:
     """Stage 0 passes (hidden, integer flag, float gate), stage 1 uses all three and passes
     (hidden, flag): the parameters equal one process's within 1e-12 (pipedream with one
-    microbatch is 1F1B with an update per step), and evaluate() gives the model's
+    microbatch is 1F1B with an update per step; with three, stashed weight copies run the
+    tuples, against a replay of the plan's versions), and evaluate() gives the model's
     output."""
     runs = run_ranks(_tuple_pipeline, 3, timeout=120, args=(schedule, m))
     got = [p for r in runs for p in r["params"]]
-    want = _tuple_reference(_sgd)
+    want = (_tuple_pipedream_replay(m) if schedule == "pipedream" and m > 1
+            else _tuple_reference(_sgd))
     assert len(got) == len(want)
     for mine, ref in zip(got, want):
         assert torch.allclose(torch.tensor(mine), torch.tensor(ref), rtol=1e-12, atol=1e-13)

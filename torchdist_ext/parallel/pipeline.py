@@ -5,8 +5,8 @@ backward of a microbatch, and the activation and gradient messages around them),
 and checked by the C++ core (``csrc/parallel/pipeline_schedule.h``). :class:`Schedule`
 wraps it; :class:`PipelineStage` runs this rank's list over a process group:
 
-    stage = PipelineStage(my_layers, group=pp_group, schedule="1f1b", microbatches=8,
-                          loss_fn=nn.functional.cross_entropy)    # the last stage's loss
+    stage = PipelineStage(my_layers, group=pp_group, loss_fn=nn.functional.cross_entropy,
+                          config=PipelineConfig(schedule="1f1b", microbatches=8))
     loss = stage.step(inputs=x if first else None, targets=y if last else None)
     optimizer.step()                       # each rank steps its own stage's parameters
     out = stage.evaluate(inputs=x if first else None)   # forward only: last stage's output
@@ -43,6 +43,13 @@ class _Count:
 
     def __init__(self, n: int) -> None:
         self.n = n
+
+
+class _Mark:
+    """END or DONE: the end of a call (see _END)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
 
 
 # What a stage passes on: one tensor, or a tuple of them.
@@ -91,6 +98,12 @@ _ABORT = -1
 # field, then each as above; a missing one (an input without gradient) as _NONE.
 _TUPLE = -2
 _NONE = -3
+# The end of a call: END goes from the first stage to the last, each stage passing it on
+# once its own part is done, and DONE comes back. A stage returns only once DONE reaches
+# it, so a failure anywhere (which sends _ABORT in place of these) reaches every stage,
+# even one that has nothing left to receive from the failed one.
+_END = -4
+_DONE = -5
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
            torch.complex128)
@@ -263,6 +276,12 @@ class PipelineStage:
         self.stage = dist.get_rank(self.group)
         self.stages = dist.get_world_size(self.group)
         self._who = f"PipelineStage (stage {self.stage} of {self.stages})"
+        # Pipelines on one group are numbered in the order they are made, alike on every
+        # rank (counted before any check that one stage alone may fail), so that a message
+        # left over from another one is told apart.
+        key = getattr(self.group, "group_name", "")
+        self._pipeline = PipelineStage._made.get(key, 0)
+        PipelineStage._made[key] = self._pipeline + 1
         if schedule is None:
             schedule = Schedule.named(config.schedule, self.stages, config.microbatches)
         if schedule.stages != self.stages:
@@ -279,11 +298,6 @@ class PipelineStage:
         self._device = torch.device(device) if device is not None else next(
             (p.device for p in module.parameters()), torch.device("cpu"))
         self.max_kept = 0  # the most microbatches whose activations this rank kept at once
-        # Pipelines on one group are numbered in the order they are made, alike on every
-        # rank, so that a message left over from another one is told apart.
-        key = getattr(self.group, "group_name", "")
-        self._pipeline = PipelineStage._made.get(key, 0)
-        PipelineStage._made[key] = self._pipeline + 1
         self._call = 0  # step() and evaluate() calls begun
         self._broken: Optional[str] = None  # why an earlier call failed
         self._aborts: list = []  # abort notices sent: kept until the stage goes
@@ -292,13 +306,16 @@ class PipelineStage:
         self.version = 0  # weight updates made inside step() (pipedream, 2bw)
         self.max_copies = 0  # the most weight copies this rank kept at once
         self._copies: dict[int, dict[str, torch.Tensor]] = {}
+        # Microbatches per weight update: 2bw's batch (all of a step's, by default), or 1.
+        self.update_every = ((config.update_every or schedule.microbatches)
+                             if config.schedule == "2bw" else 1)
         if config.schedule in _ASYNC:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise ValueError(f"{self._who}: the {config.schedule} schedule steps the "
                                  "optimizer inside step(); pass optimizer=, over this "
                                  "stage's parameters")
-            if schedule.microbatches % config.every:
-                raise ValueError(f"{self._who}: update_every ({config.every}) must divide "
+            if schedule.microbatches % self.update_every:
+                raise ValueError(f"{self._who}: update_every ({self.update_every}) must divide "
                                  f"the schedule's {schedule.microbatches} microbatches")
             # Every rank checks every stage, so that all raise alike. From version 1 on,
             # no update exists before the run's first, the strictest case.
@@ -313,7 +330,7 @@ class PipelineStage:
         try:
             return _C._plan_weights(self.schedule.actions(stage), stage,
                                     self.schedule.microbatches, self.config.schedule,
-                                    self.config.every, start)
+                                    self.update_every, start)
         except ValueError as e:
             raise ValueError(f"{self._who}: {e} (a pipeline of {self.stages} stages needs "
                              f"at least {max(1, self.stages - 1)})") from None
@@ -362,6 +379,10 @@ class PipelineStage:
     def _recv(self, stage: int) -> Tensors:
         """What ``stage`` sent: a tensor, or a tuple of them (None where one is missing)."""
         first = self._recv_one(stage)
+        if isinstance(first, _Mark):
+            raise RuntimeError(f"{self._who}: stage {stage} ended the call while this stage "
+                               "still expects a message from it; every stage must run the "
+                               "same schedule")
         if not isinstance(first, _Count):
             return first
         return tuple(self._recv_one(stage) for _ in range(first.n))
@@ -371,6 +392,11 @@ class PipelineStage:
         head = torch.empty(_HEAD, dtype=torch.int64, device=self._device)
         dist.irecv(head, peer, group=self.group).wait()
         code, ndim, call, pipeline, *dims = head.tolist()
+        if (call, pipeline) != (self._call, self._pipeline) and code == _ABORT:
+            raise RuntimeError(
+                f"{self._who}: stage {stage} passed on notice that stage {ndim} failed call "
+                f"{call} of pipeline {pipeline} on this group, which this stage had ended "
+                f"(it runs call {self._call} of pipeline {self._pipeline}); make a new group")
         if (call, pipeline) != (self._call, self._pipeline):
             raise RuntimeError(
                 f"{self._who}: stage {stage} sent a message of call {call} of pipeline "
@@ -380,6 +406,8 @@ class PipelineStage:
         if code == _ABORT:
             self._tell_neighbours(origin=ndim, skip=stage)
             raise _Aborted(f"stage {ndim} failed this call (see its error)")
+        if code in (_END, _DONE):
+            return _Mark(code)
         if code == _TUPLE:
             return _Count(ndim)
         if code == _NONE:
@@ -399,6 +427,30 @@ class PipelineStage:
                                          head))
                 except Exception:  # the error being raised says more than this one
                     pass
+
+    def _control(self, code: int, stage: int, pending: list) -> None:
+        head = self._header(code, 0).to(self._device)
+        pending.append((dist.isend(head, self._peer(stage), group=self.group), head))
+
+    def _expect(self, code: int, stage: int) -> None:
+        got = self._recv_one(stage)
+        if not (isinstance(got, _Mark) and got.code == code):
+            raise RuntimeError(f"{self._who}: stage {stage} sent more than this stage's "
+                               "schedule takes from it; every stage must run the same "
+                               "schedule")
+
+    def _finish(self, pending: list) -> None:
+        """Ends a call on every stage together (see _END), then waits for this stage's
+        sends, which its neighbours have all taken by then."""
+        if self.stage > 0:
+            self._expect(_END, self.stage - 1)
+        if self.stage < self.stages - 1:
+            self._control(_END, self.stage + 1, pending)
+            self._expect(_DONE, self.stage + 1)
+        if self.stage > 0:
+            self._control(_DONE, self.stage - 1, pending)
+        for work, _ in pending:
+            work.wait()
 
     def _run(self, what: str, body: Callable[..., Any], *args: Any) -> Any:
         """One call on every stage alike: refused after a failed one; a failure here tells
@@ -439,8 +491,7 @@ class PipelineStage:
                 outs.append(out)
             else:
                 self._send(out, self.stage + 1, pending)
-        for work, _ in pending:
-            work.wait()
+        self._finish(pending)
         if not last:
             return None
         if isinstance(outs[0], tuple):
@@ -523,8 +574,7 @@ class PipelineStage:
                 got = (tuple(t.grad if t is not None else None for t in x)
                        if isinstance(x, tuple) else x.grad)
                 self._send(self._input_grads(got, mb), self.stage - 1, pending)
-        for work, _ in pending:
-            work.wait()
+        self._finish(pending)
         return loss_sum if last else None
 
     def _split(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor]):
@@ -559,7 +609,7 @@ class PipelineStage:
                        targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         first, last = self.stage == 0, self.stage == self.stages - 1
         xs, ys = self._split(inputs, targets)
-        every = self.config.every
+        every = self.update_every
         plan = self._plan(self.stage, self.version)
         two_bw = self.config.schedule == "2bw"
         live = dict(self.module.named_parameters())
@@ -639,8 +689,7 @@ class PipelineStage:
                 self._copies = {v: c for v, c in self._copies.items() if v in keep}
             elif verb == "SG":
                 self._send(self._input_grads(back.pop(mb, None), mb), self.stage - 1, pending)
-        for work, _ in pending:
-            work.wait()
+        self._finish(pending)
         return loss_sum if last else None
 
     def _update(self, live: dict[str, torch.Tensor], acc: dict[str, torch.Tensor],
