@@ -55,7 +55,7 @@ def main() -> None:
         start = time.perf_counter()
         report = ps.serve()
         print(f"server {rank}: {report.version} steps, pushes per worker {report.pushes}, "
-              f"stalest push {report.max_staleness} step(s), widest lead {report.widest_gap} "
+              f"stalest push {report.stalest} step(s), widest lead {report.widest_gap} "
               f"push(es), {time.perf_counter() - start:.2f} s", flush=True)
         dist.destroy_process_group()
         return

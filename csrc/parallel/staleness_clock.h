@@ -3,10 +3,13 @@
 // A worker pushes its gradient and waits for the server's reply, which carries the
 // parameters it computes its next gradient on. Its clock is the number of pushes the
 // server has taken from it. With a bound s, the reply to a worker at clock c goes out only
-// once every open worker has reached clock c - s: no worker runs more than s pushes ahead
-// of the slowest one that is still training, so no gradient is computed on parameters
-// that miss more than s of any worker's pushes. s = 0 lets the workers advance in rounds;
-// no bound (a negative s) answers every push at once (fully asynchronous).
+// once every open worker has reached clock c - s: no worker is answered while more than s
+// pushes ahead of the slowest one that is still training. What waits is the answer, not
+// the push: the others' pushes are applied while a worker computes, so its gradient may
+// miss up to 2s + 1 pushes of each other worker (s = 1: A is answered at clock 2 with B
+// at 1; B then pushes 2, 3 and 4, all applied, and only 4's answer waits). s = 0 lets
+// the workers advance in rounds; no bound (a negative s) answers every push at once
+// (fully asynchronous).
 //
 // A closed worker leaves the minimum: the others no longer wait for it.
 //

@@ -91,7 +91,7 @@ def _cell(name: str, opts: PsBenchOptions, params: int, group: Any, workers: Any
                              config=ServerConfig(servers=opts.servers, mode=name))
         if ps.is_server:
             report = ps.serve()
-            stalest = report.max_staleness
+            stalest = report.stalest
             busy = report.step_seconds / max(report.seconds, 1e-9)
         else:
             ms = _time_worker(model, ps, x, opts, workers, device)

@@ -39,16 +39,19 @@ from ._common import check_wrapper_args, group_as_list, ranks_that_differ
 
 __all__ = ["ParameterServer", "ServeReport", "ServerConfig", "Update"]
 
-# A message is a header of four int64 (kind and three fields) and then, per flat buffer,
-# a section aligned to 16 bytes holding the server's slice of it: gradients from a
-# worker, parameters from a server.
-_HEADER_BYTES = 32
+# A message is a header of six int64 (kind, three fields, the parameter server's number
+# on its group, and one spare) and then, per flat buffer, a section aligned to 16 bytes
+# holding the server's slice of it: gradients from a worker, parameters from a server.
+# The number tells a message left over from an earlier parameter server on the same
+# group (one that failed) from this one's.
+_HEADER_BYTES = 48
 _SECTION_ALIGN = 16
 _MIN_MESSAGE_BYTES = 512
-# Kinds. Worker to server: a gradient (clock, version the worker computed it on), or the
-# end of training (clock). Server to worker: parameters (version), the final parameters
-# (version), or a refusal (version, the worker at fault or -1, bytes of text).
-_PUSH, _STOP = 1, 2
+# Kinds. Worker to server: a gradient (clock, version the worker computed it on), the
+# end of training (clock), or the end of a worker that another server refused (that
+# server). Server to worker: parameters (version), the final parameters (version), or a
+# refusal (version, the worker at fault or -1, bytes of text).
+_PUSH, _STOP, _ABANDON = 1, 2, 3
 _PARAMS, _FINAL, _ERROR = 11, 12, 13
 
 
@@ -103,19 +106,31 @@ class Update:
 @dataclasses.dataclass(frozen=True)
 class ServeReport:
     """What ``serve()`` did: ``version`` (steps taken), ``pushes`` (per worker group rank),
-    ``max_staleness`` (the most steps any push's gradient missed), ``widest_gap`` (the
-    largest lead, in pushes, of an answered worker over the slowest one still training),
+    ``stalest`` (the most steps of this server any push's gradient missed: a bound of s
+    on the lead lets a gradient miss up to 2s + 1 pushes of each other worker, since their
+    pushes are applied while it is computed), ``widest_gap`` (the largest lead, in
+    pushes, of an answered worker over the slowest one still training: at most
+    ``ServerConfig.max_staleness``),
     ``seconds`` (the whole of ``serve()``), ``step_seconds`` (of which applying pushes:
     averaging, the optimizer's step and ``on_update``; on CUDA, launching them) and, when
     ``serve(record=True)``, every step in order (``updates``)."""
 
     version: int
     pushes: dict[int, int]
-    max_staleness: int
+    stalest: int
     widest_gap: int
     seconds: float = 0.0
     step_seconds: float = 0.0
     updates: tuple[Update, ...] = ()
+
+
+def _write_head(buf: torch.Tensor, *fields: int) -> None:
+    head = list(fields) + [0] * (_HEADER_BYTES // 8 - len(fields))
+    buf[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+
+
+def _read_head(buf: torch.Tensor) -> list[int]:
+    return buf[:_HEADER_BYTES].view(torch.int64).tolist()
 
 
 def _round_up(n: int, to: int) -> int:
@@ -185,6 +200,8 @@ class ParameterServer:
     ``zero_grad()``, and ``close()`` at the end.
     """
 
+    _made: dict[str, int] = {}  # per group name: parameter servers made on it
+
     def __init__(self, params: Iterable[Any], optimizer_class: type, *,
                  group: Optional[dist.ProcessGroup] = None,
                  config: ServerConfig = ServerConfig(), **defaults: Any) -> None:
@@ -193,6 +210,10 @@ class ParameterServer:
         self._group = group if group is not None else dist.group.WORLD
         self._world = dist.get_world_size(self._group)
         self._rank = dist.get_rank(self._group)
+        # Numbered in the order they are made on the group, alike on every rank.
+        key = getattr(self._group, "group_name", "")
+        self._number = ParameterServer._made.get(key, 0)
+        ParameterServer._made[key] = self._number + 1
         self._config = config
         self.is_server = self._rank < config.servers
         role = "server" if self.is_server else "worker"
@@ -237,6 +258,9 @@ class ParameterServer:
         self._check_same_layout()
         self._copy_frozen()
 
+        # The options, checked alike on every rank (a bad one raises everywhere, with no
+        # message sent); a server's groups may still refuse theirs, below.
+        optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         self._version = 0
         self.optimizer: Optional[torch.optim.Optimizer] = None
         if self.is_server:
@@ -257,7 +281,6 @@ class ParameterServer:
                                  f"server: {e}", -1)
                 raise
         else:
-            optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # checks them
             self._clock = 0
             self._closed = False
             self._versions = [0] * config.servers
@@ -374,8 +397,7 @@ class ParameterServer:
             if self._pushes[s] is not None:
                 self._pushes[s].wait()  # the buffer is about to change
             buf = self._push_bufs[s]
-            buf[:_HEADER_BYTES].view(torch.int64).copy_(
-                torch.tensor([kind, clock, self._versions[s], 0], dtype=torch.int64))
+            _write_head(buf, kind, clock, self._versions[s], 0, self._number)
             if kind == _PUSH:
                 for f in self._flats:
                     f.section(buf, s).copy_(f.slice(f.grad, s))
@@ -385,11 +407,15 @@ class ParameterServer:
         for s in range(self._config.servers):
             buf = self._reply_bufs_w[s]
             dist.recv(buf, group=self._group, group_src=s)
-            kind, version, culprit, nbytes = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+            kind, version, culprit, nbytes, number, _ = _read_head(buf)
+            if number != self._number:
+                self._closed = True
+                raise RuntimeError(self._left_over(f"server rank {s}", number))
             if kind == _ERROR:
                 self._closed = True
                 text = bytes(buf[_HEADER_BYTES:_HEADER_BYTES + nbytes].tolist()).decode(
                     "utf-8", "replace")
+                self._abandon(s)
                 raise RuntimeError(f"{self._who}: server rank {s} stopped at version "
                                    f"{version}: {text}")
             if kind not in expect:
@@ -399,6 +425,27 @@ class ParameterServer:
                 for f in self._flats:
                     f.slice(f.flat, s).copy_(f.section(buf, s))
             self._versions[s] = version
+
+    def _left_over(self, sender: str, number: int) -> str:
+        return (f"{self._who}: {sender} sent a message of parameter server {number} on this "
+                f"group, where this one is number {self._number}: a message left over from "
+                "one that failed, or ranks that made their parameter servers in another "
+                "order; make a new group")
+
+    def _abandon(self, failed: int) -> None:
+        """Tells the servers other than ``failed`` that this worker stops because that one
+        did, so that they stop too instead of waiting for its pushes until the group
+        times out. Best effort, not waited for."""
+        self._abandoned = []
+        for s in range(self._config.servers):
+            if s != failed:
+                buf = self._message(s)
+                _write_head(buf, _ABANDON, failed, 0, 0, self._number)
+                try:
+                    self._abandoned.append((dist.isend(buf, group=self._group, group_dst=s),
+                                            buf))
+                except Exception:  # the server's refusal says more than this
+                    pass
 
     # ----- servers
 
@@ -479,8 +526,9 @@ class ParameterServer:
             for work in [dist.irecv(bufs[w], group=self._group, group_src=w)
                          for w in self._workers]:
                 work.wait()
-            heads = {w: bufs[w][:_HEADER_BYTES].view(torch.int64).tolist()
-                     for w in self._workers}
+            heads = {w: _read_head(bufs[w]) for w in self._workers}
+            for w in self._workers:
+                self._check_push(w, heads[w])
             stopped = [w for w in self._workers if heads[w][0] == _STOP]
             if len(stopped) == len(self._workers):
                 for w in self._workers:
@@ -522,7 +570,9 @@ class ParameterServer:
         while not clock.all_closed:
             src = dist.recv(buf, group=self._group)
             w = dist.get_group_rank(self._group, src)
-            kind, pushed, base, _ = buf[:_HEADER_BYTES].view(torch.int64).tolist()
+            head = _read_head(buf)
+            self._check_push(w, head)
+            kind, pushed, base = head[:3]
             if kind == _PUSH:
                 began = time.perf_counter()
                 if pushed != clock.clock(w - first) + 1:
@@ -542,6 +592,19 @@ class ParameterServer:
         for w in self._workers:
             self._answer(w, _FINAL)
         return clock.widest_gap
+
+    def _check_push(self, worker: int, head: list[int]) -> None:
+        """Refuses a message from another parameter server, or from a worker that stops
+        because another server failed."""
+        if head[4] != self._number:
+            text = self._left_over(f"worker {worker}", head[4])
+            self._refuse_all(text, worker)
+            raise RuntimeError(text)
+        if head[0] == _ABANDON:
+            text = (f"worker {worker} stopped because server rank {head[1]} failed (see its "
+                    "error)")
+            self._refuse_all(text, worker)
+            raise RuntimeError(f"{self._who}: {text}")
 
     def _apply(self, pushes: tuple[tuple[int, int, int], ...], began: float) -> None:
         if self.optimizer is not None:
@@ -568,8 +631,7 @@ class ParameterServer:
         self._wait_reply(worker)
         buf = self._reply_bufs[worker]
         data = text.encode()[:max(0, buf.numel() - _HEADER_BYTES)]
-        buf[:_HEADER_BYTES].view(torch.int64).copy_(
-            torch.tensor([kind, self._version, culprit, len(data)], dtype=torch.int64))
+        _write_head(buf, kind, self._version, culprit, len(data), self._number)
         if kind == _ERROR:
             if data:
                 buf[_HEADER_BYTES:_HEADER_BYTES + len(data)].copy_(
