@@ -99,8 +99,9 @@ def _cell(name: str, opts: PsBenchOptions, params: int, group: Any, workers: Any
     # Over the bench's own gloo group, which every rank, server or not, is in.
     out = torch.tensor([ms, stalest, busy], dtype=torch.float64)
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    # A worker's bytes to and from its servers; DDP's depend on its all_reduce's algorithm.
     return {"params": numel, "ms": out[0].item(), "stalest": int(out[1].item()),
-            "busy": out[2].item(), "bytes": 2 * numel * 4}
+            "busy": out[2].item(), "bytes": None if name == "ddp" else 2 * numel * 4}
 
 
 def _time_worker(module: nn.Module, opt: Any, x: torch.Tensor, opts: PsBenchOptions,
@@ -167,8 +168,8 @@ def table_lines(data: dict[str, Any]) -> list[str]:
              f"{workers} worker(s), {o['device']}, {data['host']}, {data['date']}",
              f"# time: the largest over the workers of the mean of {o['iters']} steps, in ms; "
              "stalest: the most server steps a push missed; busy: the busiest server's "
-             "share of serve() spent applying pushes; moved: bytes a worker sends and "
-             "receives per step (ddp: its all_reduce's input)"]
+             "share of serve() spent applying pushes; moved: bytes a worker sends to and "
+             "receives from the servers per step"]
     head = f"{'params':>10} {'strategy':>9} {'moved':>10}"
     for n in names:
         head += f" {n + ' ms':>10} {n + ' stalest':>13} {n + ' busy':>10}"
@@ -176,8 +177,8 @@ def table_lines(data: dict[str, Any]) -> list[str]:
     for params in o["params"]:
         for name in o["strategies"]:
             first = data["backends"][names[0]][str(params)][name]
-            moved = first["bytes"] if name != "ddp" else first["bytes"] // 2
-            line = f"{first['params']:>10} {name:>9} {_mib(moved):>10}"
+            moved = "-" if first["bytes"] is None else _mib(first["bytes"])
+            line = f"{first['params']:>10} {name:>9} {moved:>10}"
             for n in names:
                 cell = data["backends"][n][str(params)][name]
                 stale = str(cell["stalest"]) if name == "async" else "-"
