@@ -81,6 +81,14 @@ def _with_grad(x: Tensors) -> Tensors:
     return x.requires_grad_() if x.is_floating_point() else x
 
 
+def _with_gradients(out: Tensors, grads: Tensors) -> tuple[list, list]:
+    """The outputs that take part in the backward and their received gradients: those
+    with a gradient (the next stage sends None for the rest) that require one."""
+    pairs = [(o, g) for o, g in zip(_entries(out), _entries(grads))
+             if g is not None and o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
 def _call(module: nn.Module, x: Tensors) -> Tensors:
     return module(*x) if isinstance(x, tuple) else module(x)
 
@@ -563,10 +571,9 @@ class PipelineStage:
                 if last:
                     out.backward()
                 else:
-                    pairs = [(o, g) for o, g in zip(_entries(out), _entries(grads.pop(mb)))
-                             if g is not None and o.requires_grad]
-                    if pairs:  # else nothing here reached the loss
-                        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                    outs, outer = _with_gradients(out, grads.pop(mb))
+                    if outs:  # else nothing here reached the loss
+                        torch.autograd.backward(outs, outer)
                 if x is not None:
                     back[mb] = x
             elif verb == "SG":
@@ -665,9 +672,7 @@ class PipelineStage:
                 if last:
                     outs, outer = [out], None
                 else:
-                    pairs = [(o, g) for o, g in zip(_entries(out), _entries(grads.pop(mb)))
-                             if g is not None and o.requires_grad]
-                    outs, outer = [o for o, _ in pairs], [g for _, g in pairs]
+                    outs, outer = _with_gradients(out, grads.pop(mb))
                 got = (torch.autograd.grad(outs, ins + used, outer, allow_unused=True)
                        if outs else [None] * (len(ins) + len(used)))
                 if x is not None:
