@@ -118,8 +118,8 @@ def test_tracker_refuses_a_second_gradient_and_bad_buckets() -> None:
 
 
 def test_config_refuses_what_it_cannot_do() -> None:
-    with pytest.raises(ValueError, match="stage must be 1 or 2"):
-        ZeroConfig(stage=3)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        ZeroConfig(stage=0)
     with pytest.raises(ValueError, match="bucket_bytes"):
         ZeroConfig(bucket_bytes=0)
 

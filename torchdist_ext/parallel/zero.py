@@ -1,35 +1,43 @@
-"""ZeRO stages 1 and 2: an optimizer whose state, and in stage 2 whose gradients, are
-sharded across the ranks of a group.
+"""ZeRO stages 1, 2 and 3: an optimizer whose state, in stage 2 whose gradients too, and
+in stage 3 whose parameters as well, are sharded across the ranks of a group.
 
 Each rank keeps the optimizer state of 1/world of the parameters. The trainable
-parameters of each optimizer group and dtype are laid out in one flat buffer (the
-parameters become views of it), cut into buckets that split evenly across the ranks
-(``csrc/parallel/flat_layout.h``). Gradients are reduce-scattered bucket by bucket, so
-each rank receives the averaged gradient of exactly the elements it owns; the wrapped
-optimizer updates those, and an all_gather per bucket brings every rank's parameters up
-to date.
+parameters of each optimizer group and dtype (and at stage 3 of each unit) are laid out in
+one flat buffer (the parameters become views of it), cut into buckets that split evenly
+across the ranks (``csrc/parallel/flat_layout.h``). Gradients are reduce-scattered bucket
+by bucket, so each rank receives the averaged gradient of exactly the elements it owns;
+the wrapped optimizer updates those, and an all_gather per bucket brings every rank's
+parameters up to date.
 
 - Stage 1 reduces the gradients in ``step()``, from ``param.grad``, which autograd fills as
   usual: optimizer state is sharded, gradients are not.
 - Stage 2 reduces each bucket during the backward pass, as soon as its gradients (and those
   of every bucket before it) are in, and drops ``param.grad``: a rank holds only its
   shard of the gradients once a bucket has been sent.
+- Stage 3 reduces as stage 2 does, and between uses frees the flat buffers themselves, so
+  that a rank holds only its shard of the parameters. The model is cut into units
+  (``zero_units.py``); a unit's buckets are all-gathered before its forward pass, freed
+  after it (``reshard_after_forward``), gathered again before its backward pass and freed
+  once its gradients are sent. ``step()`` updates the shards only.
 
 Use it in place of DDP, not with it: the optimizer does the gradient averaging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from .. import _C
 from ._common import (all_gather_single, check_wrapper_args, group_as_list,
                       ranks_that_differ, reduce_scatter_single)
+from .zero_units import Unit, UnitHooks, plan_units
 
 __all__ = ["ZeroConfig", "ZeroOptimizer"]
 
@@ -46,25 +54,43 @@ _ALIGN_BYTES = 16
 class ZeroConfig:
     """How a :class:`ZeroOptimizer` shards and communicates.
 
-    stage: 1 (optimizer state sharded) or 2 (gradients too, reduced during backward).
+    stage: 1 (optimizer state sharded), 2 (gradients too, reduced during backward) or 3
+        (parameters too, gathered unit by unit for the forward and backward passes; the
+        optimizer then needs the model, as ``module``).
     bucket_bytes: the largest bucket, in bytes; a parameter larger than that gets one of
         its own. Smaller buckets start communicating earlier in stage 2, larger ones make
         fewer collectives.
     broadcast_params: copy the group's first rank's parameters to every rank when the
         optimizer is made, so that replicas start equal (as DDP does).
+    units: stage 3 only: module types (a transformer block, say) each of whose outermost
+        instances is gathered and freed on its own; every other parameter is gathered for
+        the model's whole forward pass. The default, none, gathers the model as one unit:
+        parameters are sharded between steps, but whole during them.
+    reshard_after_forward: stage 3 only: free each unit (but the model's own) once its
+        forward pass returns, and gather it again for its backward pass; off, a unit stays
+        whole from its forward pass to the end of its backward pass, one all_gather fewer
+        per step for more memory.
     """
 
     stage: int = 2
     bucket_bytes: int = 16 << 20
     broadcast_params: bool = True
+    units: tuple[type, ...] = ()
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
-            raise ValueError(f"ZeroConfig: stage must be 1 or 2, not {self.stage!r} (stage 3 "
-                             "shards the parameters too: use FSDP's fully_shard on tdx)")
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"ZeroConfig: stage must be 1, 2 or 3, not {self.stage!r}")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"ZeroConfig: bucket_bytes must be a positive int, not "
                              f"{self.bucket_bytes!r}")
+        if not isinstance(self.units, tuple) or not all(
+                isinstance(t, type) and issubclass(t, nn.Module) for t in self.units):
+            raise TypeError(f"ZeroConfig: units must be a tuple of nn.Module subclasses, "
+                            f"such as (nn.TransformerEncoderLayer,), not {self.units!r}")
+        if self.stage != 3 and (self.units or not self.reshard_after_forward):
+            raise ValueError(f"ZeroConfig: units and reshard_after_forward apply at stage 3 "
+                             f"only, not at stage {self.stage}")
 
 
 class _Flat:
@@ -72,8 +98,9 @@ class _Flat:
     its layout, this rank's shard and the gradient of that shard."""
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world: int, rank: int,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, unit: int = 0) -> None:
         self.group_index = group_index
+        self.unit = unit
         # Gradients arrive roughly in reverse order of registration: lay the buckets out
         # in that order so that the first ones fill first.
         self.params = list(reversed(params))
@@ -121,11 +148,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ``state_dict()`` of this rank's shard and ``consolidated_state_dict()``, the state of
     a plain ``optimizer_class`` over the same parameters, work as they do on torch's
     optimizers. ``clip_grad_norm_`` clips by the norm of the whole, averaged gradient.
+
+    Stage 3 takes the model as ``module`` (the other stages ignore it): ``params`` must be
+    parameters of it, and the model must be called as a whole, so that its hooks gather
+    each unit when it runs. Outside its forward and backward passes a parameter's storage
+    is freed; read or write parameters inside ``with optimizer.gathered():`` (at every
+    stage, writes need ``gathered(writeback=True)`` to reach the optimizer's shard).
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type, *,
                  group: Optional[dist.ProcessGroup] = None,
-                 config: ZeroConfig = ZeroConfig(), **defaults: Any) -> None:
+                 config: ZeroConfig = ZeroConfig(), module: Optional[nn.Module] = None,
+                 **defaults: Any) -> None:
         check_wrapper_args("ZeroOptimizer", optimizer_class, config, ZeroConfig,
                            "torch.optim.AdamW")
         self._group = group if group is not None else dist.group.WORLD
@@ -146,16 +180,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         full = optimizer_class([stand_in], **defaults).defaults
         super().__init__(params, dict(full))
         self._check_params()
+        self._units: list[Unit] = []
+        owner: dict[int, int] = {}
+        if config.stage == 3:
+            self._units, owner = self._plan_units(module)
 
         self._flats: list[_Flat] = []
         for gi, g in enumerate(self.param_groups):
-            by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+            by_kind: dict[tuple[torch.dtype, torch.device, int], list[torch.Tensor]] = {}
             for p in g["params"]:
                 if p.requires_grad:
-                    by_kind.setdefault((p.dtype, p.device), []).append(p)
-            for kind_params in by_kind.values():
+                    by_kind.setdefault((p.dtype, p.device, owner.get(id(p), 0)), []).append(p)
+            for (_, _, u), kind_params in by_kind.items():
                 self._flats.append(_Flat(gi, kind_params, self._world, self._rank,
-                                         config.bucket_bytes))
+                                         config.bucket_bytes, unit=u))
+                if self._units:
+                    self._units[u].flats.append(self._flats[-1])
         self._order = self._release_order()
         self._check_same_layout()
 
@@ -163,6 +203,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._broadcast_params()
         for f in self._flats:
             f.pull_shard()
+        self._unit_hooks: Optional[UnitHooks] = None
+        if self._units:
+            used = [u for u in self._units if u.flats]
+            for u in used:
+                self._free(u)
+            self._unit_hooks = UnitHooks(used, self._gather, self._after_forward)
+        # Stage 3: buckets of each unit sent in this backward pass, to free it after its last.
+        self._sent: dict[int, int] = defaultdict(int)
 
         inner_groups = []
         for f in self._flats:
@@ -175,7 +223,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = False  # stage 1: the gradients of this step have been reduced
         self._callback_queued = False
         self._hooks = []
-        if config.stage == 2 and self._flats:
+        if config.stage >= 2 and self._flats:
             self._tracker = _C._BucketTracker(self._tracker_buckets())
             self._index = {id(p): i for i, p in enumerate(self._tracker_params)}
             for p in self._tracker_params:
@@ -190,7 +238,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now: ``state`` (the wrapped optimizer's tensors: its shard
         of exp_avg, momentum and the like), ``grads`` (gradients: ``param.grad`` and the
-        reduced shard) and ``params`` (the flat buffers, padding included)."""
+        reduced shard) and ``params`` (the flat buffers as allocated now, padding
+        included, and the shards the optimizer updates)."""
         def nbytes(t: Any) -> int:
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -199,7 +248,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = sum(nbytes(p.grad) for g in self.param_groups for p in g["params"])
         grads += sum(nbytes(f.grad) for f in self._flats)
         return {"state": state, "grads": grads,
-                "params": sum(nbytes(f.flat) for f in self._flats)}
+                "params": sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
+                              for f in self._flats)}
 
     # ----- set-up
 
@@ -222,12 +272,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{self._who}: {name} is {p.dtype}; view complex "
                                      "parameters as real (torch.view_as_real) to shard them")
 
+    def _plan_units(self, module: Optional[nn.Module]) -> tuple[list[Unit], dict[int, int]]:
+        if not isinstance(module, nn.Module):
+            raise ValueError(f"{self._who}: stage 3 gathers parameters as the model runs, so "
+                             "it needs the model: pass module=model (got "
+                             f"{type(module).__name__})")
+        units, owner = plan_units(module, self._config.units)
+        if self._config.units and len(units) == 1:
+            raise ValueError(f"{self._who}: the model has no module of the types in "
+                             f"ZeroConfig.units {self._config.units}; name types it holds, or "
+                             "leave units empty to gather the model as one unit")
+        for gi, g in enumerate(self.param_groups):
+            for pi, p in enumerate(g["params"]):
+                if id(p) not in owner:
+                    raise ValueError(f"{self._who}: parameter {pi} of group {gi} "
+                                     f"({tuple(p.shape)}) is not a parameter of the module; "
+                                     "at stage 3 pass the model whose parameters these are")
+        return units, owner
+
     def _check_same_layout(self) -> None:
         """Ranks whose layouts differ would reduce buckets of different sizes into each
         other: compare a hash of each rank's, once, and name the ranks that differ."""
         frozen = [tuple(p.shape) for g in self.param_groups for p in g["params"]
                   if not p.requires_grad]  # broadcast one by one below
-        text = f"stage {self._config.stage}\nfrozen {frozen}\n" + "\n".join(
+        text = (f"stage {self._config.stage} reshard {self._config.reshard_after_forward}\n"
+                f"frozen {frozen}\n") + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
             for s, f in zip(self._fingerprint(), self._flats))
         device = self._flats[0].flat.device if self._flats else torch.device("cpu")
@@ -284,6 +353,60 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 "build a new ZeroOptimizer with every group instead of add_param_group")
         super().add_param_group(param_group)
 
+    # ----- stage 3: gathering parameters
+
+    def _all_gather(self, flats: Iterable[_Flat]) -> None:
+        """Every rank's shard of every bucket of ``flats`` into their flat buffers."""
+        works = [all_gather_single(f.flat[b.offset:b.offset + b.numel],
+                                   f.shard_view(f.shard, b), group=self._group, async_op=True)
+                 for f in flats for b in f.buckets]
+        for w in works:
+            w.wait()
+
+    @torch.no_grad()
+    def _gather(self, u: Unit) -> None:
+        if u.gathered:
+            return
+        # The parameters are views of the flat buffers and keep their own version counters:
+        # refilling the storage does not invalidate what autograd saved of them.
+        for f in u.flats:
+            f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
+        self._all_gather(u.flats)
+        u.gathered = True
+
+    def _free(self, u: Unit) -> None:
+        for f in u.flats:
+            f.flat.untyped_storage().resize_(0)
+        u.gathered = False
+
+    def _after_forward(self, u: Unit) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # recomputed during backward (activation checkpointing): used next
+        if not torch.is_grad_enabled():
+            self._free(u)  # no backward pass will need it
+        elif self._config.reshard_after_forward and u.index != 0:
+            # The model's own unit would be gathered again as soon as backward starts.
+            self._free(u)
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = False) -> Iterator[None]:
+        """Inside, every parameter is whole (at stages 1 and 2 it always is); a collective
+        on entry at stage 3: every rank enters. ``writeback=True`` copies what the block
+        wrote to the parameters (``model.load_state_dict``, say) into this rank's shard,
+        which the optimizer steps from; every rank must then write the same values."""
+        self._settle()
+        held = [u for u in self._units if u.flats and not u.gathered]
+        for u in held:
+            self._gather(u)
+        try:
+            yield
+        finally:
+            if writeback:
+                for f in self._flats:
+                    f.pull_shard()
+            for u in held:
+                self._free(u)
+
     # ----- gradients
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -295,7 +418,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         except RuntimeError as e:
             raise RuntimeError(
                 f"{self._who}: a {tuple(p.shape)} parameter's gradient arrived twice in one "
-                "backward pass, which stage 2 cannot reduce in order; use stage 1") from e
+                f"backward pass (reentrant activation checkpointing does that to a weight used in "
+                f"two checkpointed regions), which stage {self._config.stage} cannot reduce "
+                "in order; checkpoint with use_reentrant=False, or use stage 1") from e
         for n in released:
             self._launch(*self._order[n], drop=True)
 
@@ -304,6 +429,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for n in self._tracker.finish():
             self._launch(*self._order[n], drop=True)
         self._settle()
+        self._sent.clear()
+        for u in self._units:
+            if u.gathered and u.flats:
+                self._free(u)
 
     def _launch(self, f: _Flat, b: Any, drop: bool) -> None:
         """Starts bucket b's reduce_scatter from its parameters' gradients (None counts as
@@ -325,6 +454,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
         work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
         self._pending.append((f, b, out, work))
+        if self._units and drop:
+            self._sent[f.unit] += 1
+            u = self._units[f.unit]
+            if self._sent[f.unit] == sum(len(x.buckets) for x in u.flats):
+                self._free(u)  # its gradients are staged: the backward pass is done with it
         # A work holds its staged bucket until it is waited for: without a bound, stage 2
         # would hold every bucket's copy of the gradients until the pass ends.
         while len(self._pending) > _IN_FLIGHT:
@@ -400,12 +534,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         inner_group[k] = v
                 f.shard.grad = f.grad
             self._inner.step()
-        works = [all_gather_single(f.flat[b.offset:b.offset + b.numel],
-                                             f.shard_view(f.shard, b), group=self._group,
-                                             async_op=True)
-                 for f, b in self._order]
-        for w in works:
-            w.wait()
+        if self._units:
+            # The shards are the parameters now: each unit is gathered when it next runs.
+            for u in self._units:
+                if u.gathered and u.flats:
+                    self._free(u)
+        else:
+            self._all_gather(self._flats)
         self._reduced = False
         return loss
 
@@ -428,8 +563,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ----- state
 
     def _fingerprint(self) -> list[str]:
-        return [f"group {f.group_index} {f.flat.dtype} {f.layout.describe()}"
-                for f in self._flats]
+        unit = [f" {self._units[f.unit].describe()}" if self._units else "" for f in self._flats]
+        return [f"group {f.group_index} {f.flat.dtype}{u} {f.layout.describe()}"
+                for f, u in zip(self._flats, unit)]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state; loadable only at the same rank, world

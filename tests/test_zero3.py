@@ -1,0 +1,368 @@
+"""ZeRO stage 3 (ZeroOptimizer with ZeroConfig(stage=3)): parameters sharded between
+uses, gathered unit by unit. Training on spawned ranks against one process training the
+same model on the whole batch with the plain optimizer (parameters, optimizer state and
+losses within float64 rounding), with what each rank holds checked as it runs; the
+units' plan in one process; resuming, activation checkpointing and refusals.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from torchdist_ext.parallel import ZeroConfig, ZeroOptimizer
+from torchdist_ext.parallel.zero_units import plan_units
+from torchdist_ext.testing import expect_refusal, run_ranks
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class _Net(nn.Module):
+    """Three blocks (units when asked), the last two sharing a weight (but under
+    reentrant checkpointing, which would accumulate its gradient twice); an input layer
+    whose weight the output reuses; a frozen layer, a parameter the loss never reaches, a
+    0-dim one, and sizes that divide by no world size."""
+
+    def __init__(self, ckpt: str = "", tie: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Linear(7, 11)
+        self.blocks = nn.ModuleList([_Block(11) for _ in range(3)])
+        if tie:
+            self.blocks[2].lin.weight = self.blocks[1].lin.weight
+        self.frozen = nn.Linear(11, 11)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(3))
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.ckpt = ckpt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for b in self.blocks:
+            if self.ckpt:
+                h = checkpoint(b, h, use_reentrant=self.ckpt == "reentrant")
+            else:
+                h = b(h)
+        h = self.frozen(h)
+        return F.linear(h, self.embed.weight.t()) * self.scale
+
+
+def _net(seed: int = 0, ckpt: str = "", tie: bool = True) -> _Net:
+    torch.manual_seed(seed)
+    return _Net(ckpt, tie and ckpt != "reentrant").double()
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    named = list(model.named_parameters())  # the frozen ones too: broadcast from rank 0
+    decay = [p for n, p in named if n.endswith("weight") or n == "scale"]
+    rest = [p for n, p in named if not (n.endswith("weight") or n == "scale")]
+    return [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+
+
+_OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 0.01}),
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+}
+STEPS, MICRO = 4, 2
+
+
+def _data(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(11)
+    return [[(torch.randn(3 * world, 7, generator=g, dtype=torch.float64),
+              torch.randn(3 * world, 7, generator=g, dtype=torch.float64))
+             for _ in range(MICRO)] for _ in range(STEPS)]
+
+
+def _reference(world: int, opt_name: str, clip: float | None, ckpt: str = "") -> dict:
+    model = _net(ckpt=ckpt)
+    cls, kw = _OPTIMIZERS[opt_name]
+    opt = cls(_groups(model), **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    losses = []
+    for micro in _data(world):
+        opt.zero_grad()
+        for x, y in micro:
+            loss = F.mse_loss(model(x), y) / MICRO
+            loss.backward()
+            losses.append(loss.item())
+        for p in model.parameters():  # ZeroOptimizer steps these with a zero gradient
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": opt.state_dict(), "losses": losses}
+
+
+def _held(model: _Net) -> list[bool]:
+    """Whether each block's own parameters have storage now."""
+    return [b.norm.weight.untyped_storage().nbytes() > 0 for b in model.blocks]
+
+
+def _train(rank: int, world: int, opt_name: str, clip: float | None, units: bool,
+           reshard: bool, gloo: bool, ckpt: str) -> dict:
+    group = dist.new_group(backend="gloo") if gloo else None
+    model = _net(seed=rank, ckpt=ckpt)  # the broadcast from rank 0 must make them equal
+    cls, kw = _OPTIMIZERS[opt_name]
+    config = ZeroConfig(stage=3, bucket_bytes=256, units=(_Block,) if units else (),
+                        reshard_after_forward=reshard)
+    opt = ZeroOptimizer(_groups(model), cls, group=group, config=config, module=model, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    seen: list[list[bool]] = []  # which blocks were whole as each block ran forward
+    for b in model.blocks:  # after the optimizer's hook, which gathers the block
+        b.register_forward_pre_hook(lambda m, a: seen.append(_held(model)))
+    losses, norms, fails = [], [], []
+    for micro in _data(world):
+        opt.zero_grad()
+        for x, y in micro:
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            loss = F.mse_loss(model(x), y) / MICRO
+            loss.backward()
+            losses.append(loss.item())
+            if any(p.grad is not None for p in model.parameters()):
+                fails.append("a parameter kept its gradient")
+            if any(_held(model)):
+                fails.append(f"blocks still whole after backward: {_held(model)}")
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(clip)))
+        opt.step()
+        sched.step()
+    mem = opt.memory()
+    shard_bytes = sum(f.shard.numel() * f.shard.element_size() for f in opt._flats)
+    if mem["params"] != shard_bytes:
+        fails.append(f"after step the parameters take {mem['params']} bytes, the shards "
+                     f"{shard_bytes}")
+    with torch.no_grad():  # an evaluation pass gathers and frees as it goes
+        before = len(seen)
+        model(torch.ones(2, 7, dtype=torch.float64))
+        if any(_held(model)) or len(seen) != before + 3:
+            fails.append(f"evaluation left {_held(model)}")
+    with opt.gathered():
+        params = {n: p.detach().tolist() for n, p in model.named_parameters()}
+    if any(_held(model)):
+        fails.append("gathered() left blocks whole")
+    state = opt.consolidated_state_dict()
+    state["state"] = {i: {k: torch.as_tensor(v).tolist() for k, v in st.items()}
+                      for i, st in state["state"].items()}
+    if units and reshard and not ckpt:
+        # Block i alone is whole as it runs.
+        for s in seen[:3 * MICRO * STEPS]:
+            if sum(s) != 1:
+                fails.append(f"blocks whole during forward: {s}")
+                break
+    if units and not reshard and seen[2] != [True, True, True]:
+        fails.append(f"without resharding, blocks whole at the third: {seen[2]}")
+    return {"params": params, "state": state, "losses": losses, "norms": norms,
+            "fails": fails}
+
+
+def _compare(got: list[dict], ref: dict, world: int) -> None:
+    for rank, r in enumerate(got):
+        assert r["fails"] == [], (rank, r["fails"])
+        for name, want in ref["params"].items():
+            mine = torch.tensor(r["params"][name], dtype=torch.float64)
+            assert torch.allclose(mine, want, rtol=1e-10, atol=1e-12), \
+                (rank, name, (mine - want).abs().max())
+            assert r["params"][name] == got[0]["params"][name], (rank, name)
+        assert r["state"]["param_groups"] == ref["state"]["param_groups"]
+        assert sorted(r["state"]["state"]) == sorted(ref["state"]["state"])
+        for i, st in ref["state"]["state"].items():
+            for k, v in st.items():
+                assert torch.allclose(torch.as_tensor(r["state"]["state"][i][k],
+                                                      dtype=torch.float64),
+                                      torch.as_tensor(v, dtype=torch.float64),
+                                      rtol=1e-9, atol=1e-12), (rank, i, k)
+    per_step = [sum(r["losses"][s] for r in got) / world for s in range(STEPS * MICRO)]
+    assert per_step == pytest.approx(ref["losses"], rel=1e-10)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_stage_3_trains_as_one_process_does(world: int) -> None:
+    """AdamW, StepLR, two micro-batches per step: each block a unit, freed after its
+    forward pass, so one alone is whole at a time; tied and frozen weights, an unused
+    parameter; the parameters (gathered), the consolidated state and the losses equal one
+    process's within float64 rounding."""
+    ref = _reference(world, "adamw", None)
+    got = run_ranks(_train, world, timeout=120,
+                    args=("adamw", None, True, True, False, ""))
+    _compare(got, ref, world)
+
+
+@pytest.mark.parametrize("units,reshard", [(False, True), (True, False)])
+def test_stage_3_as_one_unit_and_without_resharding(units: bool, reshard: bool) -> None:
+    world = 3
+    ref = _reference(world, "adamw", None)
+    got = run_ranks(_train, world, timeout=120,
+                    args=("adamw", None, units, reshard, False, ""))
+    _compare(got, ref, world)
+
+
+def test_stage_3_sgd_with_clipping_on_a_gloo_group() -> None:
+    world = 2
+    ref = _reference(world, "sgd", 0.05)
+    got = run_ranks(_train, world, timeout=120, args=("sgd", 0.05, True, True, True, ""))
+    _compare(got, ref, world)
+    assert got[0]["norms"][0] > 0.05 and all(r["norms"] == got[0]["norms"] for r in got)
+
+
+@pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
+def test_stage_3_with_activation_checkpointing(ckpt: str) -> None:
+    """Blocks recomputed during backward are gathered again for it, and not freed in
+    between."""
+    world = 2
+    ref = _reference(world, "adamw", None, ckpt)
+    got = run_ranks(_train, world, timeout=120, args=("adamw", None, True, True, False, ckpt))
+    _compare(got, ref, world)
+
+
+def _resume(rank: int, world: int) -> list[str]:
+    """A model and optimizer state taken out through gathered() and
+    consolidated_state_dict() go into another model's stage 3 optimizer through
+    gathered(writeback=True): both train on alike."""
+    fails = []
+    models = [_net(seed=0), _net(seed=5)]
+    config = ZeroConfig(stage=3, units=(_Block,), bucket_bytes=128)
+    a = ZeroOptimizer(_groups(models[0]), torch.optim.AdamW, config=config, module=models[0],
+                      lr=0.01)
+    data = _data(world)
+
+    def train(model: nn.Module, opt: ZeroOptimizer, steps: list) -> None:
+        for micro in steps:
+            opt.zero_grad()
+            for x, y in micro:
+                F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+            opt.step()
+
+    train(models[0], a, data[:2])
+    with a.gathered():
+        weights = {k: v.clone() for k, v in models[0].state_dict().items()}
+    state = a.consolidated_state_dict()
+    b = ZeroOptimizer(_groups(models[1]), torch.optim.AdamW, config=config, module=models[1],
+                      lr=0.5)
+    with b.gathered(writeback=True):
+        models[1].load_state_dict(weights)
+    b.load_consolidated_state_dict(state)
+    train(models[0], a, data[2:])
+    train(models[1], b, data[2:])
+    with a.gathered(), b.gathered():
+        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            if not torch.equal(p, q):
+                fails.append(f"{n}: {(p - q).abs().max()}")
+    return fails
+
+
+def test_stage_3_resumes_through_gathered_writeback() -> None:
+    assert run_ranks(_resume, 2, timeout=60) == [[], []]
+
+
+def test_units_are_the_outermost_modules_of_the_types_and_tied_weights_go_to_the_model() -> None:
+    model = _net()
+    units, owner = plan_units(model, (_Block,))
+    assert [u.name for u in units] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert owner[id(model.blocks[0].lin.weight)] == 1
+    assert owner[id(model.blocks[1].lin.weight)] == 0  # tied with blocks.2
+    assert owner[id(model.blocks[2].lin.bias)] == 3
+    assert owner[id(model.embed.weight)] == 0
+    outer = nn.Sequential(nn.Sequential(_Block(3), _Block(3)), _Block(3))
+    units, _ = plan_units(outer, (nn.Sequential, _Block))
+    assert [u.name for u in units] == ["", "0", "1"]
+    units, owner = plan_units(model, ())
+    assert len(units) == 1 and set(owner.values()) == {0}
+
+
+def test_config_refuses_what_stage_3_alone_takes() -> None:
+    with pytest.raises(ValueError, match="stage 3 only"):
+        ZeroConfig(stage=2, units=(_Block,))
+    with pytest.raises(ValueError, match="stage 3 only"):
+        ZeroConfig(stage=1, reshard_after_forward=False)
+    with pytest.raises(TypeError, match="nn.Module subclasses"):
+        ZeroConfig(stage=3, units=[_Block])
+    with pytest.raises(ValueError, match="1, 2 or 3"):
+        ZeroConfig(stage=4)
+
+
+def _bad(rank: int, world: int) -> list[str]:
+    fails = []
+    model = _net()
+
+    def refused(fn, *words, errors=(ValueError, TypeError)) -> None:
+        expect_refusal(fails, fn, *words, errors=errors)
+
+    three = ZeroConfig(stage=3)
+    refused(lambda: ZeroOptimizer(model.parameters(), torch.optim.SGD, config=three, lr=1),
+            f"rank {rank} of {world}", "module=model")
+    stray = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    refused(lambda: ZeroOptimizer([stray], torch.optim.SGD, config=three, module=model, lr=1),
+            "parameter 0 of group 0", "not a parameter of the module")
+    refused(lambda: ZeroOptimizer(_groups(model), torch.optim.SGD, module=model, lr=1,
+                                  config=ZeroConfig(stage=3, units=(nn.Conv2d,))),
+            "no module of the types", "Conv2d")
+    # Ranks that would gather at other times all raise, naming the others.
+    refused(lambda: ZeroOptimizer(_groups(model), torch.optim.SGD, module=model, lr=1,
+                                  config=ZeroConfig(stage=3, reshard_after_forward=rank == 0)),
+            f"ranks [{1 - rank}] lay their parameters out otherwise")
+    refused(lambda: ZeroOptimizer(_groups(model), torch.optim.SGD, module=model, lr=1,
+                                  config=ZeroConfig(stage=3,
+                                                    units=(_Block,) if rank else ())),
+            f"ranks [{1 - rank}] lay their parameters out otherwise")
+    # A weight in two reentrant checkpointed regions: its gradient arrives twice.
+    tied = _net(ckpt="non-reentrant")
+    tied.ckpt = "reentrant"
+    opt = ZeroOptimizer(_groups(tied), torch.optim.SGD, config=three, module=tied, lr=1)
+    refused(lambda: tied(torch.randn(2, 7, dtype=torch.float64)).sum().backward(),
+            "arrived twice", "use_reentrant=False", errors=(RuntimeError,))
+    # The group still works afterwards: a whole step.
+    opt = ZeroOptimizer(_groups(model), torch.optim.SGD, config=three, module=model, lr=0.1)
+    model(torch.randn(2, 7, dtype=torch.float64)).sum().backward()
+    opt.step()
+    if "ZeroOptimizer(stage 3, SGD" not in repr(opt) or "unit 0 (the model)" not in repr(opt):
+        fails.append(repr(opt))
+    return fails
+
+
+def test_stage_3_bad_input_is_refused_naming_the_rank_and_the_fix() -> None:
+    assert run_ranks(_bad, 2, timeout=60) == [[], []]
+
+
+def _cuda_train(rank: int, world: int) -> list[str]:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    fails = []
+    models = [_net(), _net().cuda()]
+    config = ZeroConfig(stage=3, units=(_Block,), bucket_bytes=256)
+    opts = [ZeroOptimizer(_groups(m), torch.optim.AdamW, config=config, module=m, lr=0.01)
+            for m in models]
+    for micro in _data(world):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            dev = next(m.parameters()).device
+            for x, y in micro:
+                x, y = x.chunk(world)[rank].to(dev), y.chunk(world)[rank].to(dev)
+                (F.mse_loss(m(x), y) / MICRO).backward()
+            opt.step()
+    with opts[0].gathered(), opts[1].gathered():
+        for (n, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            if not q.is_cuda or not torch.allclose(p, q.cpu(), rtol=1e-9, atol=1e-11):
+                fails.append(f"{n}: {(p - q.cpu()).abs().max()}")
+    if opts[1].memory()["params"] != sum(f.shard.numel() * 8 for f in opts[1]._flats):
+        fails.append(f"CUDA parameters held after step: {opts[1].memory()}")
+    return fails
+
+
+@pytest.mark.cuda
+def test_stage_3_cuda_parameters_train_as_cpu_ones_do() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert run_ranks(_cuda_train, 2, timeout=180) == [[], []]
