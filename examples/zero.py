@@ -1,13 +1,14 @@
-"""ZeRO stages 1 and 2 with torchdist_ext.parallel.ZeroOptimizer on the tdx backend.
+"""ZeRO stages 1, 2 and 3 with torchdist_ext.parallel.ZeroOptimizer on the tdx backend.
 
     torchrun --standalone --nproc-per-node 4 examples/zero.py [--stage 2] [--epochs 6]
         [--backend tdx]
 
 Each rank trains the small MLP of examples/common.py on its shard of the spirals data, with
 no DDP: the optimizer averages the gradients itself, by reduce_scatter (in step() at stage
-1, during backward at stage 2), keeps Adam's state for 1/world of the parameters, and
-all-gathers the updated parameters. Rank 0 prints, per epoch, the mean training loss and
-the test accuracy over all ranks, and first how much optimizer state each rank keeps.
+1, during backward at stages 2 and 3), keeps Adam's state for 1/world of the parameters,
+and all-gathers the updated parameters (at stage 3 each linear layer's, just before the
+layer runs, freeing them after). Rank 0 prints, per epoch, the mean training loss and the
+test accuracy over all ranks, and first how much optimizer state each rank keeps.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from torchdist_ext.parallel import ZeroConfig, ZeroOptimizer
 
@@ -26,8 +28,9 @@ from common import load_data, make_model, parse_args, print0, setup, shard, trai
 
 
 def _stage_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stage", type=int, choices=[1, 2], default=2,
-                   help="1: optimizer state sharded; 2: gradients too (default 2)")
+    p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2,
+                   help="1: optimizer state sharded; 2: gradients too; 3: parameters too "
+                        "(default 2)")
 
 
 def main() -> None:
@@ -40,8 +43,10 @@ def main() -> None:
     # The optimizer broadcasts rank 0's parameters when it is made, so the seed need not
     # match.
     model = make_model(args.hidden, seed=rank).to(device)
-    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam,
-                        config=ZeroConfig(stage=args.stage), lr=args.lr)
+    # Stage 3 gathers each linear layer on its own, as it runs.
+    config = ZeroConfig(stage=args.stage, units=(nn.Linear,) if args.stage == 3 else ())
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, config=config, module=model,
+                        lr=args.lr)
     numel = sum(p.numel() for p in model.parameters())
     print0(f"ZeRO stage {args.stage} on {world} ranks, backend {args.backend}, device "
            f"{device.type}, {x_train.shape[0]} training samples, {numel} parameters, "

@@ -120,7 +120,8 @@ def test_compressed_bench_tdx_and_gloo(tmp_path: Path,
 def test_zero_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """``bench zero``: 3 ranks, each strategy on both backends; the bytes each rank holds
     are what the strategies promise: ZeRO-1 a third of DDP's optimizer state (plus
-    padding), ZeRO-2 a third of its gradients as well."""
+    padding), ZeRO-2 a third of its gradients as well, ZeRO-3 a third of its parameters
+    too."""
     path = tmp_path / "zero.json"
     argv = ["zero", "--world", "3", "--params", "3001", "--layers", "2", "--batch", "4",
             "--bucket-bytes", "1K", "-n", "2", "-w", "1", "--json", str(path)]
@@ -129,18 +130,24 @@ def test_zero_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[st
     doc = json.loads(path.read_text())
     for b in ("tdx", "gloo"):
         row = doc["backends"][b]["3001"]
-        assert set(row) == {"ddp", "zero1", "zero2"}, row
+        assert set(row) == {"ddp", "zero1", "zero2", "zero3"}, row
         assert all(cell["ms"] > 0 for cell in row.values()), row
         params = row["ddp"]["params"]
         assert params == 2 * (38 * 38 + 38)  # width sqrt(3001 / 2) = 38
         # Adam: exp_avg and exp_avg_sq per element, a float32 step per tensor.
         assert row["ddp"]["state"] == 2 * 4 * params + 4 * 4
         assert row["ddp"]["grads"] == 4 * params
-        for name in ("zero1", "zero2"):
+        assert row["ddp"]["weights"] == 4 * params
+        for name in ("zero1", "zero2", "zero3"):
             assert 2 * 4 * params / 3 <= row[name]["state"] <= 2 * 4 * (params / 3 + 64), row
         assert row["zero1"]["grads"] >= 4 * params, row  # gradients whole, and the shard
-        assert 4 * params / 3 <= row["zero2"]["grads"] <= 4 * (params / 3 + 64), row
-    assert "zero2" in out and "tdx ms" in out and "gloo ms" in out, out
+        for name in ("zero2", "zero3"):
+            assert 4 * params / 3 <= row[name]["grads"] <= 4 * (params / 3 + 64), row
+        # Whole parameters and their shard at stages 1 and 2; the shard alone at stage 3.
+        for name in ("zero1", "zero2"):
+            assert 4 * params * 4 / 3 <= row[name]["weights"] <= 4 * (params * 4 / 3 + 256)
+        assert 4 * params / 3 <= row["zero3"]["weights"] <= 4 * (params / 3 + 64), row
+    assert "zero3" in out and "params/rank" in out and "gloo ms" in out, out
 
 
 def test_ps_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
@@ -912,8 +919,8 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["compressed", "-n", "0"], "iters (-n) must be at least 1"),
     (["compressed", "--json", "/nonexistent-dir/c.json"], "directory /nonexistent-dir"),
     (["zero", "--backends", "nccl"], "backends (--backends) take tdx and/or gloo"),
-    (["zero", "--strategies", "ddp,zero3"], "strategies (--strategies) take ddp, zero1 "
-                                            "and/or zero2, each once, not 'ddp,zero3'"),
+    (["zero", "--strategies", "ddp,zero4"], "strategies (--strategies) take ddp, zero1, "
+                                            "zero2 and/or zero3, each once, not 'ddp,zero4'"),
     (["zero", "--params", "2", "--layers", "4"], "params (--params) must be parameter counts "
                                                  "of at least one per layer (4), not 2"),
     (["zero", "--params", "lots"], "not a size: 'lots'"),

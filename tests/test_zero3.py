@@ -228,13 +228,14 @@ def test_stage_3_with_activation_checkpointing(ckpt: str) -> None:
     _compare(got, ref, world)
 
 
-def _resume(rank: int, world: int) -> list[str]:
+def _resume(rank: int, world: int, stage: int) -> list[str]:
     """A model and optimizer state taken out through gathered() and
-    consolidated_state_dict() go into another model's stage 3 optimizer through
+    consolidated_state_dict() go into another model's optimizer through
     gathered(writeback=True): both train on alike."""
     fails = []
     models = [_net(seed=0), _net(seed=5)]
-    config = ZeroConfig(stage=3, units=(_Block,), bucket_bytes=128)
+    config = ZeroConfig(stage=3, units=(_Block,), bucket_bytes=128) if stage == 3 \
+        else ZeroConfig(stage=stage, bucket_bytes=128)
     a = ZeroOptimizer(_groups(models[0]), torch.optim.AdamW, config=config, module=models[0],
                       lr=0.01)
     data = _data(world)
@@ -264,8 +265,11 @@ def _resume(rank: int, world: int) -> list[str]:
     return fails
 
 
-def test_stage_3_resumes_through_gathered_writeback() -> None:
-    assert run_ranks(_resume, 2, timeout=60) == [[], []]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resuming_through_gathered_writeback(stage: int) -> None:
+    """At stage 2 as well: there the parameters are always whole, but a write to them
+    reaches the optimizer's shard only through writeback."""
+    assert run_ranks(_resume, 2, timeout=60, args=(stage,)) == [[], []]
 
 
 def test_units_are_the_outermost_modules_of_the_types_and_tied_weights_go_to_the_model() -> None:

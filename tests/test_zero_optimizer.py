@@ -501,7 +501,7 @@ def test_cuda_parameters_train_as_cpu_ones_do(stage: int) -> None:
 # ---- the example -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_zero_example_trains_under_torchrun(stage: int) -> None:
     """examples/zero.py under torchrun (standalone, 2 ranks): exit 0, half the parameters'
     state per rank, and a test accuracy above 95% after two epochs."""

@@ -1,11 +1,12 @@
-"""``python -m torchdist_ext.bench zero``: a training step under DDP, ZeRO-1 and ZeRO-2.
+"""``python -m torchdist_ext.bench zero``: a training step under DDP and ZeRO-1, 2 and 3.
 
 Per model size and backend, the time of one step (forward, backward, Adam step) of an MLP
 of ``--layers`` square linear layers, each rank on a batch of its own, with the gradients
 averaged by torch's DistributedDataParallel (``ddp``) or by
-:class:`torchdist_ext.parallel.ZeroOptimizer` at stage 1 (``zero1``) or 2 (``zero2``);
-and what each rank holds after the backward pass: optimizer state and gradients, in
-bytes (counted from the tensors; the same on every backend). On CUDA, the peak of
+:class:`torchdist_ext.parallel.ZeroOptimizer` at stage 1 (``zero1``), 2 (``zero2``) or 3
+(``zero3``, each linear layer a unit); and what each rank holds after the backward pass:
+optimizer state, gradients and parameters, in bytes (counted from the tensors; the same
+on every backend). On CUDA, the peak of
 torch's allocator over the timed steps as well. Times are the largest over the ranks
 of the mean over ``--iters`` steps, after ``--warmup``.
 
@@ -35,7 +36,7 @@ __all__ = ["ZeroBenchOptions", "build_parser", "check_training_options", "main",
            "square_mlp", "square_width", "table_lines"]
 
 _BACKENDS = ("tdx", "gloo")
-_STRATEGIES = ("ddp", "zero1", "zero2")
+_STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 
 
 @dataclass(frozen=True)
@@ -112,15 +113,18 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
 
         def held() -> dict[str, int]:
             return {"state": _nbytes(v for st in opt.state.values() for v in st.values()),
-                    "grads": _nbytes(p.grad for p in model.parameters())}
+                    "grads": _nbytes(p.grad for p in model.parameters()),
+                    "weights": _nbytes(model.parameters())}
         return ddp, opt, held
     stage = int(name[-1])
-    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, group=group,
-                        config=ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes), lr=1e-4)
+    config = ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes,
+                        units=(nn.Linear,) if stage == 3 else ())
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, group=group, config=config,
+                        module=model, lr=1e-4)
 
     def held() -> dict[str, int]:
         mem = opt.memory()
-        return {"state": mem["state"], "grads": mem["grads"]}
+        return {"state": mem["state"], "grads": mem["grads"], "weights": mem["params"]}
     return model, opt, held
 
 
@@ -160,8 +164,8 @@ def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
 def _rank_main(rank: int, world: int, opts: Any,
                local_rank: int | None = None) -> dict[str, Any]:
     """One rank of a run: every backend's results."""
-    return runner.side_rank("training step: ddp, zero1, zero2", _backend_rows, rank, world,
-                            opts, local_rank)
+    return runner.side_rank("training step: " + ", ".join(_STRATEGIES), _backend_rows, rank,
+                            world, opts, local_rank)
 
 
 def run(opts: ZeroBenchOptions) -> dict[str, Any]:
@@ -178,9 +182,10 @@ def table_lines(data: dict[str, Any]) -> list[str]:
              f"square layers, batch {o['batch']} per rank, {data['world']} rank(s), "
              f"{o['device']}, {data['host']}, {data['date']}",
              f"# time: the largest over the ranks of the mean of {o['iters']} steps, in ms; "
-             f"state, grads: bytes a rank holds after backward"
+             f"state, grads, params: bytes a rank holds after backward"
              + ("; peak: torch's allocator over the steps" if cuda else "")]
-    head = f"{'params':>10} {'strategy':>9} {'state/rank':>11} {'grads/rank':>11}"
+    head = (f"{'params':>10} {'strategy':>9} {'state/rank':>11} {'grads/rank':>11} "
+            f"{'params/rank':>11}")
     for n in names:
         head += f" {n + ' ms':>10}" + (f" {n + ' peak':>11}" if cuda else "")
     lines.append(head)
@@ -188,7 +193,8 @@ def table_lines(data: dict[str, Any]) -> list[str]:
         for name in o["strategies"]:
             first = data["backends"][names[0]][str(params)][name]
             line = (f"{first['params']:>10} {name:>9} {report.bytes_text(first['state']):>11} "
-                    f"{report.bytes_text(first['grads']):>11}")
+                    f"{report.bytes_text(first['grads']):>11} "
+                    f"{report.bytes_text(first['weights']):>11}")
             for n in names:
                 cell = data["backends"][n][str(params)][name]
                 line += f" {cell['ms']:>10.2f}"
@@ -205,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "rank holds, several backends side by side.",
         epilog="Under torchrun the ranks come from the environment and --world is ignored.")
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
-    p.add_argument("--strategies", default="ddp,zero1,zero2",
-                   help="ddp, zero1 and/or zero2 (default all)")
+    p.add_argument("--strategies", default=",".join(_STRATEGIES),
+                   help="ddp, zero1, zero2 and/or zero3 (default all)")
     p.add_argument("--params", type=sizes_arg, default=(1 << 20, 1 << 23),
                    help="comma-separated model sizes in parameters, K/M suffixes "
                         "(default 1M,8M)")
