@@ -228,6 +228,65 @@ def test_stage_3_with_activation_checkpointing(ckpt: str) -> None:
     _compare(got, ref, world)
 
 
+class _Nested(nn.Module):
+    """Every gradient but the model's own arrives inside a reentrant checkpoint's backward
+    pass, the first of them before the model's; the model's gain is read after them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(7, 11)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 11))
+        self.blocks = nn.ModuleList([_Block(11) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) * self.gain
+        for b in self.blocks:
+            h = checkpoint(b, h, use_reentrant=True)
+        return h
+
+
+def _nested(rank: int, world: int, stage: int) -> list[str]:
+    fails = []
+    torch.manual_seed(0)
+    model = _Nested().double()
+    ref = _Nested().double()
+    ref.load_state_dict(model.state_dict())
+    config = ZeroConfig(stage=3, units=(_Block,), bucket_bytes=128) if stage == 3 \
+        else ZeroConfig(stage=stage, bucket_bytes=128)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, config=config, module=model,
+                        lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    launches = []
+    launch = opt._launch
+    opt._launch = lambda *a, **k: (launches.append(1), launch(*a, **k))[1]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(2 * world, 7, generator=g, dtype=torch.float64)
+        y = torch.randn(2 * world, 11, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        launches.clear()
+        F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        if len(launches) != len(opt._order):  # one reduce_scatter per bucket per pass
+            fails.append(f"{len(launches)} reduce_scatters for {len(opt._order)} buckets")
+        opt.step()
+        plain.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        plain.step()
+    with opt.gathered():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
+                fails.append(f"{n}: {(p - q).abs().max()}")
+    return fails
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_reentrant_checkpointing_makes_one_pass_of_reductions(stage: int) -> None:
+    """A backward pass that ends inside another (a reentrant checkpoint's) is not the end
+    of the step's: its buckets are reduced once, and stage 3 keeps the model's own unit
+    whole until the outer pass is done with it."""
+    assert run_ranks(_nested, 2, timeout=60, args=(stage,)) == [[], []]
+
+
 def _resume(rank: int, world: int, stage: int) -> list[str]:
     """A model and optimizer state taken out through gathered() and
     consolidated_state_dict() go into another model's optimizer through

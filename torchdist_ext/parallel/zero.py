@@ -425,6 +425,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._launch(*self._order[n], drop=True)
 
     def _end_of_backward(self) -> None:
+        outer = torch._C._current_autograd_node()
+        if outer is not None:
+            # The end of a backward pass run inside another one's node (reentrant
+            # activation checkpointing): the pass goes on after that node, whose hook
+            # queues this again in the enclosing pass.
+            outer.register_hook(lambda *_: torch.autograd.Variable._execution_engine
+                                .queue_callback(self._end_of_backward))
+            return
         self._callback_queued = False
         for n in self._tracker.finish():
             self._launch(*self._order[n], drop=True)
