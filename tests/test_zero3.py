@@ -150,9 +150,14 @@ def _train(rank: int, world: int, opt_name: str, clip: float | None, units: bool
         model(torch.ones(2, 7, dtype=torch.float64))
         if any(_held(model)) or len(seen) != before + 3:
             fails.append(f"evaluation left {_held(model)}")
+    # Between uses a parameter is an empty tensor: a stray read finds no elements.
+    if model.blocks[0].lin.weight.shape != (0,) or model.embed.bias.shape != (0,):
+        fails.append(f"freed parameters are {model.blocks[0].lin.weight.shape}")
     with opt.gathered():
         params = {n: p.detach().tolist() for n, p in model.named_parameters()}
-    if any(_held(model)):
+        if model.blocks[0].lin.weight.shape != (11, 11):
+            fails.append(f"gathered parameters are {model.blocks[0].lin.weight.shape}")
+    if any(_held(model)) or model.blocks[0].lin.weight.numel():
         fails.append("gathered() left blocks whole")
     state = opt.consolidated_state_dict()
     state["state"] = {i: {k: torch.as_tensor(v).tolist() for k, v in st.items()}

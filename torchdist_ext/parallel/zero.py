@@ -112,6 +112,7 @@ class _Flat:
         self.flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
         self.slots = self.layout.params
         self.buckets = self.layout.buckets
+        self.shapes = [p.shape for p in self.params]  # a stage 3 parameter is empty when freed
         with torch.no_grad():
             for p, s in zip(self.params, self.slots):
                 view = self.flat[s.offset:s.offset + s.numel]
@@ -121,6 +122,20 @@ class _Flat:
         self.shard = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=first.dtype,
                                                     device=first.device))
         self.grad: Optional[torch.Tensor] = None  # this rank's shard of the summed gradient
+
+    def attach(self) -> None:
+        """Makes the parameters views of the flat buffer again."""
+        for p, s, shape in zip(self.params, self.slots, self.shapes):
+            p.data = self.flat[s.offset:s.offset + s.numel].view(shape)
+
+    def detach(self) -> None:
+        """Frees the flat buffer's storage; the parameters become empty tensors meanwhile,
+        so that a stray read finds no elements rather than freed memory. What autograd
+        saved of them keeps its version: it reads the storage again once refilled."""
+        empty = self.flat.new_empty(0)
+        for p in self.params:
+            p.data = empty
+        self.flat.untyped_storage().resize_(0)
 
     def owned(self, b: Any) -> torch.Tensor:
         """This rank's shard of bucket b, as a view of the flat buffer."""
@@ -367,16 +382,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _gather(self, u: Unit) -> None:
         if u.gathered:
             return
-        # The parameters are views of the flat buffers and keep their own version counters:
-        # refilling the storage does not invalidate what autograd saved of them.
+        # The parameters keep their own version counters when their data is swapped, and
+        # views saved for backward share the flat buffer's storage: refilling it does not
+        # invalidate what autograd saved.
         for f in u.flats:
             f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
         self._all_gather(u.flats)
+        for f in u.flats:
+            f.attach()
         u.gathered = True
 
     def _free(self, u: Unit) -> None:
         for f in u.flats:
-            f.flat.untyped_storage().resize_(0)
+            f.detach()
         u.gathered = False
 
     def _after_forward(self, u: Unit) -> None:
@@ -634,9 +652,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              for b in f.buckets]
                     for w in works:
                         w.wait()
-                    for p, s in zip(f.params, f.slots):
+                    for p, s, shape in zip(f.params, f.slots, f.shapes):
                         state[index[id(p)]][k] = full[s.offset:s.offset + s.numel] \
-                            .view_as(p).clone()
+                            .view(shape).clone()
                 elif v is not None:
                     for p in f.params:
                         state[index[id(p)]][k] = v.clone() if isinstance(v, torch.Tensor) else v
@@ -663,8 +681,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 values = [s.get(k) for s in per_param]
                 # Per element (exp_avg, momentum_buffer) when shaped as the parameters;
                 # otherwise one value for all (step).
-                if all(isinstance(v, torch.Tensor) and v.shape == p.shape
-                       for v, p in zip(values, f.params)) and any(p.dim() for p in f.params):
+                if all(isinstance(v, torch.Tensor) and v.shape == shape
+                       for v, shape in zip(values, f.shapes)) and any(len(sh) for sh in f.shapes):
                     full = torch.zeros_like(f.flat, dtype=values[0].dtype)
                     for v, s in zip(values, f.slots):
                         full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
