@@ -1,6 +1,7 @@
 """Training strategies over any process group, tdx's first.
 
-- :class:`ZeroOptimizer` (ZeRO stages 1 and 2): optimizer state, and in stage 2 gradients,
+- :class:`ZeroOptimizer` (ZeRO stages 1, 2 and 3): optimizer state, in stage 2 gradients
+  too, and in stage 3 parameters as well (gathered unit by unit as the model runs),
   sharded across the ranks, over flat buffers laid out by the C++ core
   (``csrc/parallel/``).
 - :class:`PipelineStage` (pipeline parallelism, GPipe and 1F1B, and PipeDream and 2BW,
