@@ -43,11 +43,11 @@ def main() -> None:
     # The optimizer broadcasts rank 0's parameters when it is made, so the seed need not
     # match.
     model = make_model(args.hidden, seed=rank).to(device)
+    numel = sum(p.numel() for p in model.parameters())  # at stage 3 empty between uses
     # Stage 3 gathers each linear layer on its own, as it runs.
     config = ZeroConfig(stage=args.stage, units=(nn.Linear,) if args.stage == 3 else ())
     opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, config=config, module=model,
                         lr=args.lr)
-    numel = sum(p.numel() for p in model.parameters())
     print0(f"ZeRO stage {args.stage} on {world} ranks, backend {args.backend}, device "
            f"{device.type}, {x_train.shape[0]} training samples, {numel} parameters, "
            f"Adam state for {opt.shard_numel} of them per rank")

@@ -7,6 +7,9 @@ units' plan in one process; resuming, activation checkpointing and refusals.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -274,6 +277,140 @@ def test_reentrant_checkpointing_makes_one_pass_of_reductions(stage: int) -> Non
     of the step's: its buckets are reduced once, and stage 3 keeps the model's own unit
     whole until the outer pass is done with it."""
     assert run_ranks(_nested, 2, timeout=60, args=(stage,)) == [[], []]
+
+
+@dataclasses.dataclass
+class _Out:
+    """Not a pytree node: the hooks cannot see the tensor inside."""
+
+    h: torch.Tensor
+
+
+class _Hidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(11, 11)
+
+    def forward(self, x: torch.Tensor) -> _Out:
+        return _Out(torch.tanh(self.lin(x)))
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in backward while armed."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        if _Boom.armed:
+            raise RuntimeError("boom")
+        return g
+
+
+class _Odd(nn.Module):
+    """A unit with a forward pre-hook of its own (weight_norm's), one whose output hides
+    its tensor, and a failure in backward between two units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.utils.weight_norm(nn.Linear(7, 11))
+        self.hidden = _Hidden()
+        self.out = nn.Linear(11, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(_Boom.apply(self.hidden(torch.tanh(self.inp(x))).h))
+
+
+def _odd_uses(rank: int, world: int) -> list[str]:
+    fails = []
+    torch.manual_seed(0)
+    model, ref = _Odd().double(), _Odd().double()
+    ref.load_state_dict(model.state_dict())
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, module=model, lr=0.01,
+                        config=ZeroConfig(stage=3, units=(nn.Linear, _Hidden),
+                                          bucket_bytes=64))
+    plain = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    shards = sum(f.shard.numel() * 8 for f in opt._flats)
+    g = torch.Generator().manual_seed(4)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(2 * world, 7, generator=g, dtype=torch.float64),
+                torch.randn(2 * world, 7, generator=g, dtype=torch.float64))
+
+    for step in range(3):
+        x, y = batch()
+        if step == 1:  # fails in backward after the last unit's gradients went out
+            _Boom.armed = True
+            try:
+                F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+                fails.append("the armed backward did not raise")
+            except RuntimeError as e:
+                if "boom" not in str(e):
+                    fails.append(f"raised {e}")
+            _Boom.armed = False
+        opt.zero_grad()
+        F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+        plain.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        plain.step()
+    # torch.autograd.grad accumulates no gradient, but its pass still ends by freeing.
+    x = torch.randn(2, 7, dtype=torch.float64, requires_grad=True)
+    torch.autograd.grad(model(x).sum(), [x])
+    if opt.memory()["params"] != shards:
+        fails.append(f"after autograd.grad the parameters take {opt.memory()['params']}")
+    with opt.gathered():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
+                fails.append(f"{n}: {(p - q).abs().max()}")
+    return fails
+
+
+def test_stage_3_with_hooks_hidden_outputs_failed_backward_and_autograd_grad() -> None:
+    """weight_norm's pre-hook sees whole weights; a unit whose output hides its tensor
+    stays whole until its backward pass; a backward pass that raised is dropped by
+    zero_grad(); torch.autograd.grad frees what it gathered: training equals one
+    process's."""
+    assert run_ranks(_odd_uses, 2, timeout=60) == [[], []]
+
+
+def _pinned(rank: int, world: int) -> list[str]:
+    fails = []
+    model = _net()
+    opt = ZeroOptimizer(_groups(model), torch.optim.SGD, module=model, lr=0.1,
+                        config=ZeroConfig(stage=3, units=(_Block,)))
+    x = torch.randn(2, 7, dtype=torch.float64)
+    for name, fn in [("state_dict", model.state_dict),
+                     ("load", lambda: model.load_state_dict({}, strict=False))]:
+        try:
+            fn()
+            fails.append(f"{name} accepted outside gathered()")
+        except RuntimeError as e:
+            if "gathered(" not in str(e):
+                fails.append(f"{name}: {e}")
+    with opt.gathered():
+        with torch.no_grad():
+            model(x)  # an evaluation pass inside frees nothing
+        model(x).sum().backward()
+        if not all(_held(model)) or model.state_dict()["blocks.0.lin.weight"].shape != (11, 11):
+            fails.append(f"gathered() let passes inside free blocks: {_held(model)}")
+        opt.step()  # the parameters follow the step inside the block
+        whole = {n: p.clone() for n, p in model.named_parameters()}
+    with opt.gathered():
+        for n, p in model.named_parameters():
+            if not torch.equal(p, whole[n]):
+                fails.append(f"{n} changed between two gathered() blocks")
+    if any(_held(model)):
+        fails.append("blocks whole after gathered()")
+    return fails
+
+
+def test_gathered_holds_parameters_whole_through_passes_and_guards_state_dicts() -> None:
+    assert run_ranks(_pinned, 2, timeout=60) == [[], []]
 
 
 def _resume(rank: int, world: int, stage: int) -> list[str]:

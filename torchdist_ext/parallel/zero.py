@@ -65,7 +65,8 @@ class ZeroConfig:
     units: stage 3 only: module types (a transformer block, say) each of whose outermost
         instances is gathered and freed on its own; every other parameter is gathered for
         the model's whole forward pass. The default, none, gathers the model as one unit:
-        parameters are sharded between steps, but whole during them.
+        parameters are whole from each forward pass to the end of its backward pass, and
+        sharded otherwise.
     reshard_after_forward: stage 3 only: free each unit (but the model's own) once its
         forward pass returns, and gather it again for its backward pass; off, a unit stays
         whole from its forward pass to the end of its backward pass, one all_gather fewer
@@ -164,11 +165,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     a plain ``optimizer_class`` over the same parameters, work as they do on torch's
     optimizers. ``clip_grad_norm_`` clips by the norm of the whole, averaged gradient.
 
-    Stage 3 takes the model as ``module`` (the other stages ignore it): ``params`` must be
-    parameters of it, and the model must be called as a whole, so that its hooks gather
-    each unit when it runs. Outside its forward and backward passes a parameter's storage
-    is freed; read or write parameters inside ``with optimizer.gathered():`` (at every
-    stage, writes need ``gathered(writeback=True)`` to reach the optimizer's shard).
+    Stage 3 takes the model as ``module``: ``params`` must be parameters of it, and the
+    model must be called as a whole, on every rank (each unit's gathering is a
+    collective), so that its hooks gather each unit when it runs. Outside its forward
+    and backward passes a parameter is an empty tensor; read parameters inside ``with
+    optimizer.gathered():``. At every stage writes need ``gathered(writeback=True)`` to
+    reach the optimizer's shard; given ``module``, ``model.load_state_dict`` is refused
+    outside it, and at stage 3 so is ``model.state_dict``.
     """
 
     def __init__(self, params: Iterable[Any], optimizer_class: type, *,
@@ -223,9 +226,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             used = [u for u in self._units if u.flats]
             for u in used:
                 self._free(u)
-            self._unit_hooks = UnitHooks(used, self._gather, self._after_forward)
+            self._unit_hooks = UnitHooks(used, self._gather, self._before_backward,
+                                         self._after_forward)
         # Stage 3: buckets of each unit sent in this backward pass, to free it after its last.
         self._sent: dict[int, int] = defaultdict(int)
+        self._pinned = 0  # gathered() blocks open: nothing is freed meanwhile
+        self._writeback = 0  # of which with writeback=True
+        if module is not None:
+            module.register_state_dict_pre_hook(self._before_state_dict)
+            module.register_load_state_dict_pre_hook(self._before_load_state_dict)
 
         inner_groups = []
         for f in self._flats:
@@ -251,10 +260,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return sum(f.layout.shard_numel for f in self._flats)
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now: ``state`` (the wrapped optimizer's tensors: its shard
-        of exp_avg, momentum and the like), ``grads`` (gradients: ``param.grad`` and the
-        reduced shard) and ``params`` (the flat buffers as allocated now, padding
-        included, and the shards the optimizer updates)."""
+        """Bytes this rank holds now for the trainable parameters it was given: ``state``
+        (the wrapped optimizer's tensors: its shard of exp_avg, momentum and the like),
+        ``grads`` (gradients: ``param.grad`` and the reduced shard) and ``params`` (the
+        flat buffers as allocated now, padding included, and the shards the optimizer
+        updates). Frozen parameters, and those not given, are not counted."""
         def nbytes(t: Any) -> int:
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -397,40 +407,74 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f.detach()
         u.gathered = False
 
-    def _after_forward(self, u: Unit) -> None:
+    def _release(self, u: Unit) -> None:
+        """Frees u unless a gathered() block holds every unit whole."""
+        if u.gathered and not self._pinned:
+            self._free(u)
+
+    def _before_backward(self, u: Unit) -> None:
+        # The pass's end frees what it gathered, even when no gradient reaches a
+        # parameter (torch.autograd.grad).
+        self._queue_end_of_backward()
+        self._gather(u)
+
+    def _after_forward(self, u: Unit, hooked: bool) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # recomputed during backward (activation checkpointing): used next
         if not torch.is_grad_enabled():
-            self._free(u)  # no backward pass will need it
+            self._release(u)  # no backward pass will need it
+        elif not hooked:
+            # No output tensor to hook: nothing would gather it again before backward, so
+            # it stays whole until its gradients are sent.
+            return
         elif self._config.reshard_after_forward and u.index != 0:
             # The model's own unit would be gathered again as soon as backward starts.
-            self._free(u)
+            self._release(u)
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = False) -> Iterator[None]:
-        """Inside, every parameter is whole (at stages 1 and 2 it always is); a collective
-        on entry at stage 3: every rank enters. ``writeback=True`` copies what the block
-        wrote to the parameters (``model.load_state_dict``, say) into this rank's shard,
-        which the optimizer steps from; every rank must then write the same values."""
+        """Inside, every parameter is whole, forward and backward passes run inside
+        included (at stages 1 and 2 it always is); a collective on entry at stage 3: every
+        rank enters. ``writeback=True`` copies what the block wrote to the parameters
+        (``model.load_state_dict``, say) into this rank's shard, which the optimizer steps
+        from, unless the block raised; every rank must then write the same values."""
         self._settle()
         held = [u for u in self._units if u.flats and not u.gathered]
         for u in held:
             self._gather(u)
+        self._pinned += 1
+        self._writeback += bool(writeback)
         try:
             yield
-        finally:
             if writeback:
                 for f in self._flats:
                     f.pull_shard()
+        finally:
+            self._pinned -= 1
+            self._writeback -= bool(writeback)
             for u in held:
-                self._free(u)
+                self._release(u)
+
+    def _check_whole(self, what: str, fix: str) -> None:
+        if self._units and not self._pinned:
+            raise RuntimeError(f"{self._who}: {what} outside `with optimizer.{fix}:`, where "
+                               "stage 3 parameters are empty between uses; call it inside")
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._check_whole("model.state_dict() called", "gathered()")
+
+    def _before_load_state_dict(self, module: nn.Module, *args: Any) -> None:
+        # At every stage a write the shard never sees would be undone by the next step.
+        if not self._writeback:
+            raise RuntimeError(f"{self._who}: model.load_state_dict() called outside `with "
+                               "optimizer.gathered(writeback=True):`; the optimizer steps "
+                               "from its own shard of the parameters, which would undo the "
+                               "load at the next step: load inside that block")
 
     # ----- gradients
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+        self._queue_end_of_backward()
         try:
             released = self._tracker.mark(self._index[id(p)])
         except RuntimeError as e:
@@ -438,7 +482,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"{self._who}: a {tuple(p.shape)} parameter's gradient arrived twice in one "
                 f"backward pass (reentrant activation checkpointing does that to a weight used in "
                 f"two checkpointed regions), which stage {self._config.stage} cannot reduce "
-                "in order; checkpoint with use_reentrant=False, or use stage 1") from e
+                "in order; checkpoint with use_reentrant=False, or use stage 1. After a "
+                "backward pass that raised, call zero_grad() before the next") from e
         for n in released:
             self._launch(*self._order[n], drop=True)
 
@@ -452,13 +497,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                 .queue_callback(self._end_of_backward))
             return
         self._callback_queued = False
-        for n in self._tracker.finish():
-            self._launch(*self._order[n], drop=True)
+        if self._tracker.started:  # else no gradient reached a parameter: nothing to send
+            for n in self._tracker.finish():
+                self._launch(*self._order[n], drop=True)
         self._settle()
         self._sent.clear()
         for u in self._units:
-            if u.gathered and u.flats:
-                self._free(u)
+            self._release(u)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _abandon_pass(self) -> None:
+        """Drops what a backward pass that raised left behind (autograd runs no end-of-pass
+        callback then): its buckets in flight, its arrivals, the units it gathered."""
+        if not self._callback_queued:
+            return
+        self._callback_queued = False
+        self._tracker.finish()
+        for _, _, _, work in self._pending:
+            work.wait()
+        self._pending.clear()
+        self._sent.clear()
+        for u in self._units:
+            self._release(u)
 
     def _launch(self, f: _Flat, b: Any, drop: bool) -> None:
         """Starts bucket b's reduce_scatter from its parameters' gradients (None counts as
@@ -484,7 +548,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._sent[f.unit] += 1
             u = self._units[f.unit]
             if self._sent[f.unit] == sum(len(x.buckets) for x in u.flats):
-                self._free(u)  # its gradients are staged: the backward pass is done with it
+                self._release(u)  # its gradients are staged: the backward pass is done with it
         # A work holds its staged bucket until it is waited for: without a bound, stage 2
         # would hold every bucket's copy of the gradients until the pass ends.
         while len(self._pending) > _IN_FLIGHT:
@@ -560,17 +624,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         inner_group[k] = v
                 f.shard.grad = f.grad
             self._inner.step()
-        if self._units:
+        if self._units and not self._pinned:
             # The shards are the parameters now: each unit is gathered when it next runs.
             for u in self._units:
-                if u.gathered and u.flats:
-                    self._free(u)
+                self._release(u)
         else:
             self._all_gather(self._flats)
         self._reduced = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._abandon_pass()
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:

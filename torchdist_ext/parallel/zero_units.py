@@ -7,9 +7,12 @@ reach (tied weights) belongs to the model's unit, which stays gathered over the 
 whole forward pass, so that every use sees it.
 
 The hooks here know nothing of how a unit is gathered: :class:`UnitHooks` calls
-``gather(unit)`` before a unit's forward pass and again before its backward pass (from a
-hook on the tensors its forward returned), and ``after_forward(unit)`` once its forward
-pass returns, when the unit may be freed until the backward pass needs it again.
+``gather(unit)`` before a unit's forward pass (ahead of any other forward pre-hook), and
+``before_backward(unit)`` before its backward pass, from a hook on the tensors its
+forward returned that require gradients. Once its forward pass returns it calls
+``after_forward(unit, hooked)``, where ``hooked`` says whether any such tensor was
+found; if none was (a tensor hidden in an object pytree does not flatten), nothing will
+gather the unit again before its backward pass.
 """
 
 from __future__ import annotations
@@ -68,12 +71,16 @@ class UnitHooks:
     ``after_forward``; ``remove()`` takes them off."""
 
     def __init__(self, units: list[Unit], gather: Callable[[Unit], None],
-                 after_forward: Callable[[Unit], None]) -> None:
+                 before_backward: Callable[[Unit], None],
+                 after_forward: Callable[[Unit, bool], None]) -> None:
         self._gather = gather
+        self._before_backward = before_backward
         self._after_forward = after_forward
         self._handles = []
         for u in units:
-            self._handles.append(u.module.register_forward_pre_hook(self._pre(u)))
+            # First, so that the user's own pre-hooks (weight_norm's) see whole parameters.
+            self._handles.append(u.module.register_forward_pre_hook(self._pre(u),
+                                                                    prepend=True))
             self._handles.append(u.module.register_forward_hook(self._post(u)))
 
     def _pre(self, u: Unit) -> Callable[..., None]:
@@ -83,14 +90,16 @@ class UnitHooks:
 
     def _post(self, u: Unit) -> Callable[..., None]:
         def before_backward(grad: torch.Tensor) -> None:
-            self._gather(u)
+            self._before_backward(u)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            hooked = False
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(before_backward)
-            self._after_forward(u)
+                        hooked = True
+            self._after_forward(u, hooked)
         return hook
 
     def remove(self) -> None:
