@@ -134,6 +134,7 @@ def test_zero_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[st
         assert all(cell["ms"] > 0 for cell in row.values()), row
         params = row["ddp"]["params"]
         assert params == 2 * (38 * 38 + 38)  # width sqrt(3001 / 2) = 38
+        assert all(cell["params"] == params for cell in row.values()), row
         # Adam: exp_avg and exp_avg_sq per element, a float32 step per tensor.
         assert row["ddp"]["state"] == 2 * 4 * params + 4 * 4
         assert row["ddp"]["grads"] == 4 * params

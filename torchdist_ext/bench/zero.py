@@ -138,6 +138,7 @@ def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
         x = torch.randn(opts.batch, w, generator=gen).to(device)
         for name in opts.strategies:
             model = square_mlp(params, opts.layers, device)
+            numel = sum(p.numel() for p in model.parameters())  # stage 3 empties them
             module, opt, held = _strategy(name, model, group, opts)
 
             def step(_: int) -> None:
@@ -149,7 +150,7 @@ def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
                 step(i)
             opt.zero_grad(set_to_none=True)
             module(x).square().mean().backward()
-            cell = {"params": sum(p.numel() for p in model.parameters()), **held()}
+            cell = {"params": numel, **held()}
             opt.step()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
