@@ -114,17 +114,26 @@ def _held(model: _Net) -> list[bool]:
 
 
 def _train(rank: int, world: int, opt_name: str, clip: float | None, units: bool,
-           reshard: bool, gloo: bool, ckpt: str) -> dict:
+           reshard: bool, gloo: bool, ckpt: str, prefetch: bool = True) -> dict:
     group = dist.new_group(backend="gloo") if gloo else None
     model = _net(seed=rank, ckpt=ckpt)  # the broadcast from rank 0 must make them equal
     cls, kw = _OPTIMIZERS[opt_name]
     config = ZeroConfig(stage=3, bucket_bytes=256, units=(_Block,) if units else (),
-                        reshard_after_forward=reshard)
+                        reshard_after_forward=reshard, prefetch=prefetch)
     opt = ZeroOptimizer(_groups(model), cls, group=group, config=config, module=model, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     seen: list[list[bool]] = []  # which blocks were whole as each block ran forward
+    # Which blocks' flat buffers were allocated (whole, or being gathered) meanwhile.
+    block_units = [u for b in model.blocks for u in opt._units if u.module is b]
+    allocated: list[list[bool]] = []
+
+    def record(m: nn.Module, a: Any) -> None:
+        seen.append(_held(model))
+        allocated.append([u.flats[0].flat.untyped_storage().nbytes() > 0
+                          for u in block_units])
+
     for b in model.blocks:  # after the optimizer's hook, which gathers the block
-        b.register_forward_pre_hook(lambda m, a: seen.append(_held(model)))
+        b.register_forward_pre_hook(record)
     losses, norms, fails = [], [], []
     for micro in _data(world):
         opt.zero_grad()
@@ -164,10 +173,15 @@ def _train(rank: int, world: int, opt_name: str, clip: float | None, units: bool
     state["state"] = {i: {k: torch.as_tensor(v).tolist() for k, v in st.items()}
                       for i, st in state["state"].items()}
     if units and reshard and not ckpt:
-        # Block i alone is whole as it runs.
-        for s in seen[:3 * MICRO * STEPS]:
-            if sum(s) != 1:
-                fails.append(f"blocks whole during forward: {s}")
+        # Block i alone is whole as it runs; with prefetch, from the second pass on, the
+        # next one is being gathered meanwhile.
+        for i, (s, a) in enumerate(zip(seen[:3 * MICRO * STEPS], allocated)):
+            block = i % 3
+            ahead = prefetch and i >= 3 and block < 2
+            if s != [b == block for b in range(3)] \
+                    or a != [b == block or (ahead and b == block + 1) for b in range(3)]:
+                fails.append(f"forward pass {i // 3}, block {block}: whole {s}, "
+                             f"allocated {a}")
                 break
     if units and not reshard and seen[2] != [True, True, True]:
         fails.append(f"without resharding, blocks whole at the third: {seen[2]}")
@@ -193,12 +207,14 @@ def test_stage_3_trains_as_one_process_does(world: int) -> None:
     _compare(got, ref, world)
 
 
-@pytest.mark.parametrize("units,reshard", [(False, True), (True, False)])
-def test_stage_3_as_one_unit_and_without_resharding(units: bool, reshard: bool) -> None:
+@pytest.mark.parametrize("units,reshard,prefetch",
+                         [(False, True, True), (True, False, True), (True, True, False)])
+def test_stage_3_as_one_unit_without_resharding_and_without_prefetch(
+        units: bool, reshard: bool, prefetch: bool) -> None:
     world = 3
     ref = _reference(world, "adamw", None)
     got = run_ranks(_train, world, timeout=120,
-                    args=("adamw", None, units, reshard, False, ""))
+                    args=("adamw", None, units, reshard, False, "", prefetch))
     _compare(got, ref, world)
 
 
@@ -477,6 +493,8 @@ def test_config_refuses_what_stage_3_alone_takes() -> None:
         ZeroConfig(stage=2, units=(_Block,))
     with pytest.raises(ValueError, match="stage 3 only"):
         ZeroConfig(stage=1, reshard_after_forward=False)
+    with pytest.raises(ValueError, match="prefetch apply at stage 3 only"):
+        ZeroConfig(stage=2, prefetch=False)
     with pytest.raises(TypeError, match="nn.Module subclasses"):
         ZeroConfig(stage=3, units=[_Block])
     with pytest.raises(ValueError, match="1, 2 or 3"):

@@ -71,6 +71,10 @@ class ZeroConfig:
         forward pass returns, and gather it again for its backward pass; off, a unit stays
         whole from its forward pass to the end of its backward pass, one all_gather fewer
         per step for more memory.
+    prefetch: stage 3 only: as a unit is gathered, start gathering the unit that came
+        after it in the last pass of the same direction, so that its collectives run
+        while this one computes; off, each unit is gathered when it is about to run, one
+        unit's parameters fewer held at a time.
     """
 
     stage: int = 2
@@ -78,6 +82,7 @@ class ZeroConfig:
     broadcast_params: bool = True
     units: tuple[type, ...] = ()
     reshard_after_forward: bool = True
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -89,9 +94,10 @@ class ZeroConfig:
                 isinstance(t, type) and issubclass(t, nn.Module) for t in self.units):
             raise TypeError(f"ZeroConfig: units must be a tuple of nn.Module subclasses, "
                             f"such as (nn.TransformerEncoderLayer,), not {self.units!r}")
-        if self.stage != 3 and (self.units or not self.reshard_after_forward):
-            raise ValueError(f"ZeroConfig: units and reshard_after_forward apply at stage 3 "
-                             f"only, not at stage {self.stage}")
+        if self.stage != 3 and (self.units or not self.reshard_after_forward
+                                or not self.prefetch):
+            raise ValueError(f"ZeroConfig: units, reshard_after_forward and prefetch apply "
+                             f"at stage 3 only, not at stage {self.stage}")
 
 
 class _Flat:
@@ -223,14 +229,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f.pull_shard()
         self._unit_hooks: Optional[UnitHooks] = None
         if self._units:
-            used = [u for u in self._units if u.flats]
+            # The model's own unit is hooked even when it holds no parameter: its hooks
+            # mark where a forward pass starts and ends.
+            used = [u for u in self._units if u.flats or u.index == 0]
             for u in used:
                 self._free(u)
-            self._unit_hooks = UnitHooks(used, self._gather, self._before_backward,
+            self._unit_hooks = UnitHooks(used, self._before_forward, self._before_backward,
                                          self._after_forward)
         # Stage 3: buckets of each unit sent in this backward pass, to free it after its last.
         self._sent: dict[int, int] = defaultdict(int)
         self._pinned = 0  # gathered() blocks open: nothing is freed meanwhile
+        # Stage 3 prefetch: per direction, the unit gathered after each one in the last
+        # pass, and the one gathered last in this pass.
+        self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
+        self._prev: dict[str, Optional[int]] = {"forward": None, "backward": None}
         self._writeback = 0  # of which with writeback=True
         if module is not None:
             module.register_state_dict_pre_hook(self._before_state_dict)
@@ -320,8 +332,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         other: compare a hash of each rank's, once, and name the ranks that differ."""
         frozen = [tuple(p.shape) for g in self.param_groups for p in g["params"]
                   if not p.requires_grad]  # broadcast one by one below
-        text = (f"stage {self._config.stage} reshard {self._config.reshard_after_forward}\n"
-                f"frozen {frozen}\n") + "\n".join(
+        text = (f"stage {self._config.stage} reshard {self._config.reshard_after_forward} "
+                f"prefetch {self._config.prefetch}\nfrozen {frozen}\n") + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
             for s, f in zip(self._fingerprint(), self._flats))
         device = self._flats[0].flat.device if self._flats else torch.device("cpu")
@@ -389,23 +401,59 @@ class ZeroOptimizer(torch.optim.Optimizer):
             w.wait()
 
     @torch.no_grad()
-    def _gather(self, u: Unit) -> None:
-        if u.gathered:
+    def _start_gather(self, u: Unit) -> None:
+        """Allocates u's flat buffers and starts their all_gathers; ``_ready`` waits."""
+        for f in u.flats:
+            f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
+        u.inflight = [all_gather_single(f.flat[b.offset:b.offset + b.numel],
+                                        f.shard_view(f.shard, b), group=self._group,
+                                        async_op=True)
+                      for f in u.flats for b in f.buckets]
+        u.gathered = True
+
+    def _ready(self, u: Unit) -> None:
+        if u.inflight is None:
             return
+        for w in u.inflight:
+            w.wait()
+        u.inflight = None
         # The parameters keep their own version counters when their data is swapped, and
         # views saved for backward share the flat buffer's storage: refilling it does not
         # invalidate what autograd saved.
         for f in u.flats:
-            f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
-        self._all_gather(u.flats)
-        for f in u.flats:
             f.attach()
-        u.gathered = True
+
+    def _gather(self, u: Unit, direction: Optional[str] = None) -> None:
+        """Makes u whole; in a pass (``direction``), records the order units run in and
+        starts gathering the one that ran after u in the last such pass."""
+        if not u.gathered:
+            self._start_gather(u)
+        if direction is not None and self._config.prefetch:
+            prev = self._prev[direction]
+            if prev is not None and prev != u.index:
+                self._next[direction][prev] = u.index
+            self._prev[direction] = u.index
+            nxt = self._next[direction].get(u.index)
+            # Every rank runs the same units in the same order, so every rank starts the
+            # same collectives here.
+            if nxt is not None and not self._units[nxt].gathered:
+                self._start_gather(self._units[nxt])
+        self._ready(u)
 
     def _free(self, u: Unit) -> None:
+        self._ready(u)  # a prefetched unit's collectives end before its storage does
         for f in u.flats:
             f.detach()
         u.gathered = False
+
+    def _before_forward(self, u: Unit) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            # Recomputed during backward (activation checkpointing): in backward's order.
+            self._gather(u, "backward")
+            return
+        if u.index == 0:
+            self._prev["forward"] = None  # a new forward pass
+        self._gather(u, "forward")
 
     def _release(self, u: Unit) -> None:
         """Frees u unless a gathered() block holds every unit whole."""
@@ -416,13 +464,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # The pass's end frees what it gathered, even when no gradient reaches a
         # parameter (torch.autograd.grad).
         self._queue_end_of_backward()
-        self._gather(u)
+        self._gather(u, "backward")
 
     def _after_forward(self, u: Unit, hooked: bool) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # recomputed during backward (activation checkpointing): used next
         if not torch.is_grad_enabled():
-            self._release(u)  # no backward pass will need it
+            # No backward pass will need it; at the model's end, nor any unit prefetched.
+            for v in (self._units if u.index == 0 else [u]):
+                self._release(v)
         elif not hooked:
             # No output tensor to hook: nothing would gather it again before backward, so
             # it stays whole until its gradients are sent.
@@ -440,8 +490,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         from, unless the block raised; every rank must then write the same values."""
         self._settle()
         held = [u for u in self._units if u.flats and not u.gathered]
-        for u in held:
-            self._gather(u)
+        for u in self._units:
+            self._gather(u)  # a prefetched unit is waited for
         self._pinned += 1
         self._writeback += bool(writeback)
         try:
@@ -502,6 +552,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._launch(*self._order[n], drop=True)
         self._settle()
         self._sent.clear()
+        self._prev = {"forward": None, "backward": None}
         for u in self._units:
             self._release(u)
 
@@ -521,6 +572,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             work.wait()
         self._pending.clear()
         self._sent.clear()
+        self._prev = {"forward": None, "backward": None}
         for u in self._units:
             self._release(u)
 

@@ -18,7 +18,7 @@ gather the unit again before its backward pass.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -36,7 +36,8 @@ class Unit:
     name: str
     module: nn.Module
     flats: list[Any] = field(default_factory=list)
-    gathered: bool = True
+    gathered: bool = True  # its storage is allocated, and filled or being filled
+    inflight: Optional[list[Any]] = None  # the works filling it, until waited for
 
     def describe(self) -> str:
         return f"unit {self.index} ({self.name or 'the model'})"
