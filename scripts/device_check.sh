@@ -22,7 +22,7 @@
 #     gradients, tdx and gloo, checked) on the CPU at 4 ranks and on CUDA at 2;
 #     compressed: the compression codecs alone (scripts/codec_probe.py), then `bench
 #     compressed` on the CPU at 4 ranks (tdx and gloo) and on CUDA at 2 (tdx).
-#   zero: `bench zero` (a training step under DDP, ZeRO-1 and ZeRO-2) on the CPU at 4 ranks
+#   zero: `bench zero` (a training step under DDP and ZeRO-1, 2 and 3) on the CPU at 4 ranks
 #     (tdx and gloo) and on CUDA at 2 (tdx).
 #   ps: `bench ps` (a worker's step with a parameter server, sync and async, against DDP)
 #     on the CPU at 6 ranks, 2 of them servers (tdx and gloo), and on CUDA at 3, 1 server
