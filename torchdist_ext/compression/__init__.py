@@ -5,6 +5,7 @@ time on the wire than a close one is worth.
 
     ef = tc.ErrorFeedback()
     tc.all_reduce(grad, tc.Int8(), op=dist.ReduceOp.AVG, state=ef, key="w")
+    tc.reduce_scatter(shard, flat, tc.Int8(), state=ef, key="bucket 0")
 
     model.register_comm_hook(tc.CompressionState(tc.Sign()), tc.ddp_comm_hook)
 
@@ -18,6 +19,7 @@ rank. See README, "Compressed all_reduce".
 from .allreduce import ErrorFeedback, all_reduce
 from .codecs import Int8, Method, Sign, TopK
 from .hooks import CompressionState, ddp_comm_hook
+from .reduce_scatter import reduce_scatter
 
 __all__ = ["Int8", "Sign", "TopK", "Method", "ErrorFeedback", "all_reduce",
-           "CompressionState", "ddp_comm_hook"]
+           "reduce_scatter", "CompressionState", "ddp_comm_hook"]

@@ -293,40 +293,40 @@ def _payload_rows(out: torch.Tensor, word: int, numel: int) -> torch.Tensor:
 
 
 def _check_headers(rows: torch.Tensor, word: int, numel: int, group: Any,
-                   what: str) -> None:
+                   what: str, name: str = _OP) -> None:
     heads = as_dtype(rows[:, :_HEADER], torch.int64).reshape(-1, 2).cpu()
     for r in range(heads.shape[0]):
         theirs, count = _unsigned(int(heads[r, 0])), int(heads[r, 1])
         if theirs != word or count != numel:
             raise RuntimeError(
-                f"{_OP}: rank {_rank_text(group)} received {what} from group rank {r}, "
+                f"{name}: rank {_rank_text(group)} received {what} from group rank {r}, "
                 f"which compresses {count} elements with {describe_word(theirs)}, where "
                 f"this rank compresses {numel} with {describe_word(word)}; every rank must "
                 "pass the same method and a tensor of the same size and working dtype "
                 "(float64, or any other float)")
 
 
-def _check(tensor: Any, method: Any, op: Any) -> bool:
+def _check(tensor: Any, method: Any, op: Any, name: str = _OP) -> bool:
     """Refuses what the op cannot do, naming it; returns whether op is AVG."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{_OP}: rank {_rank_text(None)}: tensor must be a torch.Tensor, "
+        raise TypeError(f"{name}: rank {_rank_text(None)}: tensor must be a torch.Tensor, "
                         f"not {type(tensor).__name__}")
     if not isinstance(method, (Int8, Sign, TopK)):
-        raise TypeError(f"{_OP}: rank {_rank_text(None)}: method must be Int8(...), "
+        raise TypeError(f"{name}: rank {_rank_text(None)}: method must be Int8(...), "
                         f"Sign(...) or TopK(...), not {method!r}")
     if tensor.layout != torch.strided or not tensor.is_floating_point():
         raise TypeError(
-            f"{_OP}: rank {_rank_text(None)}: cannot compress a tensor of dtype "
+            f"{name}: rank {_rank_text(None)}: cannot compress a tensor of dtype "
             f"{tensor.dtype} and layout {tensor.layout}; pass a dense float32, float64, "
             "float16 or bfloat16 tensor, or use dist.all_reduce")
     if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        raise TypeError(f"{_OP}: rank {_rank_text(None)}: cannot compress {tensor.dtype}; "
+        raise TypeError(f"{name}: rank {_rank_text(None)}: cannot compress {tensor.dtype}; "
                         "pass float32, float64, float16 or bfloat16")
     if op == dist.ReduceOp.SUM:
         return False
     if op == dist.ReduceOp.AVG:
         return True
-    raise ValueError(f"{_OP}: rank {_rank_text(None)}: op must be ReduceOp.SUM or "
+    raise ValueError(f"{name}: rank {_rank_text(None)}: op must be ReduceOp.SUM or "
                      f"ReduceOp.AVG, not {op}; compression sums, and a minimum or product "
                      "of approximations has no error bound: use dist.all_reduce")
 
