@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from torchdist_ext import compression as tc
 from torchdist_ext.parallel import ZeroConfig, ZeroOptimizer
 from torchdist_ext.parallel.zero_units import plan_units
 from torchdist_ext.testing import expect_refusal, run_ranks
@@ -114,12 +115,14 @@ def _held(model: _Net) -> list[bool]:
 
 
 def _train(rank: int, world: int, opt_name: str, clip: float | None, units: bool,
-           reshard: bool, gloo: bool, ckpt: str, prefetch: bool = True) -> dict:
+           reshard: bool, gloo: bool, ckpt: str, prefetch: bool = True,
+           compression: Any = None) -> dict:
     group = dist.new_group(backend="gloo") if gloo else None
     model = _net(seed=rank, ckpt=ckpt)  # the broadcast from rank 0 must make them equal
     cls, kw = _OPTIMIZERS[opt_name]
     config = ZeroConfig(stage=3, bucket_bytes=256, units=(_Block,) if units else (),
-                        reshard_after_forward=reshard, prefetch=prefetch)
+                        reshard_after_forward=reshard, prefetch=prefetch,
+                        compression=compression)
     opt = ZeroOptimizer(_groups(model), cls, group=group, config=config, module=model, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     seen: list[list[bool]] = []  # which blocks were whole as each block ran forward
@@ -224,6 +227,15 @@ def test_stage_3_sgd_with_clipping_on_a_gloo_group() -> None:
     got = run_ranks(_train, world, timeout=120, args=("sgd", 0.05, True, True, True, ""))
     _compare(got, ref, world)
     assert got[0]["norms"][0] > 0.05 and all(r["norms"] == got[0]["norms"] for r in got)
+
+
+def test_stage_3_with_compressed_gradients() -> None:
+    """TopK(1.0) sends every element, so the compressed reduce_scatter is exact."""
+    world = 2
+    ref = _reference(world, "adamw", None)
+    got = run_ranks(_train, world, timeout=120,
+                    args=("adamw", None, True, True, False, "", True, tc.TopK(1.0)))
+    _compare(got, ref, world)
 
 
 @pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
@@ -499,6 +511,8 @@ def test_config_refuses_what_stage_3_alone_takes() -> None:
         ZeroConfig(stage=3, units=[_Block])
     with pytest.raises(ValueError, match="1, 2 or 3"):
         ZeroConfig(stage=4)
+    with pytest.raises(TypeError, match="Int8"):
+        ZeroConfig(compression="int8")
 
 
 def _bad(rank: int, world: int) -> list[str]:

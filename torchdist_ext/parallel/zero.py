@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _C
+from .. import compression as tc
 from ._common import (all_gather_single, check_wrapper_args, group_as_list,
                       ranks_that_differ, reduce_scatter_single)
 from .zero_units import Unit, UnitHooks, plan_units
@@ -71,6 +72,12 @@ class ZeroConfig:
         forward pass returns, and gather it again for its backward pass; off, a unit stays
         whole from its forward pass to the end of its backward pass, one all_gather fewer
         per step for more memory.
+    compression: reduce the gradients through this method of
+        :mod:`torchdist_ext.compression` (``Int8()``, ``Sign()``, ``TopK(ratio)``), one
+        compressed reduce_scatter per bucket, instead of exactly.
+    error_feedback: with ``compression``, add what each rank's encoding lost to its next
+        gradient of the same bucket, so that it is delayed rather than lost; the
+        residuals take one gradient's size per rank.
     prefetch: stage 3 only: as a unit is gathered, start gathering the unit that came
         after it in the last pass of the same direction, so that its collectives run
         while this one computes; off, each unit is gathered when it is about to run, one
@@ -83,8 +90,15 @@ class ZeroConfig:
     units: tuple[type, ...] = ()
     reshard_after_forward: bool = True
     prefetch: bool = True
+    compression: Optional[tc.Method] = None
+    error_feedback: bool = True
 
     def __post_init__(self) -> None:
+        if self.compression is not None and not isinstance(self.compression,
+                                                           (tc.Int8, tc.Sign, tc.TopK)):
+            raise TypeError(f"ZeroConfig: compression must be None, Int8(...), Sign(...) or "
+                            f"TopK(...) of torchdist_ext.compression, not "
+                            f"{self.compression!r}")
         if self.stage not in (1, 2, 3):
             raise ValueError(f"ZeroConfig: stage must be 1, 2 or 3, not {self.stage!r}")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
@@ -256,6 +270,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._inner = optimizer_class(inner_groups, **defaults) if inner_groups else None
 
         self._pending: list[tuple[_Flat, Any, torch.Tensor, Any]] = []
+        self._feedback = tc.ErrorFeedback() \
+            if config.compression is not None and config.error_feedback else None
         self._reduced = False  # stage 1: the gradients of this step have been reduced
         self._callback_queued = False
         self._hooks = []
@@ -274,7 +290,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now for the trainable parameters it was given: ``state``
         (the wrapped optimizer's tensors: its shard of exp_avg, momentum and the like),
-        ``grads`` (gradients: ``param.grad`` and the reduced shard) and ``params`` (the
+        ``grads`` (gradients: ``param.grad``, the reduced shard and what compression's
+        error feedback holds back) and ``params`` (the
         flat buffers as allocated now, padding included, and the shards the optimizer
         updates). Frozen parameters, and those not given, are not counted."""
         def nbytes(t: Any) -> int:
@@ -284,6 +301,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     for v in st.values())
         grads = sum(nbytes(p.grad) for g in self.param_groups for p in g["params"])
         grads += sum(nbytes(f.grad) for f in self._flats)
+        if self._feedback is not None:  # what compression has delayed
+            grads += sum(nbytes(r) for r in self._feedback._residuals.values())
         return {"state": state, "grads": grads,
                 "params": sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
                               for f in self._flats)}
@@ -332,8 +351,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         other: compare a hash of each rank's, once, and name the ranks that differ."""
         frozen = [tuple(p.shape) for g in self.param_groups for p in g["params"]
                   if not p.requires_grad]  # broadcast one by one below
-        text = (f"stage {self._config.stage} reshard {self._config.reshard_after_forward} "
-                f"prefetch {self._config.prefetch}\nfrozen {frozen}\n") + "\n".join(
+        c = self._config
+        text = (f"stage {c.stage} reshard {c.reshard_after_forward} prefetch {c.prefetch} "
+                f"compression {c.compression!r} {c.error_feedback}\n"
+                f"frozen {frozen}\n") + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
             for s, f in zip(self._fingerprint(), self._flats))
         device = self._flats[0].flat.device if self._flats else torch.device("cpu")
@@ -594,7 +615,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if drop:
                 p.grad = None
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
-        work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
+        if self._config.compression is None:
+            work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
+        else:
+            # A future, which settles as a work does; one error-feedback stream per bucket.
+            work = tc.reduce_scatter(out, staged, self._config.compression,
+                                     group=self._group, state=self._feedback,
+                                     key=(self._flats.index(f), b.offset), async_op=True)
         self._pending.append((f, b, out, work))
         if self._units and drop:
             self._sent[f.unit] += 1
