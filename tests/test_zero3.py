@@ -126,14 +126,14 @@ def _train(rank: int, world: int, opt_name: str, clip: float | None, units: bool
     opt = ZeroOptimizer(_groups(model), cls, group=group, config=config, module=model, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     seen: list[list[bool]] = []  # which blocks were whole as each block ran forward
-    # Which blocks' flat buffers were allocated (whole, or being gathered) meanwhile.
+    # Which blocks' flat buffers, or a prefetch's own, were allocated meanwhile.
     block_units = [u for b in model.blocks for u in opt._units if u.module is b]
     allocated: list[list[bool]] = []
 
     def record(m: nn.Module, a: Any) -> None:
         seen.append(_held(model))
         allocated.append([u.flats[0].flat.untyped_storage().nbytes() > 0
-                          for u in block_units])
+                          or u.staging is not None for u in block_units])
 
     for b in model.blocks:  # after the optimizer's hook, which gathers the block
         b.register_forward_pre_hook(record)
@@ -404,6 +404,102 @@ def test_stage_3_with_hooks_hidden_outputs_failed_backward_and_autograd_grad() -
     zero_grad(); torch.autograd.grad frees what it gathered: training equals one
     process's."""
     assert run_ranks(_odd_uses, 2, timeout=60) == [[], []]
+
+
+class _Aux(_Block):
+    """A block that also leaves a side loss the hooks cannot see: backward reaches its
+    weights through it before through its output."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        self.aux = self.lin(x * 0.5).pow(2).mean()  # newer than the output: runs first
+        return out
+
+
+class _Uses(nn.Module):
+    def __init__(self, block: type = _Block) -> None:
+        super().__init__()
+        self.embed = nn.Linear(7, 11)
+        self.blocks = nn.ModuleList([block(11) for _ in range(3)])
+        self.head = nn.Linear(11, 7)
+        self.inner = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.inner:  # a gradient taken inside the forward pass, through a unit
+            h2 = h.detach().requires_grad_()
+            g, = torch.autograd.grad(self.blocks[0](h2).sum(), h2)
+            h = h + 0.1 * g
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _loss(case: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if case == "penalty":  # a gradient penalty: backward through a gradient
+        x = x.clone().requires_grad_()
+        out = model(x)
+        g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        return F.mse_loss(out, y) + g.pow(2).mean()
+    if case == "aux":
+        return F.mse_loss(model(x), y) + sum(b.aux for b in model.blocks)
+    if case == "eval_between":  # an evaluation pass between forward and backward
+        out = model(x)
+        with torch.no_grad():
+            t = model(x * 2)
+        return F.mse_loss(out, y + 0.1 * t)
+    return F.mse_loss(model(x), y)
+
+
+def _uses(rank: int, world: int, case: str, reshard: bool) -> list[str]:
+    fails = []
+    torch.manual_seed(0)
+    make = {"aux": lambda: _Uses(_Aux), "eval_between": _Odd}.get(case, _Uses)
+    model, ref = make().double(), make().double()
+    ref.load_state_dict(model.state_dict())
+    if case == "inner":
+        model.inner = ref.inner = True
+    units = (_Block, nn.Linear, _Hidden)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, module=model, lr=0.05,
+                        momentum=0.9, config=ZeroConfig(stage=3, units=units,
+                                                        reshard_after_forward=reshard))
+    plain = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(2 * world, 7, generator=g, dtype=torch.float64)
+        y = torch.randn(2 * world, 7, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        try:
+            _loss(case, model, x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        except RuntimeError as e:
+            return [f"raised: {str(e)[:200]}"]
+        opt.step()
+        plain.zero_grad()
+        _loss(case, ref, x, y).backward()
+        plain.step()
+    with opt.gathered():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
+                fails.append(f"{n}: {(p - q).abs().max()}")
+    return fails
+
+
+@pytest.mark.parametrize("case", ["penalty", "inner", "eval_between"])
+def test_stage_3_with_gradients_of_gradients_and_passes_inside_passes(case: str) -> None:
+    """A gradient penalty (autograd.grad with create_graph, then backward through it);
+    autograd.grad inside the model's forward pass; an evaluation pass between a forward
+    pass whose unit hides its output and its backward pass: each trains as one process
+    does."""
+    assert run_ranks(_uses, 2, timeout=60, args=(case, True)) == [[], []]
+
+
+def test_weights_reached_around_a_units_output_need_it_kept_whole() -> None:
+    """A side loss reaches a unit's weights in backward before its output's hook gathers
+    it: freed after forward, that raises (rather than read a prefetch half done); kept
+    whole (reshard_after_forward=False), it trains as one process does."""
+    got = run_ranks(_uses, 2, timeout=60, args=("aux", True))
+    assert all(len(r) == 1 and r[0].startswith("raised") for r in got), got
+    assert run_ranks(_uses, 2, timeout=60, args=("aux", False)) == [[], []]
 
 
 def _pinned(rank: int, world: int) -> list[str]:

@@ -256,6 +256,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Stage 3 prefetch: per direction, the unit gathered after each one in the last
         # pass, and the one gathered last in this pass.
         self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
+        # Units whose forward output had no tensor to hook: they stay whole for their
+        # backward pass, which nothing else would gather them for.
+        self._held: set[int] = set()
+        self._forward_depth = 0  # model forward passes running (autograd.grad inside one)
         self._prev: dict[str, Optional[int]] = {"forward": None, "backward": None}
         self._writeback = 0  # of which with writeback=True
         if module is not None:
@@ -303,9 +307,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads += sum(nbytes(f.grad) for f in self._flats)
         if self._feedback is not None:  # what compression has delayed
             grads += sum(nbytes(r) for r in self._feedback._residuals.values())
+        staged = sum(nbytes(t) for u in self._units for t in (u.staging or ()))
         return {"state": state, "grads": grads,
-                "params": sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
-                              for f in self._flats)}
+                "params": staged + sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
+                                       for f in self._flats)}
 
     # ----- set-up
 
@@ -422,26 +427,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
             w.wait()
 
     @torch.no_grad()
-    def _start_gather(self, u: Unit) -> None:
-        """Allocates u's flat buffers and starts their all_gathers; ``_ready`` waits."""
+    def _start_gather(self, u: Unit, ahead: bool = False) -> None:
+        """Starts u's all_gathers; ``_ready`` waits for them. ``ahead`` (a prefetch)
+        gathers into buffers of its own, copied into the flat buffers when waited for:
+        until then the flat buffers stay empty, so that a backward node that reads u's
+        saved weights before u's hooks run (a side output of u's) fails rather than reads
+        half-gathered ones."""
+        targets = []
         for f in u.flats:
-            f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
-        u.inflight = [all_gather_single(f.flat[b.offset:b.offset + b.numel],
+            if ahead:
+                targets.append(torch.empty_like(f.flat))
+            else:
+                f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
+                targets.append(f.flat)
+        u.inflight = [all_gather_single(t[b.offset:b.offset + b.numel],
                                         f.shard_view(f.shard, b), group=self._group,
                                         async_op=True)
-                      for f in u.flats for b in f.buckets]
+                      for f, t in zip(u.flats, targets) for b in f.buckets]
+        u.staging = targets if ahead else None
         u.gathered = True
 
-    def _ready(self, u: Unit) -> None:
+    @torch.no_grad()
+    def _ready(self, u: Unit, use: bool = True) -> None:
+        """Waits for u's all_gathers; unless ``use`` is False (u is about to be freed),
+        fills the flat buffers from a prefetch's own and makes the parameters views."""
         if u.inflight is None:
             return
         for w in u.inflight:
             w.wait()
         u.inflight = None
-        # The parameters keep their own version counters when their data is swapped, and
-        # views saved for backward share the flat buffer's storage: refilling it does not
-        # invalidate what autograd saved.
-        for f in u.flats:
+        staging, u.staging = u.staging, None
+        if not use:
+            return
+        for i, f in enumerate(u.flats):
+            if staging is not None:
+                f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
+                f.flat.copy_(staging[i])
+            # The parameters keep their own version counters when their data is swapped,
+            # and views saved for backward share the flat buffer's storage: refilling it
+            # does not invalidate what autograd saved.
             f.attach()
 
     def _gather(self, u: Unit, direction: Optional[str] = None) -> None:
@@ -458,11 +482,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # Every rank runs the same units in the same order, so every rank starts the
             # same collectives here.
             if nxt is not None and not self._units[nxt].gathered:
-                self._start_gather(self._units[nxt])
+                self._start_gather(self._units[nxt], ahead=True)
         self._ready(u)
 
     def _free(self, u: Unit) -> None:
-        self._ready(u)  # a prefetched unit's collectives end before its storage does
+        self._ready(u, use=False)  # a prefetched unit's collectives end before its storage
         for f in u.flats:
             f.detach()
         u.gathered = False
@@ -474,6 +498,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         if u.index == 0:
             self._prev["forward"] = None  # a new forward pass
+            self._forward_depth += 1
         self._gather(u, "forward")
 
     def _release(self, u: Unit) -> None:
@@ -490,14 +515,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _after_forward(self, u: Unit, hooked: bool) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # recomputed during backward (activation checkpointing): used next
+        if u.index == 0:
+            self._forward_depth -= 1
         if not torch.is_grad_enabled():
             # No backward pass will need it; at the model's end, nor any unit prefetched.
+            # Units held for a backward pass to come stay.
             for v in (self._units if u.index == 0 else [u]):
-                self._release(v)
+                if v.index not in self._held:
+                    self._release(v)
         elif not hooked:
             # No output tensor to hook: nothing would gather it again before backward, so
             # it stays whole until its gradients are sent.
-            return
+            self._held.add(u.index)
         elif self._config.reshard_after_forward and u.index != 0:
             # The model's own unit would be gathered again as soon as backward starts.
             self._release(u)
@@ -515,15 +544,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._gather(u)  # a prefetched unit is waited for
         self._pinned += 1
         self._writeback += bool(writeback)
+        raised = False
         try:
             yield
             if writeback:
                 for f in self._flats:
                     f.pull_shard()
+        except BaseException:
+            raised = True
+            raise
         finally:
             self._pinned -= 1
             self._writeback -= bool(writeback)
-            for u in held:
+            # After a write that did not reach the shards, no unit keeps it.
+            for u in (self._units if raised and writeback else held):
                 self._release(u)
 
     def _check_whole(self, what: str, fix: str) -> None:
@@ -568,12 +602,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                 .queue_callback(self._end_of_backward))
             return
         self._callback_queued = False
-        if self._tracker.started:  # else no gradient reached a parameter: nothing to send
+        sent = self._tracker.started  # else no gradient reached a parameter
+        if sent:
             for n in self._tracker.finish():
                 self._launch(*self._order[n], drop=True)
         self._settle()
         self._sent.clear()
-        self._prev = {"forward": None, "backward": None}
+        self._prev["backward"] = None
+        if self._forward_depth > 0 or (not sent and torch.is_grad_enabled()):
+            # torch.autograd.grad inside the model's forward pass, or with
+            # create_graph=True: the pass goes on, or a graph built on these weights
+            # is yet to run backward. What is gathered stays for it.
+            return
+        self._prev["forward"] = None
+        self._held.clear()
         for u in self._units:
             self._release(u)
 
@@ -594,6 +636,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._pending.clear()
         self._sent.clear()
         self._prev = {"forward": None, "backward": None}
+        self._held.clear()
         for u in self._units:
             self._release(u)
 
@@ -627,6 +670,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._sent[f.unit] += 1
             u = self._units[f.unit]
             if self._sent[f.unit] == sum(len(x.buckets) for x in u.flats):
+                self._held.discard(u.index)
                 self._release(u)  # its gradients are staged: the backward pass is done with it
         # A work holds its staged bucket until it is waited for: without a bound, stage 2
         # would hold every bucket's copy of the gradients until the pass ends.
@@ -705,6 +749,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inner.step()
         if self._units and not self._pinned:
             # The shards are the parameters now: each unit is gathered when it next runs.
+            self._held.clear()
             for u in self._units:
                 self._release(u)
         else:

@@ -38,6 +38,7 @@ class Unit:
     flats: list[Any] = field(default_factory=list)
     gathered: bool = True  # its storage is allocated, and filled or being filled
     inflight: Optional[list[Any]] = None  # the works filling it, until waited for
+    staging: Optional[list[Any]] = None  # a prefetch's own buffers, one per flat
 
     def describe(self) -> str:
         return f"unit {self.index} ({self.name or 'the model'})"
@@ -82,7 +83,10 @@ class UnitHooks:
             # First, so that the user's own pre-hooks (weight_norm's) see whole parameters.
             self._handles.append(u.module.register_forward_pre_hook(self._pre(u),
                                                                     prepend=True))
-            self._handles.append(u.module.register_forward_hook(self._post(u)))
+            # Also when the forward pass raises (output None), so that the optimizer knows
+            # the pass is over.
+            self._handles.append(u.module.register_forward_hook(self._post(u),
+                                                                always_call=True))
 
     def _pre(self, u: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
