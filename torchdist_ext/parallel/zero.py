@@ -515,8 +515,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _after_forward(self, u: Unit, hooked: bool) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # recomputed during backward (activation checkpointing): used next
-        if u.index == 0:
-            self._forward_depth -= 1
+        if u.index == 0:  # (the hook runs even when the forward pass, or its pre-hook, raised)
+            self._forward_depth = max(0, self._forward_depth - 1)
         if not torch.is_grad_enabled():
             # No backward pass will need it; at the model's end, nor any unit prefetched.
             # Units held for a backward pass to come stay.
