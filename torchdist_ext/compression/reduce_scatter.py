@@ -30,6 +30,9 @@ from .codecs import Int8, Method, Sign, TopK, as_dtype
 __all__ = ["reduce_scatter"]
 
 _OP = "torchdist_ext.compression.reduce_scatter"
+# The state's space for buffers used only before the collective starts, which every key
+# shares: kept per key, they would hold several copies of every gradient.
+_SCRATCH = ("torchdist_ext.compression.reduce_scatter", "scratch")
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, method: Method,
@@ -41,7 +44,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, method: Method,
     ``input`` holds ``world_size * output.numel()`` elements of ``output``'s dtype and
     device, as ``dist.reduce_scatter_tensor`` takes them. With ``state``, what encoding
     loses this call is added to the next call with the same ``key`` (error feedback);
-    the state then holds a residual of ``input``'s size. With ``async_op=True`` it
+    the state then holds a residual of ``input``'s size in the working precision
+    (float32 below float64), the key's encoded send and receive buffers, and one
+    scratch of ``input``'s size for every key. With ``async_op=True`` it
     returns a ``torch.futures.Future`` whose value is ``output`` once reduced; otherwise
     None. Calls under one ``key`` of one ``state`` must not overlap."""
     average = _check(input, method, op, _OP)
@@ -100,14 +105,15 @@ def _blocks(rows: torch.Tensor, method: Int8 | Sign, group: Any, n: int,
     unit = method.unit
     length = -(-chunk // unit) * unit
     space = None if state is None else state._space(key)
-    padded = _buffer(space, "rs_rows", (n, length), wdtype, device)
+    scratch = None if state is None else state._space(_SCRATCH)
+    padded = _buffer(scratch, "rows", (n, length), wdtype, device)
     padded[:, :chunk] = rows
     padded[:, chunk:] = 0
     nbytes = _HEADER + method.nbytes(length, wdtype)
     word = method.word(wdtype)
     send = _payload_rows(_buffer(space, "rs_send", (n, nbytes), torch.uint8, device), word,
                          numel)
-    lost = None if state is None else _buffer(space, "rs_lost", (n, length), wdtype, device)
+    lost = None if state is None else _buffer(scratch, "lost", (n, length), wdtype, device)
     if length:
         method.encode_into(padded, [chunk] * n, send[:, _HEADER:], lost)
     if lost is not None:
@@ -118,7 +124,7 @@ def _blocks(rows: torch.Tensor, method: Int8 | Sign, group: Any, n: int,
     def total() -> torch.Tensor:
         _check_headers(recv, word, numel, group, "its chunks", _OP)
         if not length:
-            return padded[0, :0]
+            return torch.empty(0, dtype=wdtype, device=device)
         out = method.decode_sum(recv[:, _HEADER:], length, wdtype)
         return out[:chunk]
 

@@ -305,8 +305,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     for v in st.values())
         grads = sum(nbytes(p.grad) for g in self.param_groups for p in g["params"])
         grads += sum(nbytes(f.grad) for f in self._flats)
-        if self._feedback is not None:  # what compression has delayed
+        if self._feedback is not None:  # what compression has delayed, and its buffers
             grads += sum(nbytes(r) for r in self._feedback._residuals.values())
+            grads += sum(nbytes(t) for space in self._feedback._spaces.values()
+                         for t in space.values())
         staged = sum(nbytes(t) for u in self._units for t in (u.staging or ()))
         return {"state": state, "grads": grads,
                 "params": staged + sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
@@ -556,9 +558,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         finally:
             self._pinned -= 1
             self._writeback -= bool(writeback)
-            # After a write that did not reach the shards, no unit keeps it.
+            # After a write that did not reach the shards, no unit keeps it (but those held
+            # for a backward pass to come, which nothing would gather again).
             for u in (self._units if raised and writeback else held):
-                self._release(u)
+                if u.index not in self._held:
+                    self._release(u)
 
     def _check_whole(self, what: str, fix: str) -> None:
         if self._units and not self._pinned:
@@ -658,7 +662,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if drop:
                 p.grad = None
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
-        if self._config.compression is None:
+        if self._config.compression is None or self._world == 1:  # alone, exact for free
             work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
         else:
             # A future, which settles as a work does; one error-feedback stream per bucket.
@@ -747,6 +751,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         inner_group[k] = v
                 f.shard.grad = f.grad
             self._inner.step()
+        self._forward_depth = 0
         if self._units and not self._pinned:
             # The shards are the parameters now: each unit is gathered when it next runs.
             self._held.clear()
@@ -759,6 +764,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._abandon_pass()
+        self._forward_depth = 0  # a forward pass interrupted (KeyboardInterrupt) is over
         for g in self.param_groups:
             for p in g["params"]:
                 if p.grad is not None:
@@ -803,6 +809,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                  f"not {v!r}; save consolidated_state_dict() to move state "
                                  "between world sizes or models")
         self._set_hyper(state_dict["param_groups"])
+        if self._feedback is not None:
+            self._feedback.clear()
         if self._inner is not None:
             self._inner.load_state_dict(state_dict["inner"])
 
@@ -855,8 +863,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_consolidated_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes this rank's shard of a plain optimizer's ``state_dict()`` over the same
-        parameters (or of ``consolidated_state_dict()``, at any world size)."""
+        parameters (or of ``consolidated_state_dict()``, at any world size); forgets what
+        compression's error feedback held back."""
         self._set_hyper(state_dict["param_groups"])
+        if self._feedback is not None:
+            self._feedback.clear()
         if self._inner is None:
             return
         index = self._indices()
