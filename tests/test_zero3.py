@@ -395,6 +395,18 @@ def _odd_uses(rank: int, world: int) -> list[str]:
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
                 fails.append(f"{n}: {(p - q).abs().max()}")
+    # A writeback block that raises between a forward pass and its backward pass leaves
+    # the unit held for that backward pass whole.
+    out = model(torch.randn(2, 7, dtype=torch.float64))
+    try:
+        with opt.gathered(writeback=True):
+            raise KeyError("in the block")
+    except KeyError:
+        pass
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        fails.append(f"backward after a raised writeback block: {str(e)[:120]}")
     return fails
 
 
