@@ -248,6 +248,16 @@ def test_stage_3_with_activation_checkpointing(ckpt: str) -> None:
     _compare(got, ref, world)
 
 
+def _differences(opt: ZeroOptimizer, model: nn.Module, ref: nn.Module) -> list[str]:
+    """The parameters of ``model`` (gathered) that differ from ``ref``'s."""
+    out = []
+    with opt.gathered():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
+                out.append(f"{n}: {(p - q).abs().max()}")
+    return out
+
+
 class _Nested(nn.Module):
     """Every gradient but the model's own arrives inside a reentrant checkpoint's backward
     pass, the first of them before the model's; the model's gain is read after them."""
@@ -292,10 +302,7 @@ def _nested(rank: int, world: int, stage: int) -> list[str]:
         plain.zero_grad()
         F.mse_loss(ref(x), y).backward()
         plain.step()
-    with opt.gathered():
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
-                fails.append(f"{n}: {(p - q).abs().max()}")
+    fails += _differences(opt, model, ref)
     return fails
 
 
@@ -391,10 +398,7 @@ def _odd_uses(rank: int, world: int) -> list[str]:
     torch.autograd.grad(model(x).sum(), [x])
     if opt.memory()["params"] != shards:
         fails.append(f"after autograd.grad the parameters take {opt.memory()['params']}")
-    with opt.gathered():
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
-                fails.append(f"{n}: {(p - q).abs().max()}")
+    fails += _differences(opt, model, ref)
     # A writeback block that raises between a forward pass and its backward pass leaves
     # the unit held for that backward pass whole.
     out = model(torch.randn(2, 7, dtype=torch.float64))
@@ -489,10 +493,7 @@ def _uses(rank: int, world: int, case: str, reshard: bool) -> list[str]:
         plain.zero_grad()
         _loss(case, ref, x, y).backward()
         plain.step()
-    with opt.gathered():
-        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            if not torch.allclose(p, q, rtol=1e-10, atol=1e-12):
-                fails.append(f"{n}: {(p - q).abs().max()}")
+    fails += _differences(opt, model, ref)
     return fails
 
 
