@@ -253,15 +253,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Stage 3: buckets of each unit sent in this backward pass, to free it after its last.
         self._sent: dict[int, int] = defaultdict(int)
         self._pinned = 0  # gathered() blocks open: nothing is freed meanwhile
+        self._writeback = 0  # of which with writeback=True
         # Stage 3 prefetch: per direction, the unit gathered after each one in the last
         # pass, and the one gathered last in this pass.
         self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
+        self._prev: dict[str, Optional[int]] = {"forward": None, "backward": None}
         # Units whose forward output had no tensor to hook: they stay whole for their
         # backward pass, which nothing else would gather them for.
         self._held: set[int] = set()
         self._forward_depth = 0  # model forward passes running (autograd.grad inside one)
-        self._prev: dict[str, Optional[int]] = {"forward": None, "backward": None}
-        self._writeback = 0  # of which with writeback=True
         if module is not None:
             module.register_state_dict_pre_hook(self._before_state_dict)
             module.register_load_state_dict_pre_hook(self._before_load_state_dict)
@@ -294,10 +294,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def memory(self) -> dict[str, int]:
         """Bytes this rank holds now for the trainable parameters it was given: ``state``
         (the wrapped optimizer's tensors: its shard of exp_avg, momentum and the like),
-        ``grads`` (gradients: ``param.grad``, the reduced shard and what compression's
-        error feedback holds back) and ``params`` (the
-        flat buffers as allocated now, padding included, and the shards the optimizer
-        updates). Frozen parameters, and those not given, are not counted."""
+        ``grads`` (gradients: ``param.grad``, the reduced shard, and compression's
+        residuals and buffers) and ``params`` (the flat buffers as allocated now, padding
+        included, a prefetch's own, and the shards the optimizer updates). Frozen
+        parameters, and those not given, are not counted."""
         def nbytes(t: Any) -> int:
             return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
