@@ -7,7 +7,9 @@ units' plan in one process; resuming, activation checkpointing and refusals.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import random
 from typing import Any
 
 import pytest
@@ -548,6 +550,67 @@ def _pinned(rank: int, world: int) -> list[str]:
 
 def test_gathered_holds_parameters_whole_through_passes_and_guards_state_dicts() -> None:
     assert run_ranks(_pinned, 2, timeout=60) == [[], []]
+
+
+class _Random(nn.Module):
+    """Layers drawn at random: linear, layer norms, residual blocks, a tanh; maybe two
+    linear layers sharing a weight."""
+
+    def __init__(self, rng: random.Random, d: int) -> None:
+        super().__init__()
+        kinds = [rng.choice(["linear", "norm", "block", "tanh"]) for _ in range(rng.randint(1, 6))]
+        make = {"linear": lambda: nn.Linear(d, d), "norm": lambda: nn.LayerNorm(d),
+                "block": lambda: _Block(d), "tanh": nn.Tanh}
+        self.layers = nn.ModuleList([make[k]() for k in kinds])
+        linear = [m for m in self.layers if type(m) is nn.Linear]
+        if len(linear) >= 2 and rng.random() < 0.5:
+            linear[-1].weight = linear[0].weight
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.layers:
+            x = m(x)
+        return self.out(x)
+
+
+def _random_models(rank: int, world: int, trials: int) -> list[str]:
+    """Stage 3, under random units, resharding, prefetch and bucket sizes, against stage
+    2 on a copy of the same model: the same parameters after three steps."""
+    fails = []
+    rng = random.Random(7)  # the same draws on every rank
+    for trial in range(trials):
+        d = rng.choice([3, 5, 8])
+        torch.manual_seed(trial)
+        first = _Random(rng, d).double()
+        models = [first, copy.deepcopy(first)]
+        units = rng.choice([(), (nn.Linear,), (_Block,), (nn.Linear, nn.LayerNorm)])
+        if units and not any(isinstance(m, units) for m in models[0].modules()
+                             if m is not models[0]):
+            units = ()
+        three = ZeroConfig(stage=3, units=units, bucket_bytes=rng.choice([64, 256, 1 << 20]),
+                           reshard_after_forward=rng.random() < 0.7,
+                           prefetch=rng.random() < 0.7)
+        opts = [ZeroOptimizer(models[0].parameters(), torch.optim.Adam, config=three,
+                              module=models[0], lr=0.01),
+                ZeroOptimizer(models[1].parameters(), torch.optim.Adam,
+                              config=ZeroConfig(stage=2), lr=0.01)]
+        g = torch.Generator().manual_seed(trial)
+        for _ in range(3):
+            for m, opt in zip(models, opts):
+                opt.zero_grad()
+            for _ in range(2):
+                x = torch.randn(2 * world, d, generator=g, dtype=torch.float64)
+                for m in models:
+                    m(x.chunk(world)[rank]).square().mean().backward()
+            for opt in opts:
+                opt.step()
+        fails += [f"trial {trial} ({three}): {e}"
+                  for e in _differences(opts[0], models[0], models[1])]
+    return fails
+
+
+def test_stage_3_matches_stage_2_on_random_models() -> None:
+    assert run_ranks(_random_models, 3, timeout=120, args=(24,)) == [[], [], []]
 
 
 def _resume(rank: int, world: int, stage: int) -> list[str]:
