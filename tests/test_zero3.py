@@ -613,6 +613,49 @@ def test_stage_3_matches_stage_2_on_random_models() -> None:
     assert run_ranks(_random_models, 3, timeout=120, args=(24,)) == [[], [], []]
 
 
+def _owners(rank: int, world: int) -> list[str]:
+    """A deepcopy of a model (an EMA copy, say) is not the optimizer's: its state dicts
+    and gradients are its own. A second ZeroOptimizer over a model takes it over from the
+    first; at stage 3, whose parameters are sharded then, it is refused. A rank whose
+    stage 3 set-up is refused does not leave the others waiting."""
+    fails = []
+    x = torch.ones(2, 7, dtype=torch.float64)
+    model = _net()
+    first = ZeroOptimizer(_groups(model), torch.optim.SGD, module=model, lr=0.1)
+    model(x).sum().backward()
+    first.step()
+    ema = copy.deepcopy(model)
+    weights = ema.state_dict()
+    ema.load_state_dict(weights)
+    ema(x).sum().backward()
+    if ema.embed.weight.grad is None:
+        fails.append("the copy's gradient was taken by the optimizer")
+    second = ZeroOptimizer(_groups(model), torch.optim.SGD, module=model, lr=0.1)
+    with second.gathered(writeback=True):
+        model.load_state_dict(weights)
+    expect_refusal(fails, lambda: model.load_state_dict(weights), "writeback=True",
+                   errors=(RuntimeError,))
+    second.zero_grad()
+    model(x).sum().backward()
+    second.step()
+    if any(p.grad is not None for p in model.parameters()):
+        fails.append("the second optimizer left gradients")
+    sharded = _net()
+    three = ZeroConfig(stage=3)
+    ZeroOptimizer(_groups(sharded), torch.optim.SGD, module=sharded, config=three, lr=0.1)
+    expect_refusal(fails, lambda: ZeroOptimizer(_groups(sharded), torch.optim.SGD,
+                                                module=sharded, config=three, lr=0.1),
+                   "sharded already")
+    expect_refusal(fails, lambda: ZeroOptimizer(_groups(model), torch.optim.SGD, config=three,
+                                                module=model if rank else None, lr=0.1),
+                   "module=model" if rank == 0 else "lay their parameters out otherwise")
+    return fails
+
+
+def test_copies_second_optimizers_and_one_rank_refused() -> None:
+    assert run_ranks(_owners, 2, timeout=60) == [[], []]
+
+
 def _resume(rank: int, world: int, stage: int) -> list[str]:
     """A model and optimizer state taken out through gathered() and
     consolidated_state_dict() go into another model's optimizer through

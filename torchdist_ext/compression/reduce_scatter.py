@@ -45,8 +45,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, method: Method,
     device, as ``dist.reduce_scatter_tensor`` takes them. With ``state``, what encoding
     loses this call is added to the next call with the same ``key`` (error feedback);
     the state then holds a residual of ``input``'s size in the working precision
-    (float32 below float64), the key's encoded send and receive buffers, and one
-    scratch of ``input``'s size for every key. With ``async_op=True`` it
+    (float32 below float64) and, for Int8 and Sign, the key's encoded send and receive
+    buffers and two scratch tensors of ``input``'s size that every key shares. With ``async_op=True`` it
     returns a ``torch.futures.Future`` whose value is ``output`` once reduced; otherwise
     None. Calls under one ``key`` of one ``state`` must not overlap."""
     average = _check(input, method, op, _OP)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -66,18 +67,19 @@ class ZeroConfig:
     units: stage 3 only: module types (a transformer block, say) each of whose outermost
         instances is gathered and freed on its own; every other parameter is gathered for
         the model's whole forward pass. The default, none, gathers the model as one unit:
-        parameters are whole from each forward pass to the end of its backward pass, and
+        parameters are whole from each forward pass until their gradients are sent, and
         sharded otherwise.
     reshard_after_forward: stage 3 only: free each unit (but the model's own) once its
         forward pass returns, and gather it again for its backward pass; off, a unit stays
-        whole from its forward pass to the end of its backward pass, one all_gather fewer
+        whole from its forward pass until its gradients are sent, one all_gather fewer
         per step for more memory.
     compression: reduce the gradients through this method of
         :mod:`torchdist_ext.compression` (``Int8()``, ``Sign()``, ``TopK(ratio)``), one
         compressed reduce_scatter per bucket, instead of exactly.
     error_feedback: with ``compression``, add what each rank's encoding lost to its next
         gradient of the same bucket, so that it is delayed rather than lost; the
-        residuals take one gradient's size per rank.
+        residuals take one gradient per rank (in float32 for float16 and bfloat16
+        gradients, twice their size).
     prefetch: stage 3 only: as a unit is gathered, start gathering the unit that came
         after it in the last pass of the same direction, so that its collectives run
         while this one computes; off, each unit is gathered when it is about to run, one
@@ -112,6 +114,15 @@ class ZeroConfig:
                                 or not self.prefetch):
             raise ValueError(f"ZeroConfig: units, reshard_after_forward and prefetch apply "
                              f"at stage 3 only, not at stage {self.stage}")
+
+
+def _weak_hook(ref: Any, method: str) -> Callable[..., Any]:
+    """A hook that calls ``method`` of the object ``ref`` refers to while it lives: a
+    model or parameter does not keep its optimizer alive through it."""
+    def hook(*args: Any) -> Any:
+        owner = ref()
+        return None if owner is None else getattr(owner, method)(*args)
+    return hook
 
 
 class _Flat:
@@ -220,8 +231,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_params()
         self._units: list[Unit] = []
         owner: dict[int, int] = {}
+        # A rank whose stage 3 set-up is refused still takes part in the layout check
+        # below, so that the others raise too rather than wait for it.
+        refused: Optional[ValueError] = None
         if config.stage == 3:
-            self._units, owner = self._plan_units(module)
+            try:
+                self._units, owner = self._plan_units(module)
+            except ValueError as e:
+                refused = e
 
         self._flats: list[_Flat] = []
         for gi, g in enumerate(self.param_groups):
@@ -235,7 +252,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if self._units:
                     self._units[u].flats.append(self._flats[-1])
         self._order = self._release_order()
-        self._check_same_layout()
+        try:
+            self._check_same_layout(refused is not None)
+        except ValueError:
+            if refused is None:
+                raise
+        if refused is not None:
+            raise refused
 
         if config.broadcast_params:
             self._broadcast_params()
@@ -243,6 +266,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f.pull_shard()
         self._unit_hooks: Optional[UnitHooks] = None
         if self._units:
+            for f in self._flats:
+                for p in f.params:
+                    p.__dict__["_tdx_zero_sharded"] = True
             # The model's own unit is hooked even when it holds no parameter: its hooks
             # mark where a forward pass starts and ends.
             used = [u for u in self._units if u.flats or u.index == 0]
@@ -262,9 +288,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # backward pass, which nothing else would gather them for.
         self._held: set[int] = set()
         self._forward_depth = 0  # model forward passes running (autograd.grad inside one)
+        # The model's hooks and the gradient hooks hold the optimizer weakly and act only
+        # for the latest ZeroOptimizer over that model or parameter, and only on the model
+        # itself (a deepcopy of it carries the same hooks).
+        self._ref = weakref.ref(self)
+        self._module = weakref.ref(module) if module is not None else None
         if module is not None:
-            module.register_state_dict_pre_hook(self._before_state_dict)
-            module.register_load_state_dict_pre_hook(self._before_load_state_dict)
+            module.__dict__["_tdx_zero_owner"] = self._ref
+            module.register_state_dict_pre_hook(_weak_hook(self._ref, "_before_state_dict"))
+            module.register_load_state_dict_pre_hook(
+                _weak_hook(self._ref, "_before_load_state_dict"))
 
         inner_groups = []
         for f in self._flats:
@@ -279,11 +312,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reduced = False  # stage 1: the gradients of this step have been reduced
         self._callback_queued = False
         self._hooks = []
+        self._tracker: Optional[Any] = None  # stages 2 and 3, with a trainable parameter
         if config.stage >= 2 and self._flats:
             self._tracker = _C._BucketTracker(self._tracker_buckets())
             self._index = {id(p): i for i, p in enumerate(self._tracker_params)}
             for p in self._tracker_params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                p.__dict__["_tdx_zero_owner"] = self._ref
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    _weak_hook(self._ref, "_on_grad")))
 
     @property
     def shard_numel(self) -> int:
@@ -341,6 +377,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                              "it needs the model: pass module=model (got "
                              f"{type(module).__name__})")
         units, owner = plan_units(module, self._config.units)
+        if any(p.__dict__.get("_tdx_zero_sharded") for p in module.parameters()):
+            raise ValueError(f"{self._who}: the model's parameters are sharded already, by "
+                             "another stage 3 ZeroOptimizer; build one optimizer per model "
+                             "(to start over, build the model afresh and load its weights)")
         if self._config.units and len(units) == 1:
             raise ValueError(f"{self._who}: the model has no module of the types in "
                              f"ZeroConfig.units {self._config.units}; name types it holds, or "
@@ -353,13 +393,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                      "at stage 3 pass the model whose parameters these are")
         return units, owner
 
-    def _check_same_layout(self) -> None:
+    def _check_same_layout(self, refused: bool = False) -> None:
         """Ranks whose layouts differ would reduce buckets of different sizes into each
-        other: compare a hash of each rank's, once, and name the ranks that differ."""
+        other: compare a hash of each rank's, once, and name the ranks that differ
+        (``refused``: this rank's set-up was refused, which the others must see)."""
         frozen = [tuple(p.shape) for g in self.param_groups for p in g["params"]
                   if not p.requires_grad]  # broadcast one by one below
         c = self._config
-        text = (f"stage {c.stage} reshard {c.reshard_after_forward} prefetch {c.prefetch} "
+        text = (f"refused {refused}\n"
+                f"stage {c.stage} reshard {c.reshard_after_forward} prefetch {c.prefetch} "
                 f"compression {c.compression!r} {c.error_feedback}\n"
                 f"frozen {frozen}\n") + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
@@ -569,12 +611,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{self._who}: {what} outside `with optimizer.{fix}:`, where "
                                "stage 3 parameters are empty between uses; call it inside")
 
+    def _manages(self, module: nn.Module) -> bool:
+        return (self._module is not None and module is self._module()
+                and module.__dict__.get("_tdx_zero_owner") is self._ref)
+
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._check_whole("model.state_dict() called", "gathered()")
+        if self._manages(module):
+            self._check_whole("model.state_dict() called", "gathered()")
 
     def _before_load_state_dict(self, module: nn.Module, *args: Any) -> None:
         # At every stage a write the shard never sees would be undone by the next step.
-        if not self._writeback:
+        if self._manages(module) and not self._writeback:
             raise RuntimeError(f"{self._who}: model.load_state_dict() called outside `with "
                                "optimizer.gathered(writeback=True):`; the optimizer steps "
                                "from its own shard of the parameters, which would undo the "
@@ -583,6 +630,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     # ----- gradients
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if p.__dict__.get("_tdx_zero_owner") is not self._ref or id(p) not in self._index:
+            return  # a later ZeroOptimizer reduces this parameter, or p is a copy of one
         self._queue_end_of_backward()
         try:
             released = self._tracker.mark(self._index[id(p)])
@@ -606,7 +655,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                 .queue_callback(self._end_of_backward))
             return
         self._callback_queued = False
-        sent = self._tracker.started  # else no gradient reached a parameter
+        # Else no gradient reached a parameter (or none is trainable).
+        sent = self._tracker is not None and self._tracker.started
         if sent:
             for n in self._tracker.finish():
                 self._launch(*self._order[n], drop=True)
@@ -634,7 +684,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self._callback_queued:
             return
         self._callback_queued = False
-        self._tracker.finish()
+        if self._tracker is not None:
+            self._tracker.finish()
         for _, _, _, work in self._pending:
             work.wait()
         self._pending.clear()

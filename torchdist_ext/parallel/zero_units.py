@@ -90,7 +90,8 @@ class UnitHooks:
 
     def _pre(self, u: Unit) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self._gather(u)
+            if module is u.module:  # not a deepcopy of it, which carries the same hooks
+                self._gather(u)
         return hook
 
     def _post(self, u: Unit) -> Callable[..., None]:
@@ -98,6 +99,8 @@ class UnitHooks:
             self._before_backward(u)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module is not u.module:
+                return
             hooked = False
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
