@@ -149,6 +149,13 @@ def _reduce(tensor: torch.Tensor, method: Method, group: Any, average: bool,
             tensor.copy_(out.reshape(tensor.shape))
         return tensor
 
+    return complete(work, finish, async_op)
+
+
+def complete(work: Any, finish: Rest, async_op: bool) -> torch.futures.Future | None:
+    """Runs ``finish`` once ``work`` (the op's first collective) is done: here, after
+    waiting for it, or, with ``async_op``, chained on its future, whose value is then
+    what ``finish`` returns."""
     if not async_op:
         work.wait()
         finish()

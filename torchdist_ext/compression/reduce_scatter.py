@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .allreduce import (_HEADER, ErrorFeedback, Rest, _buffer, _check, _check_headers,
-                        _payload_rows, _rank_text)
+                        _payload_rows, _rank_text, complete)
 from .codecs import Int8, Method, Sign, TopK, as_dtype
 
 __all__ = ["reduce_scatter"]
@@ -81,16 +81,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, method: Method,
             output.copy_(total.reshape(output.shape))
         return output
 
-    if not async_op:
-        work.wait()
-        finish()
-        return None
-
-    def chained(fut: torch.futures.Future) -> torch.Tensor:
-        fut.wait()  # raises the collective's error
-        return finish()
-
-    return work.get_future().then(chained)
+    return complete(work, finish, async_op)
 
 
 def _describe(t: Any) -> str:

@@ -133,6 +133,7 @@ class _Flat:
                  bucket_bytes: int, unit: int = 0) -> None:
         self.group_index = group_index
         self.unit = unit
+        self.index = 0  # its place among the optimizer's flat buffers
         # Gradients arrive roughly in reverse order of registration: lay the buckets out
         # in that order so that the first ones fill first.
         self.params = list(reversed(params))
@@ -249,8 +250,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for (_, _, u), kind_params in by_kind.items():
                 self._flats.append(_Flat(gi, kind_params, self._world, self._rank,
                                          config.bucket_bytes, unit=u))
+                self._flats[-1].index = len(self._flats) - 1
                 if self._units:
                     self._units[u].flats.append(self._flats[-1])
+                    self._units[u].buckets += len(self._flats[-1].buckets)
         self._order = self._release_order()
         try:
             self._check_same_layout(refused is not None)
@@ -546,8 +549,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._gather(u, "forward")
 
     def _release(self, u: Unit) -> None:
-        """Frees u unless a gathered() block holds every unit whole."""
-        if u.gathered and not self._pinned:
+        """Frees u unless a gathered() block holds every unit whole, or u is held for a
+        backward pass to come (whose end, or u's gradients, un-hold it first)."""
+        if u.gathered and not self._pinned and u.index not in self._held:
             self._free(u)
 
     def _before_backward(self, u: Unit) -> None:
@@ -563,10 +567,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._forward_depth = max(0, self._forward_depth - 1)
         if not torch.is_grad_enabled():
             # No backward pass will need it; at the model's end, nor any unit prefetched.
-            # Units held for a backward pass to come stay.
             for v in (self._units if u.index == 0 else [u]):
-                if v.index not in self._held:
-                    self._release(v)
+                self._release(v)
         elif not hooked:
             # No output tensor to hook: nothing would gather it again before backward, so
             # it stays whole until its gradients are sent.
@@ -603,8 +605,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # After a write that did not reach the shards, no unit keeps it (but those held
             # for a backward pass to come, which nothing would gather again).
             for u in (self._units if raised and writeback else held):
-                if u.index not in self._held:
-                    self._release(u)
+                self._release(u)
 
     def _check_whole(self, what: str, fix: str) -> None:
         if self._units and not self._pinned:
@@ -719,12 +720,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             # A future, which settles as a work does; one error-feedback stream per bucket.
             work = tc.reduce_scatter(out, staged, self._config.compression,
                                      group=self._group, state=self._feedback,
-                                     key=(self._flats.index(f), b.offset), async_op=True)
+                                     key=(f.index, b.offset), async_op=True)
         self._pending.append((f, b, out, work))
         if self._units and drop:
             self._sent[f.unit] += 1
             u = self._units[f.unit]
-            if self._sent[f.unit] == sum(len(x.buckets) for x in u.flats):
+            if self._sent[f.unit] == u.buckets:
                 self._held.discard(u.index)
                 self._release(u)  # its gradients are staged: the backward pass is done with it
         # A work holds its staged bucket until it is waited for: without a bound, stage 2

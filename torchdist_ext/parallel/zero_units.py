@@ -36,6 +36,7 @@ class Unit:
     name: str
     module: nn.Module
     flats: list[Any] = field(default_factory=list)
+    buckets: int = 0  # over all its flat buffers
     gathered: bool = True  # its storage is allocated, and filled or being filled
     inflight: Optional[list[Any]] = None  # the works filling it, until waited for
     staging: Optional[list[Any]] = None  # a prefetch's own buffers, one per flat
