@@ -126,19 +126,20 @@ def _attempt(rank: int, port: int, delay: float, q) -> None:
         q.put((rank, type(e).__name__, str(e)))
 
 
-def test_an_address_left_in_the_store_by_an_earlier_attempt_is_named_so() -> None:
-    """A second attempt on the same store (torchrun --max-restarts shares its store) reads
-    the first attempt's addresses before the ranks overwrite them: the error says the
-    process that published the address is gone and what to do, not just UCX's "Shared
-    memory error. Check UCX_TLS"."""
+def test_attempts_on_one_store_never_read_each_others_keys() -> None:
+    """Attempts of a job on one store (torchrun --max-restarts keeps its store, and every
+    key in it) each get a group of their own: a later attempt's rank that comes first
+    never reads the addresses, window names or cost model an earlier attempt left there
+    (it used to connect to a process that was gone). Rank 1 comes 3 s late in the second
+    attempt, rank 0 in the third."""
     import torch.multiprocessing as mp
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     results = {}
-    for attempt, delay in ((1, 0.0), (2, 3.0)):
-        procs = [ctx.Process(target=_attempt, args=(r, master.port, delay if r else 0.0, q))
+    for attempt, late in ((1, None), (2, 1), (3, 0)):
+        procs = [ctx.Process(target=_attempt, args=(r, master.port, 3.0 if r == late else 0.0, q))
                  for r in range(2)]
         for p in procs:
             p.start()
@@ -146,8 +147,5 @@ def test_an_address_left_in_the_store_by_an_earlier_attempt_is_named_so() -> Non
             p.join(60)
         got = [q.get(timeout=5) for _ in procs]
         results[attempt] = {r: (kind, text) for r, kind, text in got}
-    assert results[1] == {0: ("ok", "[2.0, 2.0]"), 1: ("ok", "[2.0, 2.0]")}, results
-    kind, text = results[2][0]  # rank 0 went first and read rank 1's old address
-    assert kind == "DistBackendError", results
-    assert "could not connect to rank 1" in text and "no longer running" in text, text
-    assert "fresh store" in text, text
+    ok = {0: ("ok", "[2.0, 2.0]"), 1: ("ok", "[2.0, 2.0]")}
+    assert results == {1: ok, 2: ok, 3: ok}, results

@@ -30,6 +30,7 @@
 #include "algorithms/executor.h"
 #include "algorithms/pass_pool.h"
 
+#include "c10d/StoreGeneration.hpp"
 #include "c10d/Validation.hpp"
 #include "common/env.h"
 #include "common/host.h"
@@ -484,6 +485,32 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   std::snprintf(membersText, sizeof(membersText), "%016llx%08llx",
                 static_cast<unsigned long long>(membersHash),
                 static_cast<unsigned long long>(globalRanks_[rank]));
+  // Rank r's record of the members it named (the hash of the list, its global rank): it
+  // must name the same list, and be the global rank this rank's list says. Either rank r
+  // named other members, or a rank of another group made under the same name wrote r's
+  // record (it is its rank r too). Every such rank fails, or ranks whose lists agree form
+  // their group alone: none takes another's data.
+  const auto checkMembers = [&](int r, const std::string& theirs) {
+    const bool whole = theirs.size() == kMembersDigits;
+    const auto writer =
+        whole ? static_cast<int64_t>(std::strtoull(theirs.substr(16).c_str(), nullptr, 16))
+              : int64_t{-1};
+    if (whole && theirs.compare(0, 16, membersText, 16) == 0 && writer == globalRanks_[r]) {
+      return;
+    }
+    const std::string who = "rank " + std::to_string(r) + " of this group (global rank " +
+                            std::to_string(globalRanks_[r]) + ")";
+    C10_THROW_ERROR(
+        DistBackendError,
+        prefix() + " " +
+            (writer == globalRanks_[r]
+                 ? who + " created it with other members than this rank did"
+                 : who + " is global rank " + std::to_string(writer) +
+                       " in the group of the same name it created") +
+            " (this rank's: global ranks " + memberList(globalRanks_) +
+            "): every rank of a group must pass new_group the same ranks, and create "
+            "its groups in the same order as the others");
+  };
   const std::string key = transport::hostKey();
   uint64_t idsFreeEverywhere = idsFree;
   int localRanks = 0;
@@ -491,10 +518,33 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
   std::vector<std::string> cpuTexts;
   std::string windowsDisagreement;  // a windowsOnly knob's
   try {
-    // Which incarnation of this group's store prefix this is (a group re-created under
-    // the same name on a reused store), so that keys written after setup (timeout notes)
-    // never meet an earlier incarnation's. Every rank counts its own, once per group.
-    incarnation_ = store_->add("tdx/incarnation/" + std::to_string(rank), 1);
+    // First a generation for this group's keys (StoreGeneration.hpp): the store may be an
+    // earlier attempt's (torchrun --max-restarts keeps its store), or have seen a group of
+    // this name before, and their keys must never be read as this group's. Every key
+    // from here on is under it, and so are the keys of the group's life (timeout notes).
+    GenerationHooks hooks;
+    hooks.prefix = prefix();
+    hooks.identity = membersText;
+    hooks.late = [&](const std::vector<int>& late, const std::string& waitedOn) {
+      if (rank != 0) {
+        // Waiting on rank 0 alone, a rank watches every member: one already lost
+        // (another group saw it die) means this group cannot form.
+        std::vector<int> lost;
+        for (int q = 0; q < size; ++q) {
+          if (q != rank && knownPeers().lost(globalRanks_[q])) lost.push_back(q);
+        }
+        setupLate(lost, waitedOn, "join the group");
+      }
+      setupLate(late, waitedOn, "join the group");
+    };
+    hooks.due = [&] { return Clock::now() >= setupDeadline_; };
+    hooks.differs = checkMembers;
+    incarnation_ = static_cast<int64_t>(agreeOnGeneration(*store_, rank, size, hooks));
+    char generationText[17];
+    std::snprintf(generationText, sizeof(generationText), "%016llx",
+                  static_cast<unsigned long long>(incarnation_));
+    store_ = c10::make_intrusive<c10d::PrefixStore>(std::string("tdx/") + generationText,
+                                                    store_);
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
                         membersText + "|" + tuningText + "@" + cpuText() + "|" + key));
@@ -519,29 +569,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
                             " published no group record under tdx/host/: every rank of a tdx "
                             "group must run the same torchdist_ext version");
       }
-      if (text.compare(membersAt, 16, membersText, 16) != 0 ||
-          std::strtoull(text.substr(membersAt + 16, 8).c_str(), nullptr, 16) !=
-              static_cast<uint64_t>(globalRanks_[r])) {
-        // Either rank r named other members, or a rank of another group made under the
-        // same name wrote r's record (it is its rank r too). Every such rank fails here,
-        // or ranks whose lists agree form their group alone: none takes another's data.
-        const auto writer = static_cast<int64_t>(
-            std::strtoull(text.substr(membersAt + 16, 8).c_str(), nullptr, 16));
-        const std::string who = "rank " + std::to_string(r) + " of this group (global rank " +
-                                std::to_string(globalRanks_[r]) + ")";
-        C10_THROW_ERROR(
-            DistBackendError,
-            prefix() + " " +
-                (writer == globalRanks_[r]
-                     ? who + " created it with other members than this rank did"
-                     : who + " is global rank " + std::to_string(writer) +
-                           " in the group of the same name it created") +
-                " (this rank's: global ranks " + memberList(globalRanks_) +
-                "): every rank of a group must pass new_group the same ranks, and create "
-                "its groups in the same order as the others. (A job that destroys its "
-                "groups and makes new ones on the same store must destroy them on every "
-                "rank first: a record of the earlier group of this name reads the same)");
-      }
+      checkMembers(r, text.substr(membersAt, kMembersDigits));
       idsFreeEverywhere &= std::strtoull(text.substr(1, kMaskDigits).c_str(), nullptr, 16);
       for (size_t k = 0; k < sizeof(kTuning) / sizeof(kTuning[0]); ++k) {
         const uint64_t v = std::strtoull(text.substr(tuningAt + 16 * k, 16).c_str(), nullptr, 16);
@@ -1700,34 +1728,53 @@ void ProcessGroupTDX::setupWait(const std::string& key, const char* step) {
   for (int q = 0; q < (perRank ? size_ : 1); ++q) {
     keys.push_back(perRank ? key + std::to_string(q) : key);
   }
+  // A few requests a second at most while a member is late.
+  pollStore(*store_, keys, std::chrono::milliseconds(256), [&] {
+    const bool due = Clock::now() >= setupDeadline_;
+    std::vector<int> late;
+    for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
+      // The store is asked only at the deadline, or for a rank known to be lost.
+      if (q != rank_ && (due || knownPeers().lost(globalRanks_[q])) &&
+          !store_->check({keys[q]})) {
+        late.push_back(q);
+      }
+    }
+    setupLate(late, perRank ? key : key + "@", step);
+    return due;  // at the deadline with no rank late: they came just now
+  });
+}
+
+void ProcessGroupTDX::setupLate(const std::vector<int>& late, const std::string& key,
+                                const char* step) const {
   const auto member = [&](int q) {
     std::string text = "rank " + std::to_string(q);
     if (globalRanks_[q] != q) text += " (global rank " + std::to_string(globalRanks_[q]) + ")";
     return text;
   };
-  // A few requests a second at most while a member is late.
-  pollStore(*store_, keys, std::chrono::milliseconds(256), [&] {
-    for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
-      if (knownPeers().lost(globalRanks_[q]) && !store_->check({keys[q]})) {
-        C10_THROW_ERROR(DistBackendError,
-                        prefix() + " " + member(q) + " is gone: another group of this "
-                        "process lost its connection, so it cannot " + step + ". Create "
-                        "groups of the ranks that are still alive");
-      }
+  for (const int q : late) {
+    if (knownPeers().lost(globalRanks_[q])) {
+      C10_THROW_ERROR(DistBackendError,
+                      prefix() + " " + member(q) + " is gone: another group of this "
+                      "process lost its connection, so it cannot " + step + ". Create "
+                      "groups of the ranks that are still alive");
     }
-    if (Clock::now() < setupDeadline_) return false;
-    std::vector<int> did, didNot;
-    for (int q = 0; q < static_cast<int>(keys.size()); ++q) {
-      (q == rank_ || store_->check({keys[q]}) ? did : didNot).push_back(q);
+  }
+  if (late.empty() || Clock::now() < setupDeadline_) return;
+  // `key` ends in '/' for keys per rank (the late rank's number follows), in '@' for
+  // one key (shown without it).
+  const bool perRank = key.back() == '/';
+  std::string text = prefix() + " " + member(late[0]) + " did not " + step + " within " +
+                     std::to_string(timeout().count()) + " ms (store key " +
+                     (perRank ? key + std::to_string(late[0]) : key.substr(0, key.size() - 1)) +
+                     "): every rank of the group must create it, with the same ranks";
+  if (perRank) {
+    std::vector<int> did;
+    for (int q = 0; q < size_; ++q) {
+      if (std::find(late.begin(), late.end(), q) == late.end()) did.push_back(q);
     }
-    if (didNot.empty()) return true;  // came just now
-    std::string text = prefix() + " " + member(didNot[0]) + " did not " + step + " within " +
-                       std::to_string(timeout().count()) + " ms (store key " +
-                       keys[didNot[0]] + "): every rank of the group must create it, with "
-                       "the same ranks";
-    if (perRank) text += "; done so far: " + rankList(did) + "; not: " + rankList(didNot);
-    C10_THROW_ERROR(DistBackendError, text);
-  });
+    text += "; done so far: " + rankList(did) + "; not: " + rankList(late);
+  }
+  C10_THROW_ERROR(DistBackendError, text);
 }
 
 std::vector<uint8_t> ProcessGroupTDX::storeGetWithin(const std::string& key, int owner,

@@ -297,7 +297,7 @@ class ProcessGroupTDX : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> options_;
   std::atomic<int64_t> timeoutMs_;  // options_->timeout, for threads other than the caller's
   std::string groupName_;
-  int64_t incarnation_ = 0;  // see the constructor: keys of this incarnation only
+  int64_t incarnation_ = 0;  // the store generation (constructor): this instance's keys
   // The running op's latest choice (select()), for the checks above; the worker's only.
   struct WayChoice {
     uint64_t part = 0;
@@ -378,6 +378,9 @@ class ProcessGroupTDX : public c10d::Backend {
   // Waits until the store holds `key` + every rank (or `key` alone when it does not end
   // in '/'), bounded by the group timeout; `step` says what a missing rank failed to do.
   void setupWait(const std::string& key, const char* step);
+  // Throws when a rank of `late` (whose keys are missing) is known lost, or, at the set-up
+  // deadline, when any is late; the message names `step` and the store key.
+  void setupLate(const std::vector<int>& late, const std::string& key, const char* step) const;
   std::chrono::steady_clock::time_point setupDeadline_;
   // `owner`: the group rank that sets `key`, named when it does not in time.
   std::vector<uint8_t> storeGetWithin(const std::string& key, int owner,

@@ -518,10 +518,8 @@ int UcxTransport::connect(const std::string& address) {
     throw std::runtime_error(
         std::string("UCX endpoint create failed (") + ucs_status_string(created) +
         "): the address the peer published belongs to process " + std::to_string(peer.pid) +
-        " on this host, which is no longer running. Either that rank has exited since (see "
-        "its own error), or the store holds the record of an earlier run or restart "
-        "attempt: give each attempt a fresh store (a new FileStore file; under torchrun "
-        "--max-restarts, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)");
+        " on this host, which is no longer running: that rank has exited since it "
+        "published it (see its own error)");
   }
   check(created, "endpoint create");
   {
