@@ -416,6 +416,34 @@ def test_async_future_and_a_block_that_overflows() -> None:
     assert run_ranks(_async_and_nan, 2) == [[], []]
 
 
+def _in_flight(rank: int, n: int) -> list[str]:
+    """Twelve async all_reduces in flight at once, half of them of one size: each must
+    equal the same all_reduce made alone. Int8's and Sign's second collective is issued
+    as the first one ends, which is in another order on each rank; issued in that order
+    they met other ops' (a mismatch error, or, for ops of one size, sums of other ops'
+    data)."""
+    fails = []
+    for method in (tc.Int8(), tc.Sign(), tc.TopK(0.3)):
+        gen = torch.Generator().manual_seed(rank)
+        sizes = [700] * 6 + [1000 + 37 * i for i in range(6)]
+        xs = [torch.randn(size, generator=gen) + 10 * i for i, size in enumerate(sizes)]
+        ts = [x.clone() for x in xs]
+        futs = [tc.all_reduce(t, method, async_op=True) for t in ts]
+        for fut in futs:
+            fut.wait()
+        for i, (x, t) in enumerate(zip(xs, ts)):
+            alone = x.clone()
+            tc.all_reduce(alone, method)
+            if not torch.equal(alone, t):
+                fails.append(f"{method} op {i}: {(alone - t).abs().max().item()}")
+    return fails
+
+
+@pytest.mark.parametrize("backend", ["tdx", "gloo"])
+def test_async_ops_in_flight_together_each_get_their_own_sum(backend: str) -> None:
+    assert run_ranks(_in_flight, 3, backend=backend, timeout=90) == [[], [], []]
+
+
 # ---- DDP -----------------------------------------------------------------------------
 
 def _model() -> nn.Module:

@@ -107,6 +107,10 @@ def all_reduce(tensor: torch.Tensor, method: Method, op: Any = dist.ReduceOp.SUM
     every rank, and every rank passes the same ``method``. ``op`` is SUM or AVG. The
     result is the same on every rank. With ``async_op=True`` it returns a
     ``torch.futures.Future`` whose value is ``tensor`` once reduced; otherwise None.
+    Int8 and Sign make two collectives, the second on the first one's data, and even
+    with ``async_op=True`` both run before the call returns (a second collective issued
+    as the first one ends would go out in another order on each rank when several ops are
+    in flight); TopK's one collective runs while the caller goes on.
     Calls under one ``key`` of one ``state`` must not overlap: they share its buffers.
     """
     average = _check(tensor, method, op)
@@ -149,6 +153,17 @@ def _reduce(tensor: torch.Tensor, method: Method, group: Any, average: bool,
             tensor.copy_(out.reshape(tensor.shape))
         return tensor
 
+    if async_op and not isinstance(method, TopK):
+        # Int8's and Sign's second collective needs the first one's data. Issued from the
+        # first one's completion callback, it would go out in the order the first ones
+        # completed on this rank, which differs from rank to rank when several are in
+        # flight (DDP's buckets): then the ranks' second collectives met other ops' (a
+        # mismatch, or, between ops of one size, sums of other ops' data). Both run here,
+        # in the caller's order; the future is done on return.
+        complete(work, finish, False)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(tensor)
+        return done
     return complete(work, finish, async_op)
 
 
