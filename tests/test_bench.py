@@ -151,6 +151,29 @@ def test_zero_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[st
     assert "zero3" in out and "params/rank" in out and "gloo ms" in out, out
 
 
+def test_zero_bench_compressed(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``bench zero --compression int8``: every strategy trains with its gradients
+    compressed, and the bytes of error feedback (a residual and buffers per bucket) count
+    among the gradients' bytes, beyond what the same strategies hold uncompressed."""
+    held = {}
+    for compression in ("none", "int8"):
+        path = tmp_path / f"{compression}.json"
+        argv = ["zero", "--world", "2", "--params", "3001", "--layers", "2", "--batch", "4",
+                "--bucket-bytes", "1K", "--backends", "tdx", "--compression", compression,
+                "-n", "1", "-w", "1", "--json", str(path)]
+        assert bench.main(argv) == 0
+        out = capfd.readouterr().out
+        assert f"gradients compressed: {compression}" in out, out
+        doc = json.loads(path.read_text())
+        assert doc["options"]["compression"] == compression
+        held[compression] = doc["backends"]["tdx"]["3001"]
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        plain, packed = held["none"][name], held["int8"][name]
+        assert packed["ms"] > 0, packed
+        assert packed["grads"] > plain["grads"], (name, plain, packed)
+        assert (packed["state"], packed["weights"]) == (plain["state"], plain["weights"])
+
+
 def test_ps_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """``bench ps``: one server and two workers, each strategy on both backends; every
     cell ran, and a push and its answer carry the model once each."""
@@ -927,6 +950,8 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["zero", "--params", "lots"], "not a size: 'lots'"),
     (["zero", "--batch", "0"], "layers (--layers) and batch (--batch) must be at least 1"),
     (["zero", "--bucket-bytes", "0"], "bucket_bytes must be a positive int"),
+    (["zero", "--compression", "fp8"], "compression (--compression) takes none, int8, sign "
+                                       "or topk, not 'fp8'"),
     (["zero", "--world", "0"], "world (--world) must be at least 1"),
     (["zero", "-n", "0"], "iters (-n) must be at least 1"),
     (["zero", "--json", "/nonexistent-dir/z.json"], "directory /nonexistent-dir"),

@@ -8,12 +8,16 @@ averaged by torch's DistributedDataParallel (``ddp``) or by
 optimizer state, gradients and parameters, in bytes (counted from the tensors; the same
 on every backend). On CUDA, the peak of
 torch's allocator over the timed steps as well. Times are the largest over the ranks
-of the mean over ``--iters`` steps, after ``--warmup``.
+of the mean over ``--iters`` steps, after ``--warmup``. ``--compression int8|sign|topk``
+sends every strategy's gradients compressed, with error feedback: DDP through
+:func:`torchdist_ext.compression.ddp_comm_hook`, ZeRO through ``ZeroConfig(compression=)``
+(its reduce_scatter); the residuals and buffers count among the gradients' bytes.
 
 Usage::
 
     python -m torchdist_ext.bench zero                          # tdx and gloo, 2 ranks
     python -m torchdist_ext.bench zero --world 4 --params 4M,32M --strategies ddp,zero2
+    python -m torchdist_ext.bench zero --compression int8
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
+from .. import compression as tc
 from ..parallel import ZeroConfig, ZeroOptimizer
 from . import report, runner
 from .core import names_arg, size_arg, sizes_arg
@@ -37,6 +42,7 @@ __all__ = ["ZeroBenchOptions", "build_parser", "check_training_options", "main",
 
 _BACKENDS = ("tdx", "gloo")
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+_COMPRESSION = ("none", "int8", "sign", "topk")
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,7 @@ class ZeroBenchOptions:
     layers: int = 4
     batch: int = 32
     bucket_bytes: int = 16 << 20
+    compression: str = "none"
     device: str = "cpu"
     iters: int = 5
     warmup: int = 2
@@ -61,6 +68,15 @@ class ZeroBenchOptions:
         runner.check_side_options(self, _BACKENDS)
         check_training_options(self, _STRATEGIES)
         ZeroConfig(bucket_bytes=self.bucket_bytes)  # its own check names the fix
+        if self.compression not in _COMPRESSION:
+            raise ValueError(f"compression (--compression) takes none, int8, sign or topk, "
+                             f"not {self.compression!r}")
+
+    def method(self) -> tc.Method | None:
+        """The compression method of ``compression``: int8 and sign in blocks of 256,
+        topk keeping 1 % of each bucket; None for none."""
+        return {"none": None, "int8": tc.Int8(), "sign": tc.Sign(),
+                "topk": tc.TopK(0.01)}[self.compression]
 
     def width(self, params: int) -> int:
         return square_width(params, self.layers)
@@ -110,15 +126,22 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
         ddp = nn.parallel.DistributedDataParallel(
             model, process_group=group, bucket_cap_mb=opts.bucket_bytes / 2 ** 20)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        method = opts.method()
+        hook_state = tc.CompressionState(method) if method is not None else None
+        if hook_state is not None:
+            ddp.register_comm_hook(hook_state, tc.ddp_comm_hook)
 
         def held() -> dict[str, int]:
+            grads = _nbytes(p.grad for p in model.parameters())
+            if hook_state is not None:  # the residuals error feedback keeps, its buffers
+                grads += hook_state.feedback.nbytes()
             return {"state": _nbytes(v for st in opt.state.values() for v in st.values()),
-                    "grads": _nbytes(p.grad for p in model.parameters()),
-                    "weights": _nbytes(model.parameters())}
+                    "grads": grads, "weights": _nbytes(model.parameters())}
         return ddp, opt, held
     stage = int(name[-1])
     config = ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes,
-                        units=(nn.Linear,) if stage == 3 else ())
+                        units=(nn.Linear,) if stage == 3 else (),
+                        compression=opts.method(), error_feedback=True)
     opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, group=group, config=config,
                         module=model, lr=1e-4)
 
@@ -181,7 +204,8 @@ def table_lines(data: dict[str, Any]) -> list[str]:
     cuda = o["device"] == "cuda"
     lines = [f"# one training step (forward, backward, Adam) of an MLP of {o['layers']} "
              f"square layers, batch {o['batch']} per rank, {data['world']} rank(s), "
-             f"{o['device']}, {data['host']}, {data['date']}",
+             f"{o['device']}, gradients compressed: {o.get('compression', 'none')}, "
+             f"{data['host']}, {data['date']}",
              f"# time: the largest over the ranks of the mean of {o['iters']} steps, in ms; "
              f"state, grads, params: bytes a rank holds after backward"
              + ("; peak: torch's allocator over the steps" if cuda else "")]
@@ -208,8 +232,8 @@ def table_lines(data: dict[str, Any]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m torchdist_ext.bench zero",
-        description="Time a training step under DDP, ZeRO-1 and ZeRO-2 and count what each "
-                    "rank holds, several backends side by side.",
+        description="Time a training step under DDP and ZeRO-1, 2 and 3 and count what "
+                    "each rank holds, several backends side by side.",
         epilog="Under torchrun the ranks come from the environment and --world is ignored.")
     p.add_argument("--backends", default="tdx,gloo", help="tdx and/or gloo (default both)")
     p.add_argument("--strategies", default=",".join(_STRATEGIES),
@@ -221,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="samples per rank (default 32)")
     p.add_argument("--bucket-bytes", type=size_arg, default=16 << 20,
                    help="bucket size of DDP and ZeRO, K/M suffixes (default 16M)")
+    p.add_argument("--compression", default="none",
+                   help="none, int8, sign or topk: every strategy's gradients compressed, "
+                        "with error feedback (default none)")
     runner.add_side_arguments(p, iters=5, warmup=2, what="steps")
     return p
 
@@ -229,7 +256,7 @@ def _options(a: argparse.Namespace) -> ZeroBenchOptions:
     return ZeroBenchOptions(world=a.world, backends=names_arg(a.backends),
                             strategies=names_arg(a.strategies), params=a.params,
                             layers=a.layers, batch=a.batch, bucket_bytes=a.bucket_bytes,
-                            device=a.device, iters=a.iters, warmup=a.warmup,
+                            compression=a.compression, device=a.device, iters=a.iters, warmup=a.warmup,
                             timeout=a.timeout, json_path=a.json_path)
 
 

@@ -64,6 +64,17 @@ class ErrorFeedback:
         which the next call under ``key`` overwrites: clone them to keep them."""
         return self._residuals.get((key, "sent")), self._residuals.get((key, "owned"))
 
+    def nbytes(self) -> int:
+        """Bytes held: the residuals and the buffers kept for the next calls, each
+        storage once (a residual may live in a buffer)."""
+        storages = {}
+        for t in [*self._residuals.values(),
+                  *(b for space in self._spaces.values() for b in space.values())]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
     def clear(self) -> None:
         """Forget every residual (after loading a checkpoint, say)."""
         self._residuals.clear()

@@ -345,9 +345,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = sum(nbytes(p.grad) for g in self.param_groups for p in g["params"])
         grads += sum(nbytes(f.grad) for f in self._flats)
         if self._feedback is not None:  # what compression has delayed, and its buffers
-            grads += sum(nbytes(r) for r in self._feedback._residuals.values())
-            grads += sum(nbytes(t) for space in self._feedback._spaces.values()
-                         for t in space.values())
+            grads += self._feedback.nbytes()
         staged = sum(nbytes(t) for u in self._units for t in (u.staging or ()))
         return {"state": state, "grads": grads,
                 "params": staged + sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
