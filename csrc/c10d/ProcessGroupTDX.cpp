@@ -503,7 +503,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     C10_THROW_ERROR(
         DistBackendError,
         prefix() + " " +
-            (writer == globalRanks_[r]
+            (!whole ? who + " published no readable group record"
+             : writer == globalRanks_[r]
                  ? who + " created it with other members than this rank did"
                  : who + " is global rank " + std::to_string(writer) +
                        " in the group of the same name it created") +
@@ -525,7 +526,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     GenerationHooks hooks;
     hooks.prefix = prefix();
     hooks.identity = membersText;
-    hooks.late = [&](const std::vector<int>& late, const std::string& waitedOn) {
+    hooks.late = [&](const std::vector<int>& late, const std::string& waitedOn,
+                     const char* step) {
       if (rank != 0) {
         // Waiting on rank 0 alone, a rank watches every member: one already lost
         // (another group saw it die) means this group cannot form.
@@ -535,7 +537,7 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
         }
         setupLate(lost, waitedOn, "join the group");
       }
-      setupLate(late, waitedOn, "join the group");
+      setupLate(late, waitedOn, step);
     };
     hooks.due = [&] { return Clock::now() >= setupDeadline_; };
     hooks.differs = checkMembers;

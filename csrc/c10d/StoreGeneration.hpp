@@ -14,9 +14,8 @@
 // "nonce:generation:identity", and a rank takes the generation only from an answer to its
 // own nonce, after checking rank 0's identity against its own, then confirms it (or
 // refuses it, and rank 0 raises too). Rank 0 keeps answering until every rank has
-// confirmed its generation, listing those that have under the generation, and then says
-// it is done (or why it gave up); the others wait for that, so a rank that never comes is
-// named as the late one on every rank. Keys left by earlier attempts carry other nonces
+// confirmed its generation, and then says it is done (or why it gave up); the others
+// wait for that, so a rank that never comes is named as the late one on every rank. Keys left by earlier attempts carry other nonces
 // and other generations, so no rank mistakes them for this attempt's.
 //
 // Ranks that passed new_group different lists share the group's name and keys, and
@@ -40,10 +39,11 @@ struct GenerationHooks {
   // This rank's record of the group it creates (fixed width, no ':' or '|').
   std::string identity;
   // Called after each pause with the ranks awaited (those that have not confirmed; rank
-  // 0 alone, for a rank waiting for rank 0's answer or end) and the store key waited on
-  // (ending in '/' when the rank's number follows, '@' when the key is whole); throws to
-  // give up: the caller's deadline and its watch on lost ranks.
-  std::function<void(const std::vector<int>&, const std::string&)> late;
+  // 0 alone, for a rank waiting for rank 0's answer or end), the store key waited on
+  // (ending in '/' when the rank's number follows, '@' when the key is whole) and what
+  // the awaited ranks have not done; throws to give up: the caller's deadline and its
+  // watch on lost ranks.
+  std::function<void(const std::vector<int>&, const std::string&, const char*)> late;
   // Whether the caller's deadline has passed: rank 0 then checks the joins at hand with
   // `differs`, to say why a rank did not come when the reason may be known.
   std::function<bool()> due;
