@@ -107,23 +107,20 @@ class Checkpointer:
         path = self._step_dir(step) / f"rank-{self.rank:05d}-of-{self.world:05d}.{token}.pt"
         write = _Write(step, path, {"format": _FORMAT, "step": step, "rank": self.rank,
                                     "world": self.world, "state": state})
-        if not blocking:
-            try:
-                write.payload["state"] = _snapshot(state)
-            except Exception as e:  # noqa: BLE001 - reported to every rank by wait()
-                # Not raised here: the other ranks went on, and hear of it at the next
-                # save, load or wait, with this rank.
-                write.error = (f"could not copy its state for checkpoint step {step}: "
-                               f"{type(e).__name__}: {e}")
-                self._pending = write
-                return
+        self._pending = write
         if blocking:
             write.run()
-            self._pending = write
             self.wait()
-        else:
-            write.start()
-            self._pending = write
+            return
+        try:
+            write.payload["state"] = _snapshot(state)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by wait()
+            # Not raised here: the other ranks went on, and hear of it at the next save,
+            # load or wait, with this rank.
+            write.error = (f"could not copy its state for checkpoint step {step}: "
+                           f"{type(e).__name__}: {e}")
+            return
+        write.start()
 
     def wait(self) -> None:
         """Finishes the last ``save``: waits for this rank's write, learns whether every

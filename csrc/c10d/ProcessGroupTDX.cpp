@@ -542,11 +542,8 @@ ProcessGroupTDX::ProcessGroupTDX(const c10::intrusive_ptr<c10d::Store>& store, i
     hooks.due = [&] { return Clock::now() >= setupDeadline_; };
     hooks.differs = checkMembers;
     incarnation_ = static_cast<int64_t>(agreeOnGeneration(*store_, rank, size, hooks));
-    char generationText[17];
-    std::snprintf(generationText, sizeof(generationText), "%016llx",
-                  static_cast<unsigned long long>(incarnation_));
-    store_ = c10::make_intrusive<c10d::PrefixStore>(std::string("tdx/") + generationText,
-                                                    store_);
+    store_ = c10::make_intrusive<c10d::PrefixStore>(
+        generationPrefix(static_cast<uint64_t>(incarnation_)), store_);
     store_->set("tdx/host/" + std::to_string(rank),
                 bytesOf((env::getInt("TDX_SHM") != 0 ? "1" : "0") + std::string(maskText) +
                         membersText + "|" + tuningText + "@" + cpuText() + "|" + key));

@@ -148,7 +148,7 @@ void awaitTheRest(c10d::Store& store, int rank, int size, const std::string& gen
 uint64_t leadGeneration(c10d::Store& store, int size, const GenerationHooks& hooks) {
   const uint64_t generation = freshBits();
   const std::string mine = hex(generation);
-  const std::string doneKey = "tdx/" + mine + "/generation/done";
+  const std::string doneKey = generationPrefix(generation) + "/generation/done";
   // Rewritten about every second under a new number, and when the group is formed: a
   // rank that joined before the latest number knows the record is this live rank's, not
   // an earlier group's, and can tell that it named other members even when no answer
@@ -296,6 +296,10 @@ uint64_t joinGeneration(c10d::Store& store, int rank, int size, const Generation
 }
 
 } // namespace
+
+std::string generationPrefix(uint64_t generation) {
+  return "tdx/" + hex(generation);
+}
 
 uint64_t agreeOnGeneration(c10d::Store& store, int rank, int size,
                            const GenerationHooks& hooks) {

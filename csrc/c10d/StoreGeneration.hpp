@@ -51,6 +51,9 @@ struct GenerationHooks {
   std::function<void(int, const std::string&)> differs;
 };
 
+// The store prefix of a generation's keys, "tdx/<16 hex digits>".
+std::string generationPrefix(uint64_t generation);
+
 // The generation every rank of the group agrees on (a collective over the store).
 uint64_t agreeOnGeneration(c10d::Store& store, int rank, int size, const GenerationHooks& hooks);
 
