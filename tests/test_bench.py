@@ -174,6 +174,33 @@ def test_zero_bench_compressed(tmp_path: Path, capfd: pytest.CaptureFixture[str]
         assert (packed["state"], packed["weights"]) == (plain["state"], plain["weights"])
 
 
+def test_zero_bench_mixed_precision(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``bench zero --param-dtype bfloat16``: ZeRO's flat buffers, whole at stages 1 and
+    2, take half the bytes over the same float32 shards; stage 3 holds only its shards
+    after backward, as in float32; DDP is untouched."""
+    held = {}
+    for dtype in ("float32", "bfloat16"):
+        path = tmp_path / f"{dtype}.json"
+        argv = ["zero", "--world", "2", "--params", "3001", "--layers", "2", "--batch", "4",
+                "--backends", "tdx", "--param-dtype", dtype, "-n", "1", "-w", "1",
+                "--json", str(path)]
+        assert bench.main(argv) == 0
+        out = capfd.readouterr().out
+        assert f"ZeRO parameters in {dtype}" in out, out
+        held[dtype] = json.loads(path.read_text())["backends"]["tdx"]["3001"]
+    full, mixed = held["float32"], held["bfloat16"]
+    params = full["zero1"]["params"]
+    for name in ("zero1", "zero2"):
+        # The flat buffer lost 2 bytes per parameter; the padding differs (layouts are
+        # aligned in the buffer's dtype) by a few elements per bucket.
+        saved = full[name]["weights"] - mixed[name]["weights"]
+        assert 2 * params - 256 <= saved <= 2 * params + 256, (name, full[name], mixed[name])
+    assert mixed["zero1"]["grads"] < full["zero1"]["grads"]  # param.grad in bfloat16
+    assert mixed["zero3"]["weights"] == full["zero3"]["weights"]
+    for key in ("state", "grads", "weights"):
+        assert mixed["ddp"][key] == full["ddp"][key], key
+
+
 def test_ps_bench_tdx_and_gloo(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """``bench ps``: one server and two workers, each strategy on both backends; every
     cell ran, and a push and its answer carry the model once each."""
@@ -952,6 +979,8 @@ def no_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
     (["zero", "--bucket-bytes", "0"], "bucket_bytes must be a positive int"),
     (["zero", "--compression", "fp8"], "compression (--compression) takes none, int8, sign "
                                        "or topk, not 'fp8'"),
+    (["zero", "--param-dtype", "int8"], "param_dtype (--param-dtype) takes float32, "
+                                        "bfloat16 or float16, not 'int8'"),
     (["zero", "--world", "0"], "world (--world) must be at least 1"),
     (["zero", "-n", "0"], "iters (-n) must be at least 1"),
     (["zero", "--json", "/nonexistent-dir/z.json"], "directory /nonexistent-dir"),

@@ -525,10 +525,11 @@ def test_cuda_parameters_train_as_cpu_ones_do(stage: int) -> None:
 # ---- the example -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_the_zero_example_trains_under_torchrun(stage: int) -> None:
+@pytest.mark.parametrize("stage,dtype", [(1, "float32"), (2, "float32"), (3, "float32"),
+                                         (3, "bfloat16")])
+def test_the_zero_example_trains_under_torchrun(stage: int, dtype: str) -> None:
     """examples/zero.py under torchrun (standalone, 2 ranks): exit 0, half the parameters'
-    state per rank, and a test accuracy above 95% after two epochs."""
+    state per rank, and a test accuracy above 95% after two epochs (in bfloat16 too)."""
     import os
     import re
     import subprocess
@@ -537,14 +538,15 @@ def test_the_zero_example_trains_under_torchrun(stage: int) -> None:
 
     example = Path(__file__).resolve().parents[1] / "examples" / "zero.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", str(example), "--stage", str(stage), "--epochs", "2"]
+           "--nproc-per-node", "2", str(example), "--stage", str(stage), "--epochs", "2",
+           "--param-dtype", dtype]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    m = re.search(r"ZeRO stage (\d) on 2 ranks.* (\d+) parameters, Adam state for (\d+) of "
-                  r"them per rank", out)
-    assert m and int(m.group(1)) == stage, out[-4000:]
-    assert int(m.group(2)) // 2 <= int(m.group(3)) <= int(m.group(2)) // 2 + 64
+    m = re.search(r"ZeRO stage (\d) on 2 ranks.*parameters in (\w+), .* (\d+) parameters, "
+                  r"Adam state for (\d+) of them per rank", out)
+    assert m and int(m.group(1)) == stage and m.group(2) == dtype, out[-4000:]
+    assert int(m.group(3)) // 2 <= int(m.group(4)) <= int(m.group(3)) // 2 + 64
     accuracy = [float(a) for a in re.findall(r"test accuracy\s+([\d.]+)%", out)]
     assert len(accuracy) == 2 and accuracy[-1] > 95.0, out[-4000:]

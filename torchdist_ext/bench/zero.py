@@ -12,12 +12,16 @@ of the mean over ``--iters`` steps, after ``--warmup``. ``--compression int8|sig
 sends every strategy's gradients compressed, with error feedback: DDP through
 :func:`torchdist_ext.compression.ddp_comm_hook`, ZeRO through ``ZeroConfig(compression=)``
 (its reduce_scatter); the residuals and buffers count among the gradients' bytes.
+``--param-dtype bfloat16`` (or ``float16``) runs ZeRO in mixed precision
+(``ZeroConfig(param_dtype=)``: the model computes, gathers and reduces in that dtype over
+float32 shards); DDP stays in float32.
 
 Usage::
 
     python -m torchdist_ext.bench zero                          # tdx and gloo, 2 ranks
     python -m torchdist_ext.bench zero --world 4 --params 4M,32M --strategies ddp,zero2
     python -m torchdist_ext.bench zero --compression int8
+    python -m torchdist_ext.bench zero --param-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ __all__ = ["ZeroBenchOptions", "build_parser", "check_training_options", "main",
 _BACKENDS = ("tdx", "gloo")
 _STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 _COMPRESSION = ("none", "int8", "sign", "topk")
+_PARAM_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class ZeroBenchOptions:
     batch: int = 32
     bucket_bytes: int = 16 << 20
     compression: str = "none"
+    param_dtype: str = "float32"
     device: str = "cpu"
     iters: int = 5
     warmup: int = 2
@@ -71,6 +77,9 @@ class ZeroBenchOptions:
         if self.compression not in _COMPRESSION:
             raise ValueError(f"compression (--compression) takes none, int8, sign or topk, "
                              f"not {self.compression!r}")
+        if self.param_dtype not in _PARAM_DTYPES:
+            raise ValueError(f"param_dtype (--param-dtype) takes float32, bfloat16 or "
+                             f"float16, not {self.param_dtype!r}")
 
     def method(self) -> tc.Method | None:
         """The compression method of ``compression``: int8 and sign in blocks of 256,
@@ -141,7 +150,8 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
     stage = int(name[-1])
     config = ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes,
                         units=(nn.Linear,) if stage == 3 else (),
-                        compression=opts.method(), error_feedback=True)
+                        compression=opts.method(), error_feedback=True,
+                        param_dtype=_PARAM_DTYPES[opts.param_dtype])
     opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, group=group, config=config,
                         module=model, lr=1e-4)
 
@@ -205,6 +215,7 @@ def table_lines(data: dict[str, Any]) -> list[str]:
     lines = [f"# one training step (forward, backward, Adam) of an MLP of {o['layers']} "
              f"square layers, batch {o['batch']} per rank, {data['world']} rank(s), "
              f"{o['device']}, gradients compressed: {o.get('compression', 'none')}, "
+             f"ZeRO parameters in {o.get('param_dtype', 'float32')}, "
              f"{data['host']}, {data['date']}",
              f"# time: the largest over the ranks of the mean of {o['iters']} steps, in ms; "
              f"state, grads, params: bytes a rank holds after backward"
@@ -248,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", default="none",
                    help="none, int8, sign or topk: every strategy's gradients compressed, "
                         "with error feedback (default none)")
+    p.add_argument("--param-dtype", default="float32",
+                   help="float32, bfloat16 or float16: ZeRO's parameters in that dtype over "
+                        "float32 shards (mixed precision); DDP stays float32 (default "
+                        "float32)")
     runner.add_side_arguments(p, iters=5, warmup=2, what="steps")
     return p
 
@@ -256,7 +271,8 @@ def _options(a: argparse.Namespace) -> ZeroBenchOptions:
     return ZeroBenchOptions(world=a.world, backends=names_arg(a.backends),
                             strategies=names_arg(a.strategies), params=a.params,
                             layers=a.layers, batch=a.batch, bucket_bytes=a.bucket_bytes,
-                            compression=a.compression, device=a.device, iters=a.iters, warmup=a.warmup,
+                            compression=a.compression, param_dtype=a.param_dtype,
+                            device=a.device, iters=a.iters, warmup=a.warmup,
                             timeout=a.timeout, json_path=a.json_path)
 
 

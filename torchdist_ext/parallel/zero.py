@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -34,6 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from .. import _C
 from .. import compression as tc
@@ -50,6 +52,10 @@ _IN_FLIGHT = 2
 # Each parameter starts 16 bytes into its buffer's alignment, which the CPU and CUDA
 # kernels' vector loads like.
 _ALIGN_BYTES = 16
+
+# What mixed precision computes and reduces in: the dtypes every collective and kernel
+# here takes (float8 has no arithmetic to train in).
+_MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +90,15 @@ class ZeroConfig:
         after it in the last pass of the same direction, so that its collectives run
         while this one computes; off, each unit is gathered when it is about to run, one
         unit's parameters fewer held at a time.
+    param_dtype: mixed precision: the dtype parameters are gathered in, and the model
+        computes in (``torch.bfloat16``, say), while each rank's shard, which the wrapped
+        optimizer updates, keeps the parameters' own dtype. The model's parameters, and
+        the frozen ones passed here, take this dtype; given ``module``, floating inputs
+        of the model's forward pass are cast to it. None: the parameters' own dtype.
+    reduce_dtype: the dtype gradients are reduce-scattered in; in another dtype than the
+        shard's, each rank's gradient is divided by the world size first, so that the sum
+        cannot overflow where the average would not. The shard's gradient accumulates in
+        the shard's dtype. None: ``param_dtype`` if given, else the parameters' own.
     """
 
     stage: int = 2
@@ -94,8 +109,15 @@ class ZeroConfig:
     prefetch: bool = True
     compression: Optional[tc.Method] = None
     error_feedback: bool = True
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            v = getattr(self, name)
+            if v is not None and v not in _MIXED_DTYPES:
+                raise TypeError(f"ZeroConfig: {name} must be None, torch.bfloat16, "
+                                f"torch.float16, torch.float32 or torch.float64, not {v!r}")
         if self.compression is not None and not isinstance(self.compression,
                                                            (tc.Int8, tc.Sign, tc.TopK)):
             raise TypeError(f"ZeroConfig: compression must be None, Int8(...), Sign(...) or "
@@ -130,7 +152,8 @@ class _Flat:
     its layout, this rank's shard and the gradient of that shard."""
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world: int, rank: int,
-                 bucket_bytes: int, unit: int = 0) -> None:
+                 bucket_bytes: int, unit: int = 0,
+                 param_dtype: Optional[torch.dtype] = None) -> None:
         self.group_index = group_index
         self.unit = unit
         self.index = 0  # its place among the optimizer's flat buffers
@@ -138,10 +161,12 @@ class _Flat:
         # in that order so that the first ones fill first.
         self.params = list(reversed(params))
         first = self.params[0]
-        itemsize = first.dtype.itemsize
+        # Buckets and alignment in the dtype the buffer computes and communicates in.
+        itemsize = (param_dtype or first.dtype).itemsize
         self.layout = _C._FlatLayout([p.numel() for p in self.params], world,
                                      max(1, bucket_bytes // itemsize),
-                                     max(1, _ALIGN_BYTES // itemsize))
+                                     max(1, _ALIGN_BYTES // min(itemsize,
+                                                                first.dtype.itemsize)))
         self.flat = torch.zeros(self.layout.numel, dtype=first.dtype, device=first.device)
         self.slots = self.layout.params
         self.buckets = self.layout.buckets
@@ -155,11 +180,30 @@ class _Flat:
         self.shard = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=first.dtype,
                                                     device=first.device))
         self.grad: Optional[torch.Tensor] = None  # this rank's shard of the summed gradient
+        self.reduce_dtype = first.dtype  # what its gradients are reduce-scattered in
 
-    def attach(self) -> None:
-        """Makes the parameters views of the flat buffer again."""
+    @property
+    def lowered(self) -> bool:
+        """Mixed precision: the parameters are in another dtype than the shard."""
+        return self.flat.dtype != self.shard.dtype
+
+    def lower(self, dtype: torch.dtype) -> None:
+        """Makes the flat buffer, and the parameters viewing it, ``dtype``; the shard
+        keeps its own. A gradient of the old dtype would not accumulate into the new one:
+        it is dropped."""
+        if dtype == self.flat.dtype:
+            return
+        for p in self.params:
+            p.grad = None
+        self.flat = self.flat.to(dtype)
+        self.attach()
+
+    def attach(self, full: Optional[torch.Tensor] = None) -> None:
+        """Makes the parameters views of the flat buffer again (or of ``full``, laid out
+        as it)."""
+        buf = self.flat if full is None else full
         for p, s, shape in zip(self.params, self.slots, self.shapes):
-            p.data = self.flat[s.offset:s.offset + s.numel].view(shape)
+            p.data = buf[s.offset:s.offset + s.numel].view(shape)
 
     def detach(self) -> None:
         """Frees the flat buffer's storage; the parameters become empty tensors meanwhile,
@@ -170,18 +214,27 @@ class _Flat:
             p.data = empty
         self.flat.untyped_storage().resize_(0)
 
-    def owned(self, b: Any) -> torch.Tensor:
-        """This rank's shard of bucket b, as a view of the flat buffer."""
+    def owned(self, b: Any, full: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """This rank's shard of bucket b, as a view of the flat buffer (or of ``full``,
+        laid out as it)."""
         lo = b.offset + self.rank * b.shard_numel
-        return self.flat[lo:lo + b.shard_numel]
+        return (self.flat if full is None else full)[lo:lo + b.shard_numel]
 
     def shard_view(self, t: torch.Tensor, b: Any) -> torch.Tensor:
         return t[b.shard_offset:b.shard_offset + b.shard_numel]
 
-    def pull_shard(self) -> None:
+    def pull_shard(self, full: Optional[torch.Tensor] = None) -> None:
+        """Copies this rank's part of the flat buffer (or of ``full``) into the shard. From
+        a lowered flat buffer only the elements that differ from the shard's lowered
+        values are copied: what was not written keeps the shard's precision."""
         with torch.no_grad():
             for b in self.buckets:
-                self.shard_view(self.shard, b).copy_(self.owned(b))
+                new, dst = self.owned(b, full), self.shard_view(self.shard, b)
+                if new.dtype == dst.dtype:
+                    dst.copy_(new)
+                else:
+                    changed = new != dst.to(new.dtype)
+                    dst[changed] = new[changed].to(dst.dtype)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -249,7 +302,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     by_kind.setdefault((p.dtype, p.device, owner.get(id(p), 0)), []).append(p)
             for (_, _, u), kind_params in by_kind.items():
                 self._flats.append(_Flat(gi, kind_params, self._world, self._rank,
-                                         config.bucket_bytes, unit=u))
+                                         config.bucket_bytes, unit=u,
+                                         param_dtype=config.param_dtype))
                 self._flats[-1].index = len(self._flats) - 1
                 if self._units:
                     self._units[u].flats.append(self._flats[-1])
@@ -267,6 +321,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._broadcast_params()
         for f in self._flats:
             f.pull_shard()
+            f.reduce_dtype = config.reduce_dtype or config.param_dtype or f.shard.dtype
+            if config.param_dtype is not None:
+                f.lower(config.param_dtype)
+        if config.param_dtype is not None:
+            self._lower_the_rest(module)
         self._unit_hooks: Optional[UnitHooks] = None
         if self._units:
             for f in self._flats:
@@ -291,6 +350,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # backward pass, which nothing else would gather them for.
         self._held: set[int] = set()
         self._forward_depth = 0  # model forward passes running (autograd.grad inside one)
+        self._masters = 0  # gathered(full_precision=True) blocks open
+        # Inside them, each lowered flat buffer's parameters in the shards' dtype.
+        self._fulls: dict[_Flat, torch.Tensor] = {}
         # The model's hooks and the gradient hooks hold the optimizer weakly and act only
         # for the latest ZeroOptimizer over that model or parameter, and only on the model
         # itself (a deepcopy of it carries the same hooks).
@@ -301,6 +363,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             module.register_state_dict_pre_hook(_weak_hook(self._ref, "_before_state_dict"))
             module.register_load_state_dict_pre_hook(
                 _weak_hook(self._ref, "_before_load_state_dict"))
+            if config.param_dtype is not None:
+                module.register_forward_pre_hook(_weak_hook(self._ref, "_cast_inputs"),
+                                                 with_kwargs=True)
 
         inner_groups = []
         for f in self._flats:
@@ -346,7 +411,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads += sum(nbytes(f.grad) for f in self._flats)
         if self._feedback is not None:  # what compression has delayed, and its buffers
             grads += self._feedback.nbytes()
-        staged = sum(nbytes(t) for u in self._units for t in (u.staging or ()))
+        staged = sum(nbytes(t) for u in self._units
+                     for t in (u.staging or []) + (u.sources or []))
+        staged += sum(nbytes(t) for t in self._fulls.values())  # full-precision copies
         return {"state": state, "grads": grads,
                 "params": staged + sum(f.flat.untyped_storage().nbytes() + nbytes(f.shard)
                                        for f in self._flats)}
@@ -371,6 +438,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if p.requires_grad and p.is_complex():
                     raise ValueError(f"{self._who}: {name} is {p.dtype}; view complex "
                                      "parameters as real (torch.view_as_real) to shard them")
+                if p.__dict__.get("_tdx_zero_lowered"):
+                    raise ValueError(f"{self._who}: {name} was lowered to {p.dtype} by "
+                                     "another ZeroOptimizer's param_dtype, and its original "
+                                     "values live in that optimizer's shards; build the "
+                                     "model afresh and load its weights (saved in "
+                                     "gathered(full_precision=True))")
+
+    @torch.no_grad()
+    def _lower_the_rest(self, module: Optional[nn.Module]) -> None:
+        """Mixed precision: what computes beside the trainable parameters, in their dtype:
+        the frozen parameters passed, and given the model, its other frozen parameters and
+        floating buffers (normalization layers' statistics among them). Every parameter
+        lowered is marked, so that another optimizer cannot take the lowered values for
+        the originals."""
+        dtype = self._config.param_dtype
+        for f in self._flats:
+            for p in f.params:
+                p.__dict__["_tdx_zero_lowered"] = True
+        frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
+        if module is not None:
+            frozen += [p for p in module.parameters() if not p.requires_grad]
+            for m in module.modules():
+                for name, b in m.named_buffers(recurse=False):
+                    if b is not None and b.is_floating_point() and b.dtype != dtype:
+                        setattr(m, name, b.to(dtype))
+        for p in frozen:
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+                p.__dict__["_tdx_zero_lowered"] = True
 
     def _plan_units(self, module: Optional[nn.Module]) -> tuple[list[Unit], dict[int, int]]:
         if not isinstance(module, nn.Module):
@@ -404,6 +500,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         text = (f"refused {refused}\n"
                 f"stage {c.stage} reshard {c.reshard_after_forward} prefetch {c.prefetch} "
                 f"compression {c.compression!r} {c.error_feedback}\n"
+                f"param_dtype {c.param_dtype} reduce_dtype {c.reduce_dtype}\n"
                 f"frozen {frozen}\n") + "\n".join(
             f"{s}\n" + ",".join(f"{tuple(p.shape)}" for p in f.params)
             for s, f in zip(self._fingerprint(), self._flats))
@@ -465,11 +562,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _all_gather(self, flats: Iterable[_Flat]) -> None:
         """Every rank's shard of every bucket of ``flats`` into their flat buffers."""
-        works = [all_gather_single(f.flat[b.offset:b.offset + b.numel],
-                                   f.shard_view(f.shard, b), group=self._group, async_op=True)
-                 for f in flats for b in f.buckets]
-        for w in works:
-            w.wait()
+        self._gather_into([(f, f.flat) for f in flats])
+
+    def _gather_into(self, targets: list[tuple[_Flat, torch.Tensor]],
+                     wait: bool = True) -> tuple[list[Any], list[torch.Tensor]]:
+        """Starts the all_gathers of every bucket of each flat buffer's shard into its
+        target (laid out as the flat buffer, in the target's dtype); waits for them unless
+        ``wait`` is False. Returns the works and what they send, to keep until waited for."""
+        works, sent = [], []
+        for f, t in targets:
+            src = f.shard.detach()
+            if src.dtype != t.dtype:
+                src = src.to(t.dtype)
+            sent.append(src)
+            works += [all_gather_single(t[b.offset:b.offset + b.numel], f.shard_view(src, b),
+                                        group=self._group, async_op=True)
+                      for b in f.buckets]
+        if wait:
+            for w in works:
+                w.wait()
+        return works, sent
 
     @torch.no_grad()
     def _start_gather(self, u: Unit, ahead: bool = False) -> None:
@@ -485,10 +597,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             else:
                 f.flat.untyped_storage().resize_(f.flat.numel() * f.flat.element_size())
                 targets.append(f.flat)
-        u.inflight = [all_gather_single(t[b.offset:b.offset + b.numel],
-                                        f.shard_view(f.shard, b), group=self._group,
-                                        async_op=True)
-                      for f, t in zip(u.flats, targets) for b in f.buckets]
+        u.inflight, u.sources = self._gather_into(list(zip(u.flats, targets)), wait=False)
         u.staging = targets if ahead else None
         u.gathered = True
 
@@ -500,7 +609,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         for w in u.inflight:
             w.wait()
-        u.inflight = None
+        u.inflight = u.sources = None
         staging, u.staging = u.staging, None
         if not use:
             return
@@ -576,30 +685,64 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._release(u)
 
     @contextlib.contextmanager
-    def gathered(self, writeback: bool = False) -> Iterator[None]:
+    def gathered(self, writeback: bool = False, full_precision: bool = False) -> Iterator[None]:
         """Inside, every parameter is whole, forward and backward passes run inside
         included (at stages 1 and 2 it always is); a collective on entry at stage 3: every
         rank enters. ``writeback=True`` copies what the block wrote to the parameters
         (``model.load_state_dict``, say) into this rank's shard, which the optimizer steps
-        from, unless the block raised; every rank must then write the same values."""
+        from, unless the block raised; every rank must then write the same values.
+
+        ``full_precision=True``, with ``ZeroConfig.param_dtype``: inside, the parameters
+        are the shards' values in the shards' dtype (a collective at every stage), to save
+        or load exactly what the optimizer steps from; after, they are in ``param_dtype``
+        again. A block of one precision cannot open inside one of the other, and
+        ``step()`` is refused inside."""
+        masters = full_precision and any(f.lowered for f in self._flats)
+        if self._pinned and masters != bool(self._masters):
+            raise RuntimeError(f"{self._who}: gathered(full_precision={full_precision}) "
+                               "inside a gathered() block of the other precision, whose "
+                               "parameters this one would replace; close that block first")
         self._settle()
         held = [u for u in self._units if u.flats and not u.gathered]
         for u in self._units:
             self._gather(u)  # a prefetched unit is waited for
+        if masters and not self._masters:
+            try:
+                fulls = [(f, torch.empty(f.flat.numel(), dtype=f.shard.dtype,
+                                         device=f.flat.device))
+                         for f in self._flats if f.lowered]
+                self._gather_into(fulls)
+            except BaseException:  # out of memory, say: what entry gathered is freed
+                for u in held:
+                    self._release(u)
+                raise
+            self._fulls = dict(fulls)
+            for f, full in fulls:
+                f.attach(full)
         self._pinned += 1
+        self._masters += masters
         self._writeback += bool(writeback)
         raised = False
         try:
             yield
             if writeback:
-                for f in self._flats:
-                    f.pull_shard()
+                with torch.no_grad():
+                    for f in self._flats:
+                        full = self._fulls.get(f) if masters else None
+                        f.pull_shard(full)
+                        if full is not None:
+                            f.flat.copy_(full)  # what the model computes with after the block
         except BaseException:
             raised = True
             raise
         finally:
             self._pinned -= 1
+            self._masters -= masters
             self._writeback -= bool(writeback)
+            if masters and not self._masters:
+                for f in self._fulls:
+                    f.attach()
+                self._fulls = {}
             # After a write that did not reach the shards, no unit keeps it (but those held
             # for a backward pass to come, which nothing would gather again).
             for u in (self._units if raised and writeback else held):
@@ -625,6 +768,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                "optimizer.gathered(writeback=True):`; the optimizer steps "
                                "from its own shard of the parameters, which would undo the "
                                "load at the next step: load inside that block")
+
+    def _cast_inputs(self, module: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
+        """Mixed precision: the model's floating inputs in the parameters' dtype (but
+        inside gathered(full_precision=True), where the parameters are not in it)."""
+        if not self._manages(module):
+            return None
+        if self._masters:
+            raise RuntimeError(f"{self._who}: a forward pass inside `with optimizer.gathered("
+                               "full_precision=True):`, where the trainable parameters are "
+                               "in the shards' dtype and the rest in param_dtype; that block "
+                               "is for saving and loading: run the model outside it")
+        dtype = self._config.param_dtype
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return x.to(dtype)
+            return x
+        return tree_map(cast, args), tree_map(cast, kwargs)
 
     # ----- gradients
 
@@ -697,7 +859,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _launch(self, f: _Flat, b: Any, drop: bool) -> None:
         """Starts bucket b's reduce_scatter from its parameters' gradients (None counts as
         zero); ``drop`` frees them once copied."""
-        staged = torch.zeros(b.numel, dtype=f.flat.dtype, device=f.flat.device)
+        staged = torch.zeros(b.numel, dtype=f.reduce_dtype, device=f.flat.device)
         for i in range(b.first_param, b.last_param):
             p, s = f.params[i], f.slots[i]
             g = p.grad
@@ -711,6 +873,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             staged[lo:lo + s.numel].copy_(g.reshape(-1))
             if drop:
                 p.grad = None
+        pre = self._prescale(f)
+        if pre != 1.0:
+            staged.div_(pre)  # _settle_oldest scales the sum the rest of the way
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
         if self._config.compression is None or self._world == 1:  # alone, exact for free
             work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
@@ -736,7 +901,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         work.wait()
         if f.grad is None:
             f.grad = torch.zeros_like(f.shard)
-        f.shard_view(f.grad, b).add_(out, alpha=1.0 / self._world)
+        f.shard_view(f.grad, b).add_(out, alpha=self._prescale(f) / self._world)
+
+    def _prescale(self, f: _Flat) -> float:
+        """What each rank's gradient is divided by before a reduction in another dtype
+        than the shard's: the world size, so that the sum is the average and cannot
+        overflow where it would not; in float16, whose smallest values are near, its
+        square root, so that small gradients do not underflow either."""
+        if f.reduce_dtype == f.shard.dtype:
+            return 1.0
+        return math.sqrt(self._world) if f.reduce_dtype == torch.float16 else float(self._world)
 
     def _settle(self) -> None:
         """Waits for the reduce_scatters in flight and adds their averages to the shard
@@ -787,6 +961,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        if self._masters:
+            raise RuntimeError(f"{self._who}: step() inside `with optimizer.gathered("
+                               "full_precision=True):`, whose parameters are copies of the "
+                               "shards; step after the block")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -834,17 +1012,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _fingerprint(self) -> list[str]:
         unit = [f" {self._units[f.unit].describe()}" if self._units else "" for f in self._flats]
-        return [f"group {f.group_index} {f.flat.dtype}{u} {f.layout.describe()}"
+        return [f"group {f.group_index} {f.shard.dtype}{u} {f.layout.describe()}"
                 for f, u in zip(self._flats, unit)]
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state; loadable only at the same rank, world
-        size and layout (``consolidated_state_dict`` is portable)."""
+        size and layout (``consolidated_state_dict`` is portable). With mixed precision
+        it holds this rank's shards of the parameters too (``masters``), which the model's
+        lowered weights cannot give back."""
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        masters = [f.shard.detach() for f in self._flats] \
+            if any(f.lowered for f in self._flats) else None
         return {"zero": {"rank": self._rank, "world_size": self._world,
                          "stage": self._config.stage, "layout": self._fingerprint()},
                 "param_groups": hyper,
-                "inner": self._inner.state_dict() if self._inner is not None else None}
+                "inner": self._inner.state_dict() if self._inner is not None else None,
+                "masters": masters}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("zero") if isinstance(state_dict, dict) else None
@@ -863,6 +1046,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._feedback.clear()
         if self._inner is not None:
             self._inner.load_state_dict(state_dict["inner"])
+        if state_dict.get("masters") is not None:
+            self._load_masters(state_dict["masters"])
+
+    @torch.no_grad()
+    def _load_masters(self, masters: list[torch.Tensor]) -> None:
+        """This rank's shards of the parameters, saved with mixed precision; then every
+        parameter whole now takes the new values (a collective)."""
+        for f, m in zip(self._flats, masters):
+            f.shard.copy_(m)
+        self._settle()
+        whole = [f for u in self._units if u.gathered for f in u.flats] if self._units \
+            else self._flats
+        for u in self._units:
+            self._ready(u)  # a prefetch lands before the new values
+        self._all_gather(whole)
+        self._gather_into(list(self._fulls.items()))
 
     def _set_hyper(self, hyper: list[dict[str, Any]]) -> None:
         if len(hyper) != len(self.param_groups):
@@ -935,7 +1134,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     full = torch.zeros_like(f.flat, dtype=values[0].dtype)
                     for v, s in zip(values, f.slots):
                         full[s.offset:s.offset + s.numel].copy_(v.reshape(-1))
-                    shard = torch.empty_like(f.shard, dtype=full.dtype)
+                    # In the shard's dtype, as torch's optimizers cast what they load: a
+                    # plain optimizer over the lowered parameters kept its state in theirs.
+                    kind = f.shard.dtype if full.is_floating_point() else full.dtype
+                    shard = torch.empty_like(f.shard, dtype=kind)
                     for b in f.buckets:
                         lo = b.offset + self._rank * b.shard_numel
                         f.shard_view(shard, b).copy_(full[lo:lo + b.shard_numel])

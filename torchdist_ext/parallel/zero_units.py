@@ -40,6 +40,7 @@ class Unit:
     gathered: bool = True  # its storage is allocated, and filled or being filled
     inflight: Optional[list[Any]] = None  # the works filling it, until waited for
     staging: Optional[list[Any]] = None  # a prefetch's own buffers, one per flat
+    sources: Optional[list[Any]] = None  # what the works send, kept until waited for
 
     def describe(self) -> str:
         return f"unit {self.index} ({self.name or 'the model'})"
