@@ -209,16 +209,19 @@ def test_rng_state_round_trip() -> None:
         set_rng_state({"python": 1})
 
 
-def _zero_run(rank: int, world: int, directory: str, stop: int, steps: int) -> list:
-    """ZeRO stage 2 over a float64 MLP: resumes from the newest checkpoint in
-    ``directory`` if any, trains to ``steps``, saving at ``stop``; returns the final
-    parameters (gathered whole)."""
+def _zero_run(rank: int, world: int, directory: str, stop: int, steps: int,
+              mixed: bool = False) -> list:
+    """ZeRO stage 2 over a float64 MLP (``mixed``: computing in float32 over the float64
+    shards): resumes from the newest checkpoint in ``directory`` if any, trains to
+    ``steps``, saving at ``stop``; returns the final parameters (gathered whole, in the
+    shards' precision)."""
     from torchdist_ext.parallel import ZeroConfig, ZeroOptimizer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
-    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, lr=0.05,
-                        config=ZeroConfig(stage=2), module=model)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.Adam, lr=0.05, module=model,
+                        config=ZeroConfig(stage=2,
+                                          param_dtype=torch.float32 if mixed else None))
     ck = Checkpointer(directory)
     start = 0
     found = ck.load()
@@ -238,19 +241,24 @@ def _zero_run(rank: int, world: int, directory: str, stop: int, steps: int) -> l
             with opt.gathered():
                 model_state = {k: v.clone() for k, v in model.state_dict().items()}
             ck.save(step + 1, {"model": model_state, "opt": opt.state_dict()})
-    with opt.gathered():
-        return [p.detach().clone().tolist() for p in model.parameters()]
+    with opt.gathered(full_precision=True):
+        return [[p.dtype == torch.float64, p.detach().clone().tolist()]
+                for p in model.parameters()]
 
 
-def test_zero_resumed_in_new_processes_ends_where_an_uninterrupted_run_does(tmp_path) -> None:
+@pytest.mark.parametrize("mixed", [False, True])
+def test_zero_resumed_in_new_processes_ends_where_an_uninterrupted_run_does(
+        tmp_path, mixed: bool) -> None:
     """Each rank's own optimizer shard goes into its own file: the resumed run (new
     processes, from step 3 of 6) ends on the parameters of the run that never stopped,
-    exactly (float64)."""
-    whole = run_ranks(_zero_run, 3, timeout=90, args=(str(tmp_path / "a"), 3, 6))
-    run_ranks(_zero_run, 3, timeout=90, args=(str(tmp_path / "b"), 3, 3))
-    resumed = run_ranks(_zero_run, 3, timeout=90, args=(str(tmp_path / "b"), 0, 6))
+    exactly (float64). With mixed precision the model's weights are float32, and the
+    optimizer's state carries the float64 masters."""
+    whole = run_ranks(_zero_run, 3, timeout=90, args=(str(tmp_path / "a"), 3, 6, mixed))
+    run_ranks(_zero_run, 3, timeout=90, args=(str(tmp_path / "b"), 3, 3, mixed))
+    resumed = run_ranks(_zero_run, 3, timeout=90, args=(str(tmp_path / "b"), 0, 6, mixed))
     assert resumed == whole
     assert whole[0] == whole[1] == whole[2]
+    assert all(is_double for is_double, _ in whole[0])
 
 
 def _torchrun(tmp: Path, name: str, restarts: int, *extra: str) -> subprocess.CompletedProcess:
