@@ -6,6 +6,7 @@ single-process training."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -503,6 +504,75 @@ def test_ddp_hook_trains_as_one_process_does(method, warmup: int, tol: float,
     if warmup:  # the exact steps first are exact
         assert abs(means[0] - single_losses[0]) <= 1e-5
         assert abs(means[warmup] - single_losses[warmup]) <= 1e-5
+
+
+class _SumInBackward(torch.autograd.Function):
+    """Identity forward; backward averages the gradient across the default group on the
+    thread running backward, as a tensor-parallel layer or a SyncBatchNorm does: a
+    collective on DDP's group while DDP's buckets reduce."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        dist.all_reduce(g)
+        return g / dist.get_world_size()
+
+
+class _Mixed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(12, 32)
+        self.b = nn.Linear(32, 16)
+        self.c = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(_SumInBackward.apply(self.b(torch.tanh(self.a(x))))))
+
+
+def _ddp_overlap(rank: int, n: int, method_name: str) -> dict:
+    method = {"int8": tc.Int8(), "sign": tc.Sign()}[method_name]
+    out: dict[str, Any] = {"fails": []}
+    for overlap in (False, True):
+        model = nn.parallel.DistributedDataParallel(_Mixed(), bucket_cap_mb=0.001)
+        state = tc.CompressionState(method, overlap=overlap)
+        model.register_comm_hook(state, tc.ddp_comm_hook)
+        out[f"losses {overlap}"] = _train(model, _batches(6, n), rank, n)
+        out[f"params {overlap}"] = [p.detach().tolist() for p in model.module.parameters()]
+        if state.steps != 6:
+            out["fails"].append(f"overlap {overlap}: {state.steps} steps")
+        if overlap:
+            reduced = 0 if state._worker is None else state._worker.reduced
+            if reduced < 6:  # at least a bucket per step
+                out["fails"].append(f"the overlap thread reduced {reduced} buckets")
+            state.close()
+            x = torch.randn(4, 12)
+            try:
+                model(x).sum().backward()
+                out["fails"].append("a closed state reduced")
+            except RuntimeError as e:
+                if "was closed" not in str(e):
+                    out["fails"].append(str(e))
+    return out
+
+
+@pytest.mark.parametrize("backend,method", [("tdx", "int8"), ("gloo", "int8"),
+                                            ("tdx", "sign")])
+def test_ddp_hook_overlapping_on_its_own_thread_trains_as_inline(backend: str,
+                                                                 method: str) -> None:
+    """overlap=True reduces Int8's and Sign's buckets on a thread and group of their own
+    while backward goes on, and collectives on DDP's group run during that backward:
+    the same losses and parameters as reducing inline, bit for bit."""
+    got = run_ranks(_ddp_overlap, 3, backend=backend, timeout=120, args=(method,))
+    for rank, r in enumerate(got):
+        assert r["fails"] == [], (rank, r["fails"])
+        assert r["params True"] == r["params False"], rank
+        assert r["losses True"] == r["losses False"], rank
+        assert r["params True"] == got[0]["params True"], rank
 
 
 # ---- CUDA ----------------------------------------------------------------------------

@@ -9,9 +9,20 @@ buckets are averaged exactly instead, as PowerSGD's hook does before its start
 iteration: early gradients are large and change fast, and DDP rebuilds its buckets
 after the first step, so a residual kept across that change would be dropped anyway.
 A bucket whose size changes (DDP's rebuild) starts its residual afresh.
+
+Int8 and Sign make two collectives per bucket, the second on the first one's data, so
+the hook runs both before it returns, and the backward pass waits for them. With
+``overlap=True`` the state makes a group of its own over the same ranks and a thread
+that reduces the buckets on it, one after another in the order DDP hands them over
+(which is the same on every rank): the backward pass goes on meanwhile. On a group of its
+own, those collectives cannot meet the ones the main thread issues on DDP's group during
+the backward pass (a SyncBatchNorm's, say).
 """
 
-from typing import Any
+import queue
+import threading
+import weakref
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,12 +36,17 @@ __all__ = ["CompressionState", "ddp_comm_hook"]
 
 class CompressionState:
     """What :func:`ddp_comm_hook` needs: the method, the process group DDP runs on
-    (None: the default group), whether to keep error feedback, and how many steps to
-    average exactly first. ``steps`` counts the steps the hook has seen; ``feedback`` is
-    the :class:`ErrorFeedback` (None without it)."""
+    (None: the default group), whether to keep error feedback, how many steps to
+    average exactly first, and whether Int8's and Sign's buckets reduce on a thread and
+    group of their own while the backward pass goes on (``overlap``; making the group is
+    a collective of the group's ranks: each must make its state in the same order
+    relative to its other new groups). ``steps`` counts the steps the hook has seen;
+    ``feedback`` is the :class:`ErrorFeedback` (None without it). ``close()`` stops the
+    thread (as does dropping the state); the group stays until the process group is
+    destroyed."""
 
     def __init__(self, method: Method, group: Any = None, error_feedback: bool = True,
-                 warmup_steps: int = 0) -> None:
+                 warmup_steps: int = 0, overlap: bool = False) -> None:
         if not isinstance(method, (Int8, Sign, TopK)):
             raise TypeError(f"CompressionState: method must be Int8(...), Sign(...) or "
                             f"TopK(...), not {method!r}")
@@ -38,19 +54,98 @@ class CompressionState:
                 or warmup_steps < 0:
             raise ValueError(f"CompressionState: warmup_steps must be an int >= 0, not "
                              f"{warmup_steps!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"CompressionState: overlap must be a bool, not {overlap!r}")
         self.method = method
         self.group = group
         self.warmup_steps = warmup_steps
         self.feedback = ErrorFeedback() if error_feedback else None
         self.steps = 0
+        self.overlap = overlap
+        # TopK's one collective runs asynchronously anyway: it needs no thread.
+        self._worker: Optional[_Worker] = None
+        if overlap and not isinstance(method, TopK):
+            if not dist.is_initialized():
+                raise RuntimeError("CompressionState: overlap=True makes a process group; "
+                                   "call dist.init_process_group first")
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            own = dist.new_group(ranks, use_local_synchronization=True) \
+                if group is not None else dist.new_group()
+            self._worker = _Worker(own)
+            weakref.finalize(self, self._worker.close)
+
+    def close(self) -> None:
+        """Stops the overlap thread once the buckets handed to it are reduced."""
+        if self._worker is not None:
+            self._worker.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        # So that the state pickles (in a checkpoint, say): a process group does not.
-        return {k: v for k, v in self.__dict__.items() if k != "group"}
+        # So that the state pickles (in a checkpoint, say): a process group and a thread
+        # do not. A state loaded so reduces on the main thread.
+        return {k: v for k, v in self.__dict__.items() if k not in ("group", "_worker")}
 
     def __setstate__(self, values: dict[str, Any]) -> None:
         self.__dict__.update(values)
         self.group = None
+        self._worker = None
+
+
+class _Worker:
+    """A thread that reduces the buckets handed to it on its own group, in order, and
+    completes each bucket's future."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tdx-compression",
+                                        daemon=True)
+        self._closed = False
+        self.reduced = 0  # buckets reduced
+        self._thread.start()
+
+    def submit(self, buf: torch.Tensor, method: Method, feedback: Optional[ErrorFeedback],
+               key: int) -> torch.futures.Future:
+        if self._closed:
+            raise RuntimeError("ddp_comm_hook: the CompressionState was closed; make a new "
+                               "one (overlap=True) or register the hook with one that "
+                               "does not overlap")
+        fut: torch.futures.Future = torch.futures.Future()
+        # On CUDA the thread's stream must wait for the gradients the backward pass's
+        # stream wrote into the bucket.
+        ready = None
+        if buf.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(buf.device))
+        self._jobs.put((buf, method, feedback, key, ready, fut))
+        return fut
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            buf, method, feedback, key, ready, fut = job
+            try:
+                if ready is not None:
+                    with torch.cuda.device(buf.device):
+                        torch.cuda.current_stream().wait_event(ready)
+                        _reduce(buf, method, self.group, True, feedback, key, "reset",
+                                async_op=False)
+                        # DDP reads the bucket on its own stream once the future is done.
+                        torch.cuda.current_stream().synchronize()
+                else:
+                    _reduce(buf, method, self.group, True, feedback, key, "reset",
+                            async_op=False)
+            except BaseException as e:  # the backward pass's wait raises it
+                fut.set_exception(e)
+            else:
+                self.reduced += 1
+                fut.set_result(buf)
 
 
 # DDP accepts a hook whose annotations are exactly these (not strings).
@@ -62,6 +157,8 @@ def ddp_comm_hook(state: "CompressionState", bucket: dist.GradBucket,
     last = bucket.is_last()
     if state.steps < state.warmup_steps:
         fut = default_hooks.allreduce_hook(state.group, bucket)
+    elif state._worker is not None:
+        fut = state._worker.submit(buf, state.method, state.feedback, bucket.index())
     else:
         fut = _reduce(buf, state.method, state.group, True, state.feedback,
                       bucket.index(), "reset", async_op=True)
