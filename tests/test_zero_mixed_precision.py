@@ -225,6 +225,16 @@ def _round_trip(rank: int, world: int, stage: int) -> list[str]:
         for k, v in other.state_dict().items():
             if not torch.equal(v, saved[k].to(torch.float32)):
                 fails.append(f"{k}: the parameters are not the loaded values lowered")
+    # The optimizer's state carries the masters: loaded into an optimizer over other
+    # weights, they become its parameters (a collective gathers them).
+    third = _model(stage, 7)
+    opt3 = ZeroOptimizer(_case(stage)._groups(third), torch.optim.SGD, module=third,
+                         config=_config(stage, torch.float32, None), lr=0.1)
+    opt3.load_state_dict(opt.state_dict())
+    with opt3.gathered(full_precision=True):
+        for n, p in third.named_parameters():
+            if p.requires_grad and not torch.equal(p, saved[n]):
+                fails.append(f"{n}: not the master loaded from the optimizer's state")
     # A write through the lowered parameters changes only what it wrote in the shard.
     name = "a.bias" if stage != 3 else "embed.bias"
     with opt2.gathered(writeback=True):
@@ -290,6 +300,15 @@ class _Normed(nn.Module):
         return self.b(self.frozen(torch.tanh(self.norm(self.a(x)) + shift)))
 
 
+def _normed(seed: int) -> _Normed:
+    torch.manual_seed(seed)
+    model = _Normed().double()
+    shared = torch.ones(3, dtype=torch.float64)  # a buffer two modules share
+    model.a.register_buffer("shared", shared)
+    model.b.register_buffer("shared", shared)
+    return model
+
+
 def _edges(rank: int, world: int) -> list[str]:
     fails: list[str] = []
     bf16 = torch.bfloat16
@@ -305,8 +324,7 @@ def _edges(rank: int, world: int) -> list[str]:
             fails.append(f"{reduce} reduction: averaged gradient {norm}, not 4e4")
 
     # Buffers, frozen parameters not passed and keyword inputs compute in param_dtype.
-    torch.manual_seed(0)
-    model = _Normed().double()
+    model = _normed(0)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = ZeroOptimizer(trainable, torch.optim.AdamW, module=model, lr=0.01,
                         config=ZeroConfig(param_dtype=bf16))
@@ -320,6 +338,8 @@ def _edges(rank: int, world: int) -> list[str]:
     kinds = {out.dtype, model.norm.running_mean.dtype, model.frozen.weight.dtype}
     if kinds != {bf16}:
         fails.append(f"batch norm model computed in {kinds}")
+    if model.a.shared is not model.b.shared or model.a.shared.dtype != bf16:
+        fails.append("a shared buffer was not lowered in place")
     # memory() counts a full-precision block's copies; a forward pass there is refused.
     before = opt.memory()["params"]
     with opt.gathered(full_precision=True):
@@ -338,8 +358,7 @@ def _edges(rank: int, world: int) -> list[str]:
     saved = opt.state_dict()
     saved = {**saved, "masters": [m.clone() for m in saved["masters"]]}
     for model_first in (True, False):
-        torch.manual_seed(1)
-        again = _Normed().double()
+        again = _normed(1)
         opt2 = ZeroOptimizer([p for p in again.parameters() if p.requires_grad],
                              torch.optim.AdamW, module=again, lr=0.01,
                              config=ZeroConfig(param_dtype=bf16))
@@ -376,6 +395,15 @@ def _edges(rank: int, world: int) -> list[str]:
     # Another optimizer over the lowered model, which would take bfloat16 for masters.
     expect_refusal(fails, lambda: ZeroOptimizer(trainable, torch.optim.SGD, lr=0.1),
                    f"rank {rank} of {world}", "lowered to torch.bfloat16", "afresh")
+    # A param_dtype the parameters already have lowers nothing: another optimizer may
+    # take them over.
+    same = flat_case._net()
+    ZeroOptimizer(same.parameters(), torch.optim.SGD, lr=0.1,
+                  config=ZeroConfig(param_dtype=torch.float64))
+    try:
+        ZeroOptimizer(same.parameters(), torch.optim.SGD, lr=0.1)
+    except ValueError as e:
+        fails.append(f"refused after lowering nothing: {e}")
     # Compression: TopK(1.0) keeps every element, so it trains as the exact reduction.
     runs = []
     for compression in (None, tc.TopK(1.0)):

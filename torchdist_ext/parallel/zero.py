@@ -96,9 +96,11 @@ class ZeroConfig:
         the frozen ones passed here, take this dtype; given ``module``, floating inputs
         of the model's forward pass are cast to it. None: the parameters' own dtype.
     reduce_dtype: the dtype gradients are reduce-scattered in; in another dtype than the
-        shard's, each rank's gradient is divided by the world size first, so that the sum
-        cannot overflow where the average would not. The shard's gradient accumulates in
-        the shard's dtype. None: ``param_dtype`` if given, else the parameters' own.
+        shard's, each rank's gradient is divided as it is copied in: by the world size, so
+        that the sum cannot overflow where the average would not; in float16, by the
+        square root of the world size (as FSDP does), between overflow of the sum and
+        underflow of small gradients. The shard's gradient accumulates in the shard's
+        dtype. None: ``param_dtype`` if given, else the parameters' own.
     """
 
     stage: int = 2
@@ -440,9 +442,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                      "parameters as real (torch.view_as_real) to shard them")
                 if p.__dict__.get("_tdx_zero_lowered"):
                     raise ValueError(f"{self._who}: {name} was lowered to {p.dtype} by "
-                                     "another ZeroOptimizer's param_dtype, and its original "
-                                     "values live in that optimizer's shards; build the "
-                                     "model afresh and load its weights (saved in "
+                                     "another ZeroOptimizer's param_dtype (a trainable "
+                                     "one's original values live in that optimizer's "
+                                     "shards; a frozen one's are gone); build the model "
+                                     "afresh and load its weights (saved inside "
                                      "gathered(full_precision=True))")
 
     @torch.no_grad()
@@ -454,15 +457,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         the originals."""
         dtype = self._config.param_dtype
         for f in self._flats:
-            for p in f.params:
-                p.__dict__["_tdx_zero_lowered"] = True
+            if f.lowered:
+                for p in f.params:
+                    p.__dict__["_tdx_zero_lowered"] = True
         frozen = [p for g in self.param_groups for p in g["params"] if not p.requires_grad]
         if module is not None:
             frozen += [p for p in module.parameters() if not p.requires_grad]
-            for m in module.modules():
-                for name, b in m.named_buffers(recurse=False):
-                    if b is not None and b.is_floating_point() and b.dtype != dtype:
-                        setattr(m, name, b.to(dtype))
+            # In place, so that a buffer two modules share stays one tensor.
+            for b in module.buffers():
+                if b.is_floating_point() and b.dtype != dtype:
+                    b.data = b.data.to(dtype)
         for p in frozen:
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
@@ -568,16 +572,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                      wait: bool = True) -> tuple[list[Any], list[torch.Tensor]]:
         """Starts the all_gathers of every bucket of each flat buffer's shard into its
         target (laid out as the flat buffer, in the target's dtype); waits for them unless
-        ``wait`` is False. Returns the works and what they send, to keep until waited for."""
-        works, sent = [], []
-        for f, t in targets:
-            src = f.shard.detach()
-            if src.dtype != t.dtype:
-                src = src.to(t.dtype)
-            sent.append(src)
-            works += [all_gather_single(t[b.offset:b.offset + b.numel], f.shard_view(src, b),
-                                        group=self._group, async_op=True)
-                      for b in f.buckets]
+        ``wait`` is False. Returns the works and the cast copies they send, to keep until
+        waited for."""
+        # Every cast copy is made before the first collective starts: a copy that fails
+        # (out of memory) then leaves none in flight.
+        sources = [f.shard.detach() if f.shard.dtype == t.dtype else f.shard.detach().to(t.dtype)
+                   for f, t in targets]
+        sent = [s for s, (f, _) in zip(sources, targets) if s.dtype != f.shard.dtype]
+        works = [all_gather_single(t[b.offset:b.offset + b.numel], f.shard_view(src, b),
+                                   group=self._group, async_op=True)
+                 for (f, t), src in zip(targets, sources) for b in f.buckets]
         if wait:
             for w in works:
                 w.wait()
@@ -860,6 +864,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Starts bucket b's reduce_scatter from its parameters' gradients (None counts as
         zero); ``drop`` frees them once copied."""
         staged = torch.zeros(b.numel, dtype=f.reduce_dtype, device=f.flat.device)
+        pre = self._prescale(f)
         for i in range(b.first_param, b.last_param):
             p, s = f.params[i], f.slots[i]
             g = p.grad
@@ -870,12 +875,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                    f"parameter is {g.layout}; ZeroOptimizer reduces dense "
                                    "gradients only (nn.Embedding(sparse=False))")
             lo = s.offset - b.offset
-            staged[lo:lo + s.numel].copy_(g.reshape(-1))
+            # Divided before the cast, which could overflow where the share does not;
+            # _settle_oldest scales the sum the rest of the way.
+            staged[lo:lo + s.numel].copy_(g.reshape(-1) if pre == 1.0 else g.reshape(-1) / pre)
             if drop:
                 p.grad = None
-        pre = self._prescale(f)
-        if pre != 1.0:
-            staged.div_(pre)  # _settle_oldest scales the sum the rest of the way
         out = torch.empty(b.shard_numel, dtype=staged.dtype, device=staged.device)
         if self._config.compression is None or self._world == 1:  # alone, exact for free
             work = reduce_scatter_single(out, staged, group=self._group, async_op=True)
@@ -907,7 +911,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """What each rank's gradient is divided by before a reduction in another dtype
         than the shard's: the world size, so that the sum is the average and cannot
         overflow where it would not; in float16, whose smallest values are near, its
-        square root, so that small gradients do not underflow either."""
+        square root, so that small gradients do not underflow either (a sum then
+        overflows where the average is within sqrt(world) of float16's largest)."""
         if f.reduce_dtype == f.shard.dtype:
             return 1.0
         return math.sqrt(self._world) if f.reduce_dtype == torch.float16 else float(self._world)
@@ -1053,13 +1058,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _load_masters(self, masters: list[torch.Tensor]) -> None:
         """This rank's shards of the parameters, saved with mixed precision; then every
         parameter whole now takes the new values (a collective)."""
+        self._settle()
+        for u in self._units:
+            self._ready(u)  # a prefetch in flight reads the shards: it lands first
         for f, m in zip(self._flats, masters):
             f.shard.copy_(m)
-        self._settle()
         whole = [f for u in self._units if u.gathered for f in u.flats] if self._units \
             else self._flats
-        for u in self._units:
-            self._ready(u)  # a prefetch lands before the new values
         self._all_gather(whole)
         self._gather_into(list(self._fulls.items()))
 
