@@ -12,6 +12,8 @@ of the mean over ``--iters`` steps, after ``--warmup``. ``--compression int8|sig
 sends every strategy's gradients compressed, with error feedback: DDP through
 :func:`torchdist_ext.compression.ddp_comm_hook`, ZeRO through ``ZeroConfig(compression=)``
 (its reduce_scatter); the residuals and buffers count among the gradients' bytes.
+DDP's hook reduces Int8's and Sign's buckets on a thread of their own while backward goes
+on (``CompressionState(overlap=True)``) unless ``--no-overlap``.
 ``--param-dtype bfloat16`` (or ``float16``) runs ZeRO in mixed precision
 (``ZeroConfig(param_dtype=)``: the model computes, gathers and reduces in that dtype over
 float32 shards); DDP stays in float32.
@@ -64,6 +66,7 @@ class ZeroBenchOptions:
     bucket_bytes: int = 16 << 20
     compression: str = "none"
     param_dtype: str = "float32"
+    overlap: bool = True
     device: str = "cpu"
     iters: int = 5
     warmup: int = 2
@@ -136,7 +139,10 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
             model, process_group=group, bucket_cap_mb=opts.bucket_bytes / 2 ** 20)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         method = opts.method()
-        hook_state = tc.CompressionState(method) if method is not None else None
+        # On DDP's group: the default group is the bench's own (gloo), not the backend
+        # measured.
+        hook_state = tc.CompressionState(method, group=group, overlap=opts.overlap) \
+            if method is not None else None
         if hook_state is not None:
             ddp.register_comm_hook(hook_state, tc.ddp_comm_hook)
 
@@ -216,6 +222,7 @@ def table_lines(data: dict[str, Any]) -> list[str]:
              f"square layers, batch {o['batch']} per rank, {data['world']} rank(s), "
              f"{o['device']}, gradients compressed: {o.get('compression', 'none')}, "
              f"ZeRO parameters in {o.get('param_dtype', 'float32')}, "
+             f"DDP's compressed buckets {'overlapping' if o.get('overlap') else 'inline'}, "
              f"{data['host']}, {data['date']}",
              f"# time: the largest over the ranks of the mean of {o['iters']} steps, in ms; "
              f"state, grads, params: bytes a rank holds after backward"
@@ -263,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32, bfloat16 or float16: ZeRO's parameters in that dtype over "
                         "float32 shards (mixed precision); DDP stays float32 (default "
                         "float32)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="with --compression int8 or sign, DDP's hook reduces each bucket "
+                        "before backward goes on (CompressionState(overlap=False))")
     runner.add_side_arguments(p, iters=5, warmup=2, what="steps")
     return p
 
@@ -272,6 +282,7 @@ def _options(a: argparse.Namespace) -> ZeroBenchOptions:
                             strategies=names_arg(a.strategies), params=a.params,
                             layers=a.layers, batch=a.batch, bucket_bytes=a.bucket_bytes,
                             compression=a.compression, param_dtype=a.param_dtype,
+                            overlap=a.overlap,
                             device=a.device, iters=a.iters, warmup=a.warmup,
                             timeout=a.timeout, json_path=a.json_path)
 

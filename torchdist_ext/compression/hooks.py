@@ -42,8 +42,7 @@ class CompressionState:
     a collective of the group's ranks: each must make its state in the same order
     relative to its other new groups). ``steps`` counts the steps the hook has seen;
     ``feedback`` is the :class:`ErrorFeedback` (None without it). ``close()`` stops the
-    thread (as does dropping the state); the group stays until the process group is
-    destroyed."""
+    thread and destroys its group; dropping the state stops the thread."""
 
     def __init__(self, method: Method, group: Any = None, error_feedback: bool = True,
                  warmup_steps: int = 0, overlap: bool = False) -> None:
@@ -68,16 +67,21 @@ class CompressionState:
             if not dist.is_initialized():
                 raise RuntimeError("CompressionState: overlap=True makes a process group; "
                                    "call dist.init_process_group first")
+            # Over DDP's ranks, on DDP's backend.
+            backend = dist.get_backend(group)
             ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-            own = dist.new_group(ranks, use_local_synchronization=True) \
-                if group is not None else dist.new_group()
+            own = dist.new_group(ranks, backend=backend, use_local_synchronization=True) \
+                if group is not None else dist.new_group(backend=backend)
             self._worker = _Worker(own)
             weakref.finalize(self, self._worker.close)
 
     def close(self) -> None:
-        """Stops the overlap thread once the buckets handed to it are reduced."""
-        if self._worker is not None:
+        """Stops the overlap thread once the buckets handed to it are reduced, and
+        destroys its group."""
+        if self._worker is not None and not self._worker.closed:
             self._worker.close()
+            self._worker.join()
+            dist.destroy_process_group(self._worker.group)
 
     def __getstate__(self) -> dict[str, Any]:
         # So that the state pickles (in a checkpoint, say): a process group and a thread
@@ -99,13 +103,13 @@ class _Worker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="tdx-compression",
                                         daemon=True)
-        self._closed = False
+        self.closed = False
         self.reduced = 0  # buckets reduced
         self._thread.start()
 
     def submit(self, buf: torch.Tensor, method: Method, feedback: Optional[ErrorFeedback],
                key: int) -> torch.futures.Future:
-        if self._closed:
+        if self.closed:
             raise RuntimeError("ddp_comm_hook: the CompressionState was closed; make a new "
                                "one (overlap=True) or register the hook with one that "
                                "does not overlap")
@@ -120,9 +124,12 @@ class _Worker:
         return fut
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
+        if not self.closed:
+            self.closed = True
             self._jobs.put(None)
+
+    def join(self) -> None:
+        self._thread.join()
 
     def _run(self) -> None:
         while True:
