@@ -5,7 +5,8 @@
 
 Each rank trains the small MLP of examples/common.py on its shard of the spirals data;
 DDP averages the gradients through the backend; with --compress, through
-torchdist_ext.compression's hook (error feedback on). Sign is not offered here: one bit
+torchdist_ext.compression's hook (error feedback on; Int8's buckets reduce on a thread of
+their own while backward goes on, ``overlap=True``). Sign is not offered here: one bit
 per element and Adam do not mix (README, "Compressed all_reduce"). Rank 0 prints, per
 epoch, the mean training loss and the test accuracy over all ranks. --backend gloo runs the same job on
 gloo. It also runs across nodes, e.g. two torchrun processes with
@@ -45,7 +46,7 @@ def main() -> None:
                 device_ids=[device.index] if device.type == "cuda" else None)
     if args.compress != "none":
         method = {"int8": tc.Int8(), "topk": tc.TopK(0.1)}[args.compress]
-        model.register_comm_hook(tc.CompressionState(method), tc.ddp_comm_hook)
+        model.register_comm_hook(tc.CompressionState(method, overlap=True), tc.ddp_comm_hook)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     g = torch.Generator().manual_seed(1234 + rank)
     print0(f"DDP on {world} ranks, backend {args.backend}, device {device.type}, "
