@@ -23,7 +23,7 @@
 #     compressed: the compression codecs alone (scripts/codec_probe.py), then `bench
 #     compressed` on the CPU at 4 ranks (tdx and gloo) and on CUDA at 2 (tdx).
 #   zero: `bench zero` (a training step under DDP and ZeRO-1, 2 and 3) on the CPU at 4 ranks
-#     (tdx and gloo) and on CUDA at 2 (tdx).
+#     (tdx and gloo) and on CUDA at 2 (tdx), there also with bfloat16 parameters.
 #   ps: `bench ps` (a worker's step with a parameter server, sync and async, against DDP)
 #     on the CPU at 6 ranks, 2 of them servers (tdx and gloo), and on CUDA at 3, 1 server
 #     (tdx).
@@ -231,14 +231,16 @@ stage_compressed() {
 }
 
 stage_zero() {
-  local dev w backends
-  for dev in cpu cuda; do
+  local dev w backends dtype
+  for dev in cpu cuda cuda-bf16; do
+    # cuda-bf16: ZeRO with bfloat16 parameters over float32 shards, on the GPU.
+    dtype=$([ $dev = cuda-bf16 ] && echo bfloat16 || echo float32)
     w=$([ $dev = cpu ] && echo 4 || echo 2)
     backends=$([ $dev = cpu ] && echo tdx,gloo || echo tdx)
     [ "$(limit 120)" -gt 30 ] || break
     OMP_NUM_THREADS=1 timeout "$(limit 120)" $PY -m torchdist_ext.bench zero \
-      --device $dev --world $w --backends $backends --params 1M,16M \
-      --json "$OUT/zero_${dev}_w$w.json" 2>&1 \
+      --device "${dev%-bf16}" --world $w --backends $backends --params 1M,16M \
+      --param-dtype $dtype --json "$OUT/zero_${dev}_w$w.json" 2>&1 \
       | tee "$OUT/zero_${dev}_w$w.txt" | tail -10
     pack
   done
