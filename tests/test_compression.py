@@ -531,15 +531,21 @@ class _Mixed(nn.Module):
         self.c = nn.Linear(16, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(_SumInBackward.apply(self.b(torch.tanh(self.a(x))))))
+        # Backward reaches the collective after c's and b's gradients: their buckets are
+        # with the overlap thread by then.
+        return self.c(torch.tanh(self.b(_SumInBackward.apply(torch.tanh(self.a(x))))))
 
 
-def _ddp_overlap(rank: int, n: int, method_name: str) -> dict:
+def _ddp_overlap(rank: int, n: int, method_name: str, subgroup: bool) -> dict:
     method = {"int8": tc.Int8(), "sign": tc.Sign()}[method_name]
     out: dict[str, Any] = {"fails": []}
+    # DDP on a group of its own (every rank), whose overlap group the ranks make.
+    group = dist.new_group() if subgroup else None
     for overlap in (False, True):
-        model = nn.parallel.DistributedDataParallel(_Mixed(), bucket_cap_mb=0.001)
-        state = tc.CompressionState(method, overlap=overlap)
+        model = nn.parallel.DistributedDataParallel(_Mixed(), bucket_cap_mb=0.001,
+                                                    process_group=group)
+        own = dist.new_group() if overlap and subgroup else None
+        state = tc.CompressionState(method, group=group, overlap=overlap, overlap_group=own)
         model.register_comm_hook(state, tc.ddp_comm_hook)
         out[f"losses {overlap}"] = _train(model, _batches(6, n), rank, n)
         out[f"params {overlap}"] = [p.detach().tolist() for p in model.module.parameters()]
@@ -560,19 +566,64 @@ def _ddp_overlap(rank: int, n: int, method_name: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("backend,method", [("tdx", "int8"), ("gloo", "int8"),
-                                            ("tdx", "sign")])
-def test_ddp_hook_overlapping_on_its_own_thread_trains_as_inline(backend: str,
-                                                                 method: str) -> None:
+@pytest.mark.parametrize("backend,method,subgroup", [("tdx", "int8", False),
+                                                     ("gloo", "int8", True),
+                                                     ("tdx", "sign", True)])
+def test_ddp_hook_overlapping_on_its_own_thread_trains_as_inline(backend: str, method: str,
+                                                                 subgroup: bool) -> None:
     """overlap=True reduces Int8's and Sign's buckets on a thread and group of their own
     while backward goes on, and collectives on DDP's group run during that backward:
     the same losses and parameters as reducing inline, bit for bit."""
-    got = run_ranks(_ddp_overlap, 3, backend=backend, timeout=120, args=(method,))
+    got = run_ranks(_ddp_overlap, 3, backend=backend, timeout=120,
+                    args=(method, subgroup))
     for rank, r in enumerate(got):
         assert r["fails"] == [], (rank, r["fails"])
         assert r["params True"] == r["params False"], rank
         assert r["losses True"] == r["losses False"], rank
         assert r["params True"] == got[0]["params True"], rank
+
+
+def _overlap_refusals(rank: int, n: int) -> list[str]:
+    fails: list[str] = []
+    sub = dist.new_group()
+
+    def refused(fn: Any, *words: str) -> None:
+        try:
+            fn()
+            fails.append(f"accepted: {words}")
+        except ValueError as e:
+            if not all(w in str(e) for w in words):
+                fails.append(str(e))
+    refused(lambda: tc.CompressionState(tc.Int8(), group=sub, overlap=True),
+            "overlap_group=dist.new_group", "every rank of the default group")
+    refused(lambda: tc.CompressionState(tc.Int8(), group=sub, overlap=True,
+                                        overlap_group=sub), "not DDP's")
+    refused(lambda: tc.CompressionState(tc.Int8(), overlap_group=sub), "for overlap=True")
+    # A bucket that fails on the thread fails every later one at once, without a
+    # collective: on one rank, the first reduction is made to fail.
+    model = nn.parallel.DistributedDataParallel(_Mixed(), bucket_cap_mb=0.001)
+    state = tc.CompressionState(tc.Int8(), overlap=True)
+    model.register_comm_hook(state, tc.ddp_comm_hook)
+    worker = state._worker
+
+    def boom(*args: Any) -> None:
+        raise RuntimeError("injected failure")
+    worker._reduce = boom
+    for want in ("injected failure", "an earlier bucket's reduction failed"):
+        try:
+            model(torch.randn(4, 12)).sum().backward()
+            fails.append(f"backward passed; expected {want!r}")
+        except RuntimeError as e:
+            if want not in str(e):
+                fails.append(f"expected {want!r}: {e}")
+    state.close()
+    if worker._thread.is_alive():
+        fails.append("close() left the thread running")
+    return fails
+
+
+def test_overlap_refusals_and_a_failed_bucket_failing_the_rest() -> None:
+    assert run_ranks(_overlap_refusals, 1, timeout=60) == [[]]
 
 
 # ---- CUDA ----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .. import compression as tc
@@ -133,16 +134,21 @@ def _nbytes(tensors: Any) -> int:
 
 
 def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
-    """(the module to call, the optimizer, a function of the bytes held after backward)."""
+    """(the module to call, the optimizer, a function of the bytes held after backward,
+    one that releases what the strategy made: the compressed hook's thread and group)."""
     if name == "ddp":
         ddp = nn.parallel.DistributedDataParallel(
             model, process_group=group, bucket_cap_mb=opts.bucket_bytes / 2 ** 20)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         method = opts.method()
         # On DDP's group: the default group is the bench's own (gloo), not the backend
-        # measured.
-        hook_state = tc.CompressionState(method, group=group, overlap=opts.overlap) \
-            if method is not None else None
+        # measured. The overlap's group is made here, by every rank alike.
+        hook_state = None
+        if method is not None:
+            overlap = opts.overlap and not isinstance(method, tc.TopK)
+            own = dist.new_group(backend=dist.get_backend(group)) if overlap else None
+            hook_state = tc.CompressionState(method, group=group, overlap=overlap,
+                                             overlap_group=own)
         if hook_state is not None:
             ddp.register_comm_hook(hook_state, tc.ddp_comm_hook)
 
@@ -152,7 +158,12 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
                 grads += hook_state.feedback.nbytes()
             return {"state": _nbytes(v for st in opt.state.values() for v in st.values()),
                     "grads": grads, "weights": _nbytes(model.parameters())}
-        return ddp, opt, held
+        def close() -> None:
+            if hook_state is not None:
+                hook_state.close()
+                if hook_state._worker is not None:
+                    dist.destroy_process_group(hook_state._worker.group)
+        return ddp, opt, held, close
     stage = int(name[-1])
     config = ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes,
                         units=(nn.Linear,) if stage == 3 else (),
@@ -164,7 +175,7 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
     def held() -> dict[str, int]:
         mem = opt.memory()
         return {"state": mem["state"], "grads": mem["grads"], "weights": mem["params"]}
-    return model, opt, held
+    return model, opt, held, lambda: None
 
 
 def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
@@ -178,7 +189,7 @@ def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
         for name in opts.strategies:
             model = square_mlp(params, opts.layers, device)
             numel = sum(p.numel() for p in model.parameters())  # stage 3 empties them
-            module, opt, held = _strategy(name, model, group, opts)
+            module, opt, held, close = _strategy(name, model, group, opts)
 
             def step(_: int) -> None:
                 opt.zero_grad(set_to_none=True)
@@ -197,6 +208,7 @@ def _backend_rows(opts: ZeroBenchOptions, group: Any, world: int, rank: int,
             if device.type == "cuda":
                 cell["peak"] = torch.cuda.max_memory_allocated(device)
             row[name] = cell
+            close()
         out[str(params)] = row
     return out
 
