@@ -775,8 +775,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _cast_inputs(self, module: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Optional[tuple[Any, Any]]:
-        """Mixed precision: the model's floating inputs in the parameters' dtype (but
-        inside gathered(full_precision=True), where the parameters are not in it)."""
+        """Mixed precision: the model's floating inputs in the parameters' dtype. Inside
+        gathered(full_precision=True) the trainable parameters are not in it, and a
+        forward pass is refused."""
         if not self._manages(module):
             return None
         if self._masters:
