@@ -599,6 +599,10 @@ def _overlap_refusals(rank: int, n: int) -> list[str]:
     refused(lambda: tc.CompressionState(tc.Int8(), group=sub, overlap=True,
                                         overlap_group=sub), "not DDP's")
     refused(lambda: tc.CompressionState(tc.Int8(), overlap_group=sub), "for overlap=True")
+    refused(lambda: tc.CompressionState(tc.Int8(), group=dist.group.WORLD, overlap=True,
+                                        overlap_group=dist.group.WORLD), "not DDP's")
+    # The default group named as such is the default: the state makes the group itself.
+    tc.CompressionState(tc.Int8(), group=dist.group.WORLD, overlap=True).close()
     # A bucket that fails on the thread fails every later one at once, without a
     # collective: on one rank, the first reduction is made to fail.
     model = nn.parallel.DistributedDataParallel(_Mixed(), bucket_cap_mb=0.001)

@@ -87,9 +87,10 @@ class CompressionState:
         if not dist.is_initialized():
             raise RuntimeError("CompressionState: overlap=True needs a process group; call "
                                "dist.init_process_group first")
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        default = group is None or group is dist.group.WORLD
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if default else group)
         if given is not None:
-            if given is group or given is dist.group.WORLD and group is None:
+            if given is group or (default and given is dist.group.WORLD):
                 raise ValueError("CompressionState: overlap_group must be a group of its "
                                  "own, not DDP's: the thread's collectives would meet the "
                                  "backward pass's own on it")
@@ -99,7 +100,7 @@ class CompressionState:
                                  f"DDP's group {ranks}; make it over the same ranks, in "
                                  "the same order")
             return given
-        if group is not None:
+        if not default:
             raise ValueError(
                 "CompressionState: overlap=True on a group other than the default needs "
                 "overlap_group=dist.new_group(ranks, backend=...) over the same ranks, "
