@@ -8,8 +8,8 @@ DDP averages the gradients through the backend; with --compress, through
 torchdist_ext.compression's hook (error feedback on; Int8's buckets reduce on a thread of
 their own while backward goes on, ``overlap=True``). Sign is not offered here: one bit
 per element and Adam do not mix (README, "Compressed all_reduce"). Rank 0 prints, per
-epoch, the mean training loss and the test accuracy over all ranks. --backend gloo runs the same job on
-gloo. It also runs across nodes, e.g. two torchrun processes with
+epoch, the mean training loss and the test accuracy over all ranks. --backend gloo runs
+the same job on gloo. It also runs across nodes, e.g. two torchrun processes with
 ``--nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT``.
 """
 
