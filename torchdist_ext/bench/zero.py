@@ -143,7 +143,7 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
         method = opts.method()
         # On DDP's group: the default group is the bench's own (gloo), not the backend
         # measured. The overlap's group is made here, by every rank alike.
-        hook_state = None
+        hook_state = own = None
         if method is not None:
             overlap = opts.overlap and not isinstance(method, tc.TopK)
             own = dist.new_group(backend=dist.get_backend(group)) if overlap else None
@@ -161,8 +161,8 @@ def _strategy(name: str, model: nn.Module, group: Any, opts: ZeroBenchOptions):
         def close() -> None:
             if hook_state is not None:
                 hook_state.close()
-                if hook_state._worker is not None:
-                    dist.destroy_process_group(hook_state._worker.group)
+            if own is not None:
+                dist.destroy_process_group(own)
         return ddp, opt, held, close
     stage = int(name[-1])
     config = ZeroConfig(stage=stage, bucket_bytes=opts.bucket_bytes,

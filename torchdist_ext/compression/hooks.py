@@ -20,6 +20,7 @@ SyncBatchNorm's, say). After DDP's first step, which rebuilds its buckets in ano
 order, the error feedback starts afresh.
 """
 
+import contextlib
 import queue
 import threading
 import weakref
@@ -180,19 +181,19 @@ class _Worker:
 
     def _reduce(self, buf: torch.Tensor, method: Method, feedback: Optional[ErrorFeedback],
                 key: int, ready: Any) -> None:
-        if ready is None:
-            _reduce(buf, method, self.group, True, feedback, key, "reset", async_op=False)
-            return
-        # A stream of the thread's own (a new thread's current stream is the default
-        # one, which backward's kernels also use): it waits for the bucket's gradients,
-        # and DDP reads the bucket once this stream is done with it.
-        stream = self._streams.get(buf.device)
-        if stream is None:
-            stream = self._streams[buf.device] = torch.cuda.Stream(buf.device)
-        with torch.cuda.device(buf.device), torch.cuda.stream(stream):
+        # On CUDA, a stream of the thread's own (a new thread's current stream is the
+        # default one, which backward's kernels also use): it waits for the bucket's
+        # gradients, and DDP reads the bucket once this stream is done with it.
+        stream = None
+        if ready is not None:
+            stream = self._streams.get(buf.device)
+            if stream is None:
+                stream = self._streams[buf.device] = torch.cuda.Stream(buf.device)
             stream.wait_event(ready)
+        with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
             _reduce(buf, method, self.group, True, feedback, key, "reset", async_op=False)
-        stream.synchronize()
+        if stream is not None:
+            stream.synchronize()
 
     def _run(self) -> None:
         while True:

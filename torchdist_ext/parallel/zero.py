@@ -155,7 +155,8 @@ class _Flat:
 
     def __init__(self, group_index: int, params: list[torch.Tensor], world: int, rank: int,
                  bucket_bytes: int, unit: int = 0,
-                 param_dtype: Optional[torch.dtype] = None) -> None:
+                 param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.group_index = group_index
         self.unit = unit
         self.index = 0  # its place among the optimizer's flat buffers
@@ -182,7 +183,8 @@ class _Flat:
         self.shard = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=first.dtype,
                                                     device=first.device))
         self.grad: Optional[torch.Tensor] = None  # this rank's shard of the summed gradient
-        self.reduce_dtype = first.dtype  # what its gradients are reduce-scattered in
+        # What its gradients are reduce-scattered in.
+        self.reduce_dtype = reduce_dtype or param_dtype or first.dtype
 
     @property
     def lowered(self) -> bool:
@@ -305,7 +307,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for (_, _, u), kind_params in by_kind.items():
                 self._flats.append(_Flat(gi, kind_params, self._world, self._rank,
                                          config.bucket_bytes, unit=u,
-                                         param_dtype=config.param_dtype))
+                                         param_dtype=config.param_dtype,
+                                         reduce_dtype=config.reduce_dtype))
                 self._flats[-1].index = len(self._flats) - 1
                 if self._units:
                     self._units[u].flats.append(self._flats[-1])
@@ -323,7 +326,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._broadcast_params()
         for f in self._flats:
             f.pull_shard()
-            f.reduce_dtype = config.reduce_dtype or config.param_dtype or f.shard.dtype
             if config.param_dtype is not None:
                 f.lower(config.param_dtype)
         if config.param_dtype is not None:
